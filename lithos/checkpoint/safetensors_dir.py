@@ -1,0 +1,164 @@
+"""Hugging Face checkpoints: a directory with `config.json` and one or many `.safetensors` files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from lithos.errors import CheckpointError
+from lithos.models import family_for_architecture
+
+# HF tensor name inside `model.layers.{i}.` -> lithos flat parameter name.
+LAYER_NAMES = {
+    "input_layernorm.weight": "layers.attn_norm",
+    "self_attn.q_proj.weight": "layers.wq",
+    "self_attn.k_proj.weight": "layers.wk",
+    "self_attn.v_proj.weight": "layers.wv",
+    "self_attn.o_proj.weight": "layers.wo",
+    "self_attn.q_proj.bias": "layers.bq",
+    "self_attn.k_proj.bias": "layers.bk",
+    "self_attn.v_proj.bias": "layers.bv",
+    "self_attn.o_proj.bias": "layers.bo",
+    "self_attn.q_norm.weight": "layers.q_norm",
+    "self_attn.k_norm.weight": "layers.k_norm",
+    "post_attention_layernorm.weight": "layers.mlp_norm",
+    "mlp.gate_proj.weight": "layers.w_gate",
+    "mlp.up_proj.weight": "layers.w_up",
+    "mlp.down_proj.weight": "layers.w_down",
+    "mlp.gate_proj.bias": "layers.b_gate",
+    "mlp.up_proj.bias": "layers.b_up",
+    "mlp.down_proj.bias": "layers.b_down",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{path} has no config.json: point --model at a Hugging Face model directory "
+            "(config.json + *.safetensors), a .gguf file, or a lithos-converted directory"
+        )
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path} is not valid JSON ({e}): re-download the checkpoint") from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e}): re-download the checkpoint") from e
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{path} is missing shards named in its index: {', '.join(missing)}; download them"
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has a config.json but no .safetensors weights: download them")
+    return files
+
+
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+}
+
+
+def read_safetensors(f: Path) -> dict[str, np.ndarray]:
+    """Memory-map one .safetensors file; every tensor is checked against the file's real size.
+
+    Parsed by hand (8-byte header length, JSON header, raw data) so that bf16 stays bf16 and a
+    truncated download is reported as such instead of failing later inside a reshape.
+    """
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header length {header_len} does not fit in {size} bytes")
+            header = json.loads(fh.read(header_len))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is truncated or corrupt ({e}): re-download this file") from e
+    data = np.memmap(f, dtype=np.uint8, mode="r", offset=8 + header_len) if size > 8 + header_len else None
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+        except KeyError as e:
+            raise CheckpointError(f"{f}: tensor {name!r} has an unsupported or missing field {e}") from e
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - begin != expected or data is None or end > data.size:
+            raise CheckpointError(
+                f"{f} is truncated or corrupt (tensor {name!r} needs bytes {begin}..{end} "
+                f"of {0 if data is None else data.size}): re-download this file"
+            )
+        tensors[name] = data[begin:end].view(dtype).reshape(shape)
+    return tensors
+
+
+def _read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+def load(path: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    """Read config and weights; returns (Config, flat params `{"layers.wq": [L, out, in], ...}`)."""
+    hf_config = read_config(path)
+    arch = (hf_config.get("architectures") or ["(none given)"])[0]
+    family = family_for_architecture(arch)
+    cfg = family.config_from_hf(hf_config)
+    tensors = _read_tensors(safetensors_files(path))
+
+    per_layer: dict[str, list] = {}
+    flat: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        if name in GLOBAL_NAMES:
+            flat[GLOBAL_NAMES[name]] = value
+            continue
+        m = _LAYER_RE.fullmatch(name)
+        if m and m.group(2) in LAYER_NAMES:
+            layers = per_layer.setdefault(LAYER_NAMES[m.group(2)], [None] * cfg.num_layers)
+            i = int(m.group(1))
+            if i >= cfg.num_layers:
+                raise CheckpointError(f"{name} is past num_hidden_layers={cfg.num_layers} in config.json")
+            layers[i] = value
+        elif name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints store RoPE frequencies; they are recomputed from the config
+        else:
+            raise CheckpointError(f"unexpected tensor {name!r} in {path}: this checkpoint is not a plain {arch}")
+    for name, layers in per_layer.items():
+        missing = [i for i, t in enumerate(layers) if t is None]
+        if missing:
+            raise CheckpointError(f"{path} lacks {name} for layers {missing}: the checkpoint is incomplete")
+        flat[name] = np.stack(layers)
+    if cfg.tie_word_embeddings:
+        flat.pop("lm_head", None)
+    return cfg, flat

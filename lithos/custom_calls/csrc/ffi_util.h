@@ -1,0 +1,62 @@
+// Host-side helpers shared by the FFI handlers: argument checks that return ffi::Error with a
+// message, optional buffers, and the compile-time token-count buckets kernels are instantiated for.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "portable.h"
+
+namespace lithos {
+
+// Decode kernels take 1..kMaxTokens query positions: one decode step, or k drafts + 1 to verify.
+constexpr int kMaxTokens = 16;
+
+// An absent optional input travels as an empty array: its pointer becomes nullptr.
+template <ffi::DataType DT>
+inline auto optional_data(const ffi::Buffer<DT>& buffer) -> decltype(buffer.typed_data()) {
+  return buffer.element_count() == 0 ? nullptr : buffer.typed_data();
+}
+
+inline ffi::Error invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("lithos: " + message);
+}
+
+inline std::string shape_string(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Stacked per-layer weights are [layers, ...]: elements from one layer to the next.
+template <ffi::DataType DT>
+inline int64_t layer_stride(const ffi::Buffer<DT>& stacked) {
+  auto dims = stacked.dimensions();
+  return dims.size() == 0 ? 0 : static_cast<int64_t>(stacked.element_count()) / dims[0];
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Calls f(std::integral_constant<int, TMAX>) with TMAX the smallest of 1, 2, 4, 8, 16 that holds
+// `tokens`: five instantiations cover every count, padded positions are skipped at run time.
+template <class F>
+inline ffi::Error with_token_bucket(int64_t tokens, F&& f) {
+  if (tokens == 1) return f(std::integral_constant<int, 1>{});
+  if (tokens == 2) return f(std::integral_constant<int, 2>{});
+  if (tokens >= 3 && tokens <= 4) return f(std::integral_constant<int, 4>{});
+  if (tokens >= 5 && tokens <= 8) return f(std::integral_constant<int, 8>{});
+  if (tokens >= 9 && tokens <= kMaxTokens) return f(std::integral_constant<int, 16>{});
+  return invalid("decode kernels take 1.." + std::to_string(kMaxTokens) + " query positions, got " +
+                 std::to_string(tokens) + "; use the reference path for prefill");
+}
+
+// Calls f(std::integral_constant<int, VEC>) with VEC = 8 (16-byte loads) when every row of length
+// `row_len` starts 16-byte aligned, else 1: odd sizes stay correct, common sizes stay fast.
+template <class F>
+inline ffi::Error with_vector_width(int64_t row_len, bool bases_aligned, F&& f) {
+  if (row_len % 8 == 0 && bases_aligned) return f(std::integral_constant<int, 8>{});
+  return f(std::integral_constant<int, 1>{});
+}
+
+}  // namespace lithos

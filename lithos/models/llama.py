@@ -1,0 +1,483 @@
+"""The Llama family: Llama 2/3/3.1+, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
+
+They share one decoder: RMSNorm, grouped-query attention with rotary positions, a SiLU-gated MLP.
+They differ only in switches the config carries: biases on Q/K/V (Qwen2), per-head RMSNorm on Q
+and K (Qwen3), llama3 RoPE scaling (Llama 3.1+), a sliding attention window (Mistral), tied
+embeddings (SmolLM2, small Llamas and Qwens).
+
+Order of this file: config, parameters, forward.
+
+Weights keep the checkpoint's `[out, in]` layout: a batch-1 matvec then reads each output's row
+contiguously, which is what the decode kernels want.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import KVCache, append
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `kind` is "llama3" or "linear"."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return "llama"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def describe(self) -> str:
+        return (
+            f"{self.architecture}: {self.num_layers} layers, hidden {self.hidden_size}, "
+            f"{self.num_heads}/{self.num_kv_heads} heads of {self.head_dim}, ffn {self.intermediate_size}, "
+            f"vocab {self.vocab_size}{' (tied)' if self.tie_word_embeddings else ''}"
+        )
+
+
+def _rope_scaling_from_hf(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Read rope theta and scaling from either config.json style (`rope_theta` + `rope_scaling`,
+    or the newer `rope_parameters` that holds both)."""
+    params = dict(d.get("rope_parameters") or {})
+    scaling = dict(d.get("rope_scaling") or {})
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    spec = {**scaling, **params}
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind == "llama3":
+        return float(theta), RopeScaling(
+            kind="llama3",
+            factor=float(spec["factor"]),
+            low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return float(theta), RopeScaling(kind="linear", factor=float(spec["factor"]))
+    raise UnsupportedModelError(
+        f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3); "
+        "use a checkpoint without it or add it to lithos/models/llama.py"
+    )
+
+
+def config_from_hf(d: dict[str, Any]) -> Config:
+    """Build a Config from a Hugging Face `config.json` dict."""
+    arch = (d.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported by the llama family (supported: {', '.join(ARCHITECTURES)})"
+        )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+    theta, scaling = _rope_scaling_from_hf(d)
+    heads = int(d["num_attention_heads"])
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    window = d.get("sliding_window")
+    if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window size they do not use
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    attention_bias = bool(d.get("attention_bias", False))
+    return Config(
+        architecture=arch,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=int(window) if window else None,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
+    """Build a Config from GGUF metadata (keys as llama.cpp writes them)."""
+    gguf_arch = meta["general.architecture"]
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {gguf_arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    a = gguf_arch
+
+    def key(name, default=None):
+        return meta.get(f"{a}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    scaling = None
+    if key("rope.scaling.type") == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
+    elif key("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF RoPE scaling {key('rope.scaling.type')!r} is not supported")
+    vocab = meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    window = key("attention.sliding_window")
+    return Config(
+        architecture=GGUF_ARCHITECTURES[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=scaling,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=int(window) if window and gguf_arch == "mistral" else None,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class LayerParams:
+    """One decoder layer's weights, each stacked on a leading `[layers]` axis; matrices `[out, in]`."""
+
+    attn_norm: jax.Array  # [L, hidden]
+    wq: jax.Array  # [L, heads*head_dim, hidden]
+    wk: jax.Array  # [L, kv_heads*head_dim, hidden]
+    wv: jax.Array  # [L, kv_heads*head_dim, hidden]
+    wo: jax.Array  # [L, hidden, heads*head_dim]
+    mlp_norm: jax.Array  # [L, hidden]
+    w_gate: jax.Array  # [L, ffn, hidden]
+    w_up: jax.Array  # [L, ffn, hidden]
+    w_down: jax.Array  # [L, hidden, ffn]
+    bq: jax.Array | None = None  # [L, heads*head_dim]
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    bo: jax.Array | None = None  # [L, hidden]
+    q_norm: jax.Array | None = None  # [L, head_dim]
+    k_norm: jax.Array | None = None
+    b_gate: jax.Array | None = None  # [L, ffn]
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None  # [L, hidden]
+
+
+@struct.dataclass
+class Params:
+    embed: jax.Array  # [vocab, hidden]
+    layers: LayerParams
+    final_norm: jax.Array  # [hidden]
+    lm_head: jax.Array | None = None  # [vocab, hidden]; None when tied to `embed`
+
+
+def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter, keyed by its field path (`layers.wq`), for loaders and init."""
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    shapes = {
+        "embed": (cfg.vocab_size, D),
+        "final_norm": (D,),
+        "layers.attn_norm": (L, D),
+        "layers.wq": (L, cfg.q_size, D),
+        "layers.wk": (L, cfg.kv_size, D),
+        "layers.wv": (L, cfg.kv_size, D),
+        "layers.wo": (L, D, cfg.q_size),
+        "layers.mlp_norm": (L, D),
+        "layers.w_gate": (L, F, D),
+        "layers.w_up": (L, F, D),
+        "layers.w_down": (L, D, F),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, D)
+    if cfg.qkv_bias:
+        shapes |= {"layers.bq": (L, cfg.q_size), "layers.bk": (L, cfg.kv_size), "layers.bv": (L, cfg.kv_size)}
+    if cfg.o_bias:
+        shapes["layers.bo"] = (L, D)
+    if cfg.qk_norm:
+        shapes |= {"layers.q_norm": (L, cfg.head_dim), "layers.k_norm": (L, cfg.head_dim)}
+    if cfg.mlp_bias:
+        shapes |= {"layers.b_gate": (L, F), "layers.b_up": (L, F), "layers.b_down": (L, D)}
+    return shapes
+
+
+def params_from_flat(flat: dict[str, Any]) -> Params:
+    """Assemble Params from `{"layers.wq": array, ...}` as produced by `param_shapes` keys."""
+    layer_fields = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
+    return Params(
+        embed=flat["embed"],
+        layers=LayerParams(**layer_fields),
+        final_norm=flat["final_norm"],
+        lm_head=flat.get("lm_head"),
+    )
+
+
+def init_params(cfg: Config, key: jax.Array, dtype=jnp.bfloat16) -> Params:
+    """Random weights of the right shapes and a sane scale (for benchmarks and tests)."""
+    flat = {}
+    shapes = param_shapes(cfg)
+    keys = jax.random.split(key, len(shapes))
+    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in leaf:
+            flat[name] = (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 and leaf not in ("embed",) else 1
+            scale = 1.0 / math.sqrt(fan_in) if fan_in > 1 else 0.02
+            flat[name] = (scale * jax.random.normal(k, shape)).astype(dtype)
+    return params_from_flat(flat)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+KERNEL_PATHS = ("reference",)
+
+
+def check_kernel_path(kernels: str) -> None:
+    if kernels not in KERNEL_PATHS:
+        raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
+
+
+def rope_inv_freq(cfg: Config) -> np.ndarray:
+    """Inverse frequencies `[head_dim/2]`, with llama3 or linear scaling applied (as transformers does)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    if s.kind == "linear":
+        return (inv_freq / s.factor).astype(np.float32)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate `x` `[batch, tokens, heads, head_dim]` by `positions` `[batch, tokens]` (rotate-half form)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """`x @ w.T (+ b)` for `[out, in]` weights."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+def attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    cfg: Config,
+) -> jax.Array:
+    """Grouped-query attention of new queries over one layer's cache plus the new tokens themselves.
+
+    q: `[batch, tokens, heads, head_dim]`; k_new, v_new: `[batch, tokens, kv_heads, head_dim]`;
+    k_cache, v_cache: `[batch, kv_heads, max_len, head_dim]`, valid below each row's start position
+    `positions[:, 0]` (entries past it are stale and never read); positions: `[batch, tokens]`,
+    consecutive per row. Token t sees the cache below the start and new tokens t' <= t (within the
+    sliding window, if any). Returns `[batch, tokens, heads*head_dim]`.
+    """
+    B, T, H, D = q.shape
+    G = H // cfg.num_kv_heads
+    qg = q.reshape(B, T, cfg.num_kv_heads, G, D) / jnp.asarray(math.sqrt(D), q.dtype)
+    s_cache = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=jnp.float32)
+
+    cache_pos = jnp.arange(k_cache.shape[2])[None, None, :]  # [1, 1, S]
+    query_pos = positions[:, :, None]  # [B, T, 1]
+    see_cache = cache_pos < positions[:, :1, None]
+    see_new = positions[:, None, :] <= query_pos  # [B, T, T]
+    if cfg.sliding_window is not None:
+        see_cache &= cache_pos > query_pos - cfg.sliding_window
+        see_new &= positions[:, None, :] > query_pos - cfg.sliding_window
+    scores = jnp.concatenate(
+        [jnp.where(see_cache[:, None, None], s_cache, -jnp.inf), jnp.where(see_new[:, None, None], s_new, -jnp.inf)],
+        axis=-1,
+    )
+    probs = jax.nn.softmax(scores, axis=-1)
+    S = k_cache.shape[2]
+    out = jnp.einsum(
+        "bkgts,bksd->btkgd", probs[..., :S].astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
+    ) + jnp.einsum(
+        "bkgtu,bukd->btkgd", probs[..., S:].astype(v_new.dtype), v_new, preferred_element_type=jnp.float32
+    )
+    return out.reshape(B, T, H * D).astype(q.dtype)
+
+
+def _layer(cfg: Config, inv_freq, positions, h, layer):
+    """One decoder layer. Reads this layer's cache; returns the new keys/values for the caller to store."""
+    p, k_cache, v_cache = layer
+    B, T, _ = h.shape
+
+    x = rms_norm(h, p.attn_norm, cfg.rms_norm_eps)
+    q = linear(x, p.wq, p.bq).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p.wk, p.bk).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p.wv, p.bv).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+
+    attn = attention(q, k, v, k_cache, v_cache, positions, cfg)
+    h = h + linear(attn, p.wo, p.bo)
+
+    x = rms_norm(h, p.mlp_norm, cfg.rms_norm_eps)
+    gated = jax.nn.silu(linear(x, p.w_gate, p.b_gate)) * linear(x, p.w_up, p.b_up)
+    h = h + linear(gated, p.w_down, p.b_down)
+    return h, (k, v)
+
+
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    kernels: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder over `tokens` `[batch, tokens]` at `positions` (consecutive per row), appending
+    their keys and values to `cache`.
+
+    Returns the final-normed hidden states `[batch, tokens, hidden]` and the updated cache.
+    """
+    check_kernel_path(kernels)
+    h = params.embed[tokens]
+    inv_freq = rope_inv_freq(cfg)
+
+    def body(h, layer):
+        return _layer(cfg, inv_freq, positions, h, layer)
+
+    # The layers only read the cache; all layers' new entries are stored in one scatter afterwards,
+    # which XLA does in place on the donated buffer.
+    h, (k_new, v_new) = jax.lax.scan(body, h, (params.layers, cache.k, cache.v))
+    cache = append(cache, positions, k_new, v_new)
+    return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
+
+
+def lm_logits(params: Params, h: jax.Array) -> jax.Array:
+    """Logits `[..., vocab]` in float32 from final hidden states."""
+    head = params.embed if params.lm_head is None else params.lm_head
+    return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
+
+
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    kernels: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Logits `[batch, tokens, vocab]` (float32) for `tokens` at `positions`, and the updated cache.
+
+    Serves prefill (many tokens), decode (one) and speculative verification (k+1) alike.
+    """
+    h, cache = hidden_states(params, tokens, positions, cache, cfg, kernels)
+    return lm_logits(params, h), cache

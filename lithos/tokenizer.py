@@ -33,6 +33,7 @@ from tokenizers.models import BPE
 from lithos.errors import CheckpointError, LithosError
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+_EXAMPLE_MESSAGE = "{'role': 'user', 'content': '...'}"
 
 # Tokens that end an assistant turn in the chat formats we know. llama.cpp keeps a similar list
 # (its "end of generation" tokens); a checkpoint's eos alone misses e.g. Llama 3's <|eot_id|> when
@@ -79,8 +80,19 @@ _QWEN35_SPLIT = (
 )
 _GGUF_PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
         _LLAMA3_SPLIT,
     ),
     "tekken": _TEKKEN_SPLIT,
@@ -100,7 +112,11 @@ _BYTE_FALLBACK_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 @cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     shift = 0
     for byte in range(256):
@@ -108,7 +124,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(byte)
             chars.append(256 + shift)
             shift += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars)}
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
 def _generate_merges(vocab: dict[str, int], vocab_scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -139,7 +155,7 @@ def _gguf_merges(meta: Mapping[str, Any], tokens: list[str]) -> list[tuple[str, 
             "merges cannot be recovered: re-convert the model with a current llama.cpp convert_hf_to_gguf.py"
         )
     vocab = {token: index for index, token in enumerate(tokens)}
-    return _generate_merges(vocab, dict(zip(tokens, meta["tokenizer.ggml.scores"])))
+    return _generate_merges(vocab, dict(zip(tokens, meta["tokenizer.ggml.scores"], strict=False)))
 
 
 def _token_content(value: Any) -> str | None:
@@ -155,7 +171,9 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}): re-download or re-save the checkpoint") from err
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}): re-download or re-save the checkpoint"
+        ) from err
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -223,8 +241,9 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's built-in tojson HTML-escapes; chat templates expect plain JSON, as in transformers.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -280,17 +299,16 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _check_messages(messages: Any) -> list[dict]:
-    """Validate a conversation and return a plain copy with None-valued keys dropped (as transformers does)."""
+    """Validate a conversation; return a plain copy without None-valued keys (as transformers does)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise LithosError(
-            f"a chat is a list of messages like {{'role': 'user', 'content': '...'}}, got {type(messages).__name__}"
+            f"a chat is a list of message dicts like {_EXAMPLE_MESSAGE}, got {type(messages).__name__}"
         )
     checked = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise LithosError(
-                f"chat message {index} is a {type(message).__name__}, not a dict like "
-                "{'role': 'user', 'content': '...'}"
+                f"chat message {index} is a {type(message).__name__}, not a dict like {_EXAMPLE_MESSAGE}"
             )
         role = message.get("role")
         if role not in ALLOWED_ROLES:
@@ -480,7 +498,15 @@ class Tokenizer:
         model_config = _read_json(path / "config.json")
 
         special_tokens = {}
-        for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        for name in (
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "sep_token",
+            "pad_token",
+            "cls_token",
+            "mask_token",
+        ):
             content = _token_content(tok_config.get(name))
             if content is not None:
                 special_tokens[name] = content
@@ -539,7 +565,9 @@ class Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise CheckpointError("the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer to run with")
+            raise CheckpointError(
+                "the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer to run with"
+            )
         tokens = [str(t) for t in tokens]
         token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or ()]
         arch = meta.get("general.architecture")
@@ -549,8 +577,8 @@ class Tokenizer:
         elif model == "llama":
             if arch in _UNPORTED_SENTENCEPIECE_ARCHS:
                 raise CheckpointError(
-                    f"GGUF tokenizers of architecture {arch!r} need a special sentencepiece build that lithos "
-                    "does not implement: load the model from its Hugging Face directory instead"
+                    f"GGUF tokenizers of architecture {arch!r} need a special sentencepiece build that "
+                    "lithos does not implement: load the model from its Hugging Face directory instead"
                 )
             backend, named_defaults = _sentencepiece_backend(meta, tokens), ("<unk>", "<s>", "</s>")
             # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
@@ -585,18 +613,20 @@ class Tokenizer:
         vocab = backend.get_vocab()
         control = [
             token
-            for token, token_type in zip(tokens, token_types)
+            for token, token_type in zip(tokens, token_types, strict=False)
             if token_type == _TOKEN_TYPE_CONTROL and (alphabet is None or set(token) <= alphabet)
         ]
         # transformers also marks its tokenizer class's default specials and the file's named tokens as
         # special. It appends those missing from the vocabulary as new ids past the model's
         # embedding; we only mark the ones the vocabulary has.
         control += [t for t in (*named_defaults, *special_tokens.values()) if t in vocab]
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control)])
+        backend.add_special_tokens(
+            [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control)]
+        )
         # User-defined tokens (type 4, e.g. "<think>") are matched whole in the text but are not special.
         user_defined = [
             AddedToken(token, normalized=False, special=False)
-            for token, token_type in zip(tokens, token_types)
+            for token, token_type in zip(tokens, token_types, strict=False)
             if token_type == _TOKEN_TYPE_USER_DEFINED and token in vocab
         ]
         if user_defined:
@@ -605,7 +635,9 @@ class Tokenizer:
         add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
         add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
         extra_eos = [
-            int(meta[key]) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if key in meta
+            int(meta[key])
+            for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if key in meta
         ]
         return cls(
             backend,
@@ -702,7 +734,8 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (
             f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
-            f"stop_ids={self.stop_ids}, add_bos={self.add_bos}, chat_template={self.chat_template is not None})"
+            f"stop_ids={self.stop_ids}, add_bos={self.add_bos}, "
+            f"chat_template={self.chat_template is not None})"
         )
 
 
@@ -718,8 +751,14 @@ def _byte_level_backend(meta: Mapping[str, Any], tokens: list[str]) -> BackendTo
     merges = _gguf_merges(meta, tokens)
     try:
         backend = BackendTokenizer(
-            BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                fuse_unk=False)
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
         )
     except Exception as err:
         raise CheckpointError(f"the GGUF's byte-level BPE vocabulary is inconsistent: {err}") from err
@@ -746,11 +785,18 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> Backen
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = _gguf_merges(meta, tokens)
     try:
-        backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+        backend = BackendTokenizer(
+            BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
+        )
     except Exception as err:
         raise CheckpointError(f"the GGUF's sentencepiece vocabulary is inconsistent: {err}") from err
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
     )
     return backend

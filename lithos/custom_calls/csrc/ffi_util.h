@@ -29,11 +29,13 @@ inline std::string shape_string(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// Stacked per-layer weights are [layers, ...]: elements from one layer to the next.
+// Stacked per-layer weights are [layers, ...]: elements from one layer to the next. A leading axis
+// of 1 is one array shared by every layer (stride 0).
 template <ffi::DataType DT>
 inline int64_t layer_stride(const ffi::Buffer<DT>& stacked) {
   auto dims = stacked.dimensions();
-  return dims.size() == 0 ? 0 : static_cast<int64_t>(stacked.element_count()) / dims[0];
+  if (dims.size() == 0 || dims[0] <= 1) return 0;
+  return static_cast<int64_t>(stacked.element_count()) / dims[0];
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

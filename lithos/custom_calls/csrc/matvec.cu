@@ -54,18 +54,22 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(MatvecArgs a) {
     float acc[kRowsPerWarp][TMAX];
     warp_rows_dot<TMAX, VEC>(rows, in, acc);
 
+    // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) {
-      if (t >= a.tokens || lane_id() != t) continue;
-      const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
+      if (t < a.tokens && lane_id() == t) {
+        const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
 #pragma unroll
-      for (int j = 0; j < kOutsPerWarp; ++j) {
-        const int out = first_out + j;
-        if (out >= a.n_out) break;
-        const size_t at = static_cast<size_t>(t) * a.n_out + out;
-        float value = GATED ? silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
-        if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
-        a.y[at] = float_to_bf16(value);
+        for (int j = 0; j < kOutsPerWarp; ++j) {
+          const int out = first_out + j;
+          if (out < a.n_out) {
+            const size_t at = static_cast<size_t>(t) * a.n_out + out;
+            float value =
+                GATED ? silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
+            if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
+            a.y[at] = float_to_bf16(value);
+          }
+        }
       }
     }
   }
@@ -96,7 +100,7 @@ ffi::Error check_matvec_shapes(const char* op, ffi::Buffer<ffi::BF16>& x, ffi::B
     return invalid(std::string(op) + ": expected x [tokens, in] and w [layers, out, in], got x " + shape_string(xd) +
                    " and w " + shape_string(wd));
   if (layer.element_count() != 1) return invalid(std::string(op) + ": layer must be a scalar");
-  if (norm_w.element_count() != 0 && (norm_w.dimensions().back() != xd[1] || layer_stride(norm_w) != xd[1]))
+  if (norm_w.element_count() != 0 && (norm_w.dimensions().size() != 2 || norm_w.dimensions()[1] != xd[1]))
     return invalid(std::string(op) + ": norm weight " + shape_string(norm_w.dimensions()) + " does not match in=" +
                    std::to_string(xd[1]));
   if (y->dimensions().size() != 2 || y->dimensions()[0] != xd[0] || y->dimensions()[1] != wd[1])

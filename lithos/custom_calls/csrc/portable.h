@@ -66,6 +66,14 @@ __device__ __forceinline__ float shfl_xor(float v, int mask) {
 #endif
 }
 
+__device__ __forceinline__ int shfl_xor(int v, int mask) {
+#if defined(LITHOS_HIP)
+  return __shfl_xor(v, mask, WARP_SIZE);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, WARP_SIZE);
+#endif
+}
+
 // Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= WARP_SIZE); every lane of a group
 // ends with the group's total.
 template <int WIDTH = WARP_SIZE>

@@ -51,24 +51,26 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsP
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int k = base + u * kStep;
-      if (k >= in.n_in) break;
-      float norm[VEC];
+      if (k < in.n_in) {
+        float norm[VEC];
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
-      if (in.norm_w != nullptr) {
-        const Bf16Vec<VEC> nw = load_cached<VEC>(in.norm_w + k);
+        for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
+        if (in.norm_w != nullptr) {
+          const Bf16Vec<VEC> nw = load_cached<VEC>(in.norm_w + k);
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
-      }
+          for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
+        }
 #pragma unroll
-      for (int t = 0; t < TMAX; ++t) {
-        if (t >= in.tokens) break;
-        const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < in.tokens) {
+            const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          const float xf = xv[v] * norm[v];
+            for (int v = 0; v < VEC; ++v) {
+              const float xf = xv[v] * norm[v];
 #pragma unroll
-          for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[u][r][v], xf, acc[r][t]);
+              for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[u][r][v], xf, acc[r][t]);
+            }
+          }
         }
       }
     }
@@ -92,10 +94,11 @@ __device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
   for (int k = static_cast<int>(threadIdx.x) * VEC; k < in.n_in; k += kMatvecThreads * VEC) {
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) {
-      if (t >= in.tokens) break;
-      const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
+      if (t < in.tokens) {
+        const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) squares[t] = fmaf(xv[v], xv[v], squares[t]);
+        for (int v = 0; v < VEC; ++v) squares[t] = fmaf(xv[v], xv[v], squares[t]);
+      }
     }
   }
 #pragma unroll

@@ -1,0 +1,251 @@
+"""Compile the kernel sources under `csrc/`, cache the libraries per user, register them with XLA.
+
+A library is built on first use and kept under `~/.cache/lithos/kernels` (or `$LITHOS_CACHE_DIR`),
+named by a key over everything that changes its machine code: the kernel source and every header
+beside it, the target architecture, the compiler's version and jaxlib's version (the FFI headers it
+is compiled against). Build them all ahead of time, e.g. for a container image:
+
+    python -m lithos.custom_calls.build --platform cuda --arch sm_90a
+    python -m lithos.custom_calls.build --platform rocm --arch gfx942
+
+A GPU with no compiler is an error that says what to install: the kernels never fall back to the
+reference path unless the caller asks for it (`path="reference"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+
+from lithos.errors import LithosError
+
+CSRC = Path(__file__).parent / "csrc"
+
+# Kernel source (csrc/<name>.cu) -> the FFI handler symbols it defines, each registered under its
+# own name as an XLA custom-call target.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "matvec": ("LithosMatvec", "LithosGateUpSilu"),
+    "attention": ("LithosDecodeAttention",),
+    "qkv_rope": ("LithosQkvRopeAppend",),
+    "lm_head": ("LithosLmHeadArgmax",),
+}
+
+PLATFORMS = ("cuda", "rocm")
+# jax's platform names for register_ffi_target.
+XLA_PLATFORM = {"cuda": "CUDA", "rocm": "ROCM"}
+DEFAULT_ARCH = {"cuda": "sm_90a", "rocm": "gfx942"}
+
+# The XLA FFI headers warn about missing returns inside them; those warnings are not ours.
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-Wno-return-type",
+               "-diag-suppress", "940,2473")
+_HIPCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-return-type")
+
+INSTALL_HINT = {
+    "cuda": (
+        "install the CUDA toolkit's compiler matching your driver (NVIDIA's apt package "
+        "`cuda-nvcc-13-0` with `cuda-cudart-dev-13-0`, or the full `cuda-toolkit-13-0`) and put `nvcc` on "
+        "PATH, set CUDA_HOME, or point LITHOS_NVCC at it"
+    ),
+    "rocm": (
+        "install ROCm's HIP compiler (`apt-get install rocm-hip-sdk` from AMD's ROCm repository, or Debian's "
+        "`apt-get install hipcc`) and put `hipcc` on PATH, set ROCM_PATH, or point LITHOS_HIPCC at it"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """How to compile for one GPU target: `platform` "cuda" or "rocm", arch e.g. "sm_90a" or "gfx942"."""
+
+    platform: str
+    compiler: str
+    version: str
+    arch: str
+
+    def command(self, source: Path, output: Path) -> list[str]:
+        include = [f"-I{jax.ffi.include_dir()}", f"-I{CSRC}"]
+        if self.platform == "cuda":
+            # -gencode, not -arch=sm_90a: the shorthand also runs a plain sm_90 pass (HOPPER.md).
+            arch = self.arch.removeprefix("sm_")
+            target = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+            return [self.compiler, *_NVCC_FLAGS, *target, *include, "-o", str(output), str(source)]
+        return [self.compiler, *_HIPCC_FLAGS, f"--offload-arch={self.arch}", *include, "-x", "hip",
+                str(source), "-o", str(output)]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.platform == "rocm":
+            env.setdefault("HIP_PLATFORM", "amd")  # Debian's hipcc otherwise hands the source to nvcc
+        return env
+
+
+def cache_dir() -> Path:
+    if "LITHOS_CACHE_DIR" in os.environ:
+        return Path(os.environ["LITHOS_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "lithos" / "kernels"
+
+
+def find_compiler(platform: str) -> str | None:
+    """Path of nvcc (cuda) or hipcc (rocm): $LITHOS_NVCC/$LITHOS_HIPCC, PATH, then the toolkit's home."""
+    name, override, homes = {
+        "cuda": ("nvcc", "LITHOS_NVCC", ("CUDA_HOME", "CUDA_PATH")),
+        "rocm": ("hipcc", "LITHOS_HIPCC", ("ROCM_PATH", "HIP_PATH")),
+    }[platform]
+    if os.environ.get(override):
+        return os.environ[override]
+    found = shutil.which(name)
+    if found:
+        return found
+    defaults = {"cuda": "/usr/local/cuda", "rocm": "/opt/rocm"}[platform]
+    for home in [os.environ.get(h) for h in homes] + [defaults]:
+        if home and (Path(home) / "bin" / name).exists():
+            return str(Path(home) / "bin" / name)
+    return None
+
+
+@functools.cache
+def compiler_version(compiler: str) -> str:
+    env = {"HIP_PLATFORM": "amd", **os.environ}
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, env=env)
+    return result.stdout.strip() or result.stderr.strip()
+
+
+def jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return jax.__version__
+
+
+def gpu_platform() -> str | None:
+    """"cuda" or "rocm" when jax has that backend, else None."""
+    for platform in PLATFORMS:
+        try:
+            if jax.devices(platform):
+                return platform
+        except RuntimeError:
+            continue
+    return None
+
+
+def detect_arch(platform: str) -> str:
+    """The target of the first GPU jax sees ($LITHOS_GPU_ARCH overrides): sm_90a on an H100/H200."""
+    if os.environ.get("LITHOS_GPU_ARCH"):
+        return os.environ["LITHOS_GPU_ARCH"]
+    try:
+        capability = str(getattr(jax.devices(platform)[0], "compute_capability", ""))
+    except RuntimeError:
+        capability = ""
+    if platform == "cuda" and capability:
+        major, minor = capability.split(".")[:2]
+        # Hopper and Blackwell kernels may use arch-specific instructions: build the "a" variant.
+        return f"sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
+    if platform == "rocm" and capability.startswith("gfx"):
+        return capability.split(":")[0]
+    return DEFAULT_ARCH[platform]
+
+
+def toolchain(platform: str, arch: str | None = None) -> Toolchain:
+    compiler = find_compiler(platform)
+    if compiler is None:
+        raise LithosError(
+            f"no {'nvcc' if platform == 'cuda' else 'hipcc'} was found, and lithos compiles its fused kernels for "
+            f"{platform.upper()} GPUs on first use: {INSTALL_HINT[platform]}. Or build them elsewhere "
+            "with `python -m lithos.custom_calls.build` into the same LITHOS_CACHE_DIR, or run the reference "
+            "path explicitly (kernels='reference')."
+        )
+    return Toolchain(platform, compiler, compiler_version(compiler), arch or detect_arch(platform))
+
+
+def source_key(kernel: str, tc: Toolchain) -> str:
+    digest = hashlib.sha256()
+    for path in [CSRC / f"{kernel}.cu", *sorted(CSRC.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (tc.platform, tc.arch, tc.version, jaxlib_version(), " ".join(tc.command(Path(), Path()))):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+def library_path(kernel: str, tc: Toolchain) -> Path:
+    return cache_dir() / f"{kernel}-{tc.platform}-{tc.arch}-{source_key(kernel, tc)}.so"
+
+
+def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
+    """Compile csrc/<kernel>.cu for `tc` unless the cache already holds it; returns the library."""
+    if kernel not in KERNELS:
+        raise LithosError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
+    output = library_path(kernel, tc)
+    if output.exists() and not force:
+        return output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent builders never see a half-written library.
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        partial = Path(tmp) / output.name
+        result = subprocess.run(tc.command(CSRC / f"{kernel}.cu", partial), capture_output=True, text=True,
+                                env=tc.environment())
+        if result.returncode != 0:
+            raise LithosError(
+                f"compiling {kernel}.cu for {tc.arch} with {tc.compiler} failed:\n{result.stderr[-4000:]}\n"
+                f"command: {' '.join(tc.command(CSRC / f'{kernel}.cu', partial))}"
+            )
+        os.replace(partial, output)
+    return output
+
+
+_registered: set[tuple[str, str]] = set()
+_register_lock = threading.Lock()
+
+
+def ensure_registered(kernel: str, platform: str) -> None:
+    """Build (if needed), load and register every handler of `kernel` for `platform`, once per process."""
+    with _register_lock:
+        if (kernel, platform) in _registered:
+            return
+        library = ctypes.cdll.LoadLibrary(str(build(kernel, toolchain(platform))))
+        for symbol in KERNELS[kernel]:
+            jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform=XLA_PLATFORM[platform])
+        _registered.add((kernel, platform))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build lithos' fused kernels ahead of time.")
+    parser.add_argument("--platform", choices=PLATFORMS, default=None,
+                        help="default: the GPU backend jax sees, else cuda")
+    parser.add_argument("--arch", default=None, help="e.g. sm_90a, gfx942 (default: the visible GPU's)")
+    parser.add_argument("--kernel", action="append", choices=sorted(KERNELS),
+                        help="build only these (repeatable; default: all)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when cached")
+    args = parser.parse_args(argv)
+
+    platform = args.platform or gpu_platform() or "cuda"
+    try:
+        tc = toolchain(platform, args.arch)
+        kernels = args.kernel or list(KERNELS)
+        with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
+            paths = list(pool.map(lambda k: build(k, tc, args.force), kernels))
+    except LithosError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for kernel, path in zip(kernels, paths):
+        print(f"{kernel:10s} {tc.arch:8s} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+// Decode attention for 1..16 query positions over one layer of the KV cache, split along its length
+// (flash-decoding): each block reads one stretch of one KV head's keys and values once for all the
+// queries that share that head (GQA), keeps an online softmax, and writes a normalised partial
+// output with its log-sum-exp; a second kernel combines the splits.
+//
+// The key range and the split length come from the positions on the device: the grid is fixed
+// (no host sync, no recompilation) while a 1K context inside a 1M cache reads 1K keys, cut into a
+// few splits, and a 1M context is cut into as many splits as the grid has.
+//
+// Lanes: a key's head_dim elements are spread over head_dim / 8 lanes (16 bytes each), so a warp
+// reads several consecutive keys with fully coalesced loads and a score needs log2(head_dim / 8)
+// shuffles. A query at position p sees keys at positions <= p (and > p - window when windowed).
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "ffi_util.h"
+#include "portable.h"
+
+namespace lithos {
+namespace {
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * WARP_SIZE;
+constexpr int kQueryRowsPerWarp = 4;  // query rows (token, head-in-group) whose state a warp keeps
+constexpr int kKeysPerStep = 4;       // keys per lane group per loop step: 8 loads of 16 bytes in flight
+constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
+constexpr int kSplitBlocksPerUnit = 4;
+constexpr double kLog2e = 1.4426950408889634;
+
+struct AttnArgs {
+  const bf16_t* q;           // [tokens, heads, head_dim]
+  const bf16_t* k_cache;     // [layers, 1, kv_heads, max_len, head_dim]
+  const bf16_t* v_cache;
+  const int32_t* positions;  // [tokens]
+  const int32_t* layer;      // [] device scalar
+  float* split_out;          // [max_splits, kv_heads, rows, head_dim]: normalised partial outputs
+  float* split_lse;          // [max_splits, kv_heads, rows]: their log2-sum-exp2
+  bf16_t* out;               // [tokens, heads, head_dim]
+  int tokens, heads, kv_heads, max_len, window, max_splits;
+  float scale_log2;          // log2(e) / sqrt(head_dim): scores live in the exp2 domain
+};
+
+// Query rows of one KV head: its group of query heads for every token, row = token * group + g.
+__host__ __device__ inline int query_rows(const AttnArgs& a) { return a.tokens * (a.heads / a.kv_heads); }
+
+// Warps that split a block's query rows (the rest split its keys): all four split keys at T = 1.
+__host__ __device__ inline int query_warps(int rows) {
+  const int chunks = (rows + kQueryRowsPerWarp - 1) / kQueryRowsPerWarp;
+  return chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1);
+}
+
+struct SplitPlan {
+  int begin;      // first key any query sees
+  int split_len;  // keys per split
+  int end;        // one past the last key any query sees
+  int splits;     // splits in use (<= max_splits)
+};
+
+__device__ SplitPlan plan_splits(const AttnArgs& a) {
+  int lowest = INT_MAX, highest = -1;
+  for (int t = 0; t < a.tokens; ++t) {
+    lowest = min(lowest, a.positions[t]);
+    highest = max(highest, a.positions[t]);
+  }
+  SplitPlan plan;
+  plan.end = min(highest + 1, a.max_len);
+  plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
+  const int keys = max(plan.end - plan.begin, 0);
+  plan.splits = max(1, min(a.max_splits, (keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
+  plan.split_len = (keys + plan.splits - 1) / plan.splits;
+  return plan;
+}
+
+// Online-softmax state of one query row over the keys seen so far (exp2 domain).
+struct Softmax {
+  float max;
+  float sum;
+  float acc[8];  // this lane's 8 output dimensions, unnormalised
+};
+
+// Fold `other` (the same row's state over other keys) into `s`.
+__device__ __forceinline__ void merge(Softmax& s, float other_max, float other_sum, const float (&other_acc)[8]) {
+  const float new_max = fmaxf(s.max, other_max);
+  if (new_max == -INFINITY) return;  // neither has seen a visible key
+  const float mine = exp2f(s.max - new_max), theirs = exp2f(other_max - new_max);
+  s.sum = s.sum * mine + other_sum * theirs;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) s.acc[e] = s.acc[e] * mine + other_acc[e] * theirs;
+  s.max = new_max;
+}
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
+  constexpr int kLanesPerKey = HEAD_DIM / 8;
+  constexpr int kKeysPerWarp = WARP_SIZE / kLanesPerKey;
+  static_assert(kLanesPerKey <= WARP_SIZE, "head_dim too large for one warp");
+
+  const SplitPlan plan = plan_splits(a);
+  const int split = blockIdx.y;
+  if (split >= plan.splits) return;  // the combine reads only the splits in use
+  const int key_begin = plan.begin + split * plan.split_len;
+  const int key_end = min(key_begin + plan.split_len, plan.end);
+
+  const int kv_head = blockIdx.z;
+  const int group = a.heads / a.kv_heads;
+  const int rows = query_rows(a);
+  const int q_warps = query_warps(rows);
+  const int k_warps = kAttnWarps / q_warps;
+  const int rows_per_block = q_warps * kQueryRowsPerWarp;
+  const int warp_q = warp_id() % q_warps, warp_k = warp_id() / q_warps;
+  const int first_row = blockIdx.x * rows_per_block + warp_q * kQueryRowsPerWarp;
+  const int key_lane = lane_id() / kLanesPerKey;
+  const int dim0 = (lane_id() % kLanesPerKey) * 8;
+
+  // This lane's slice of each query row, pre-scaled, and the key window each row sees.
+  float q[kQueryRowsPerWarp][8];
+  int see_from[kQueryRowsPerWarp], see_to[kQueryRowsPerWarp];
+  Softmax state[kQueryRowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kQueryRowsPerWarp; ++j) {
+    const int row = first_row + j;
+    const bool valid = row < rows;
+    const int token = valid ? row / group : 0;
+    const int head = kv_head * group + (valid ? row % group : 0);
+    const Bf16Vec<8> qv = load_cached<8>(a.q + (static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + dim0);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[j][e] = qv[e] * a.scale_log2;
+    see_to[j] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
+    see_from[j] = a.window > 0 ? see_to[j] - a.window + 1 : 0;
+    state[j].max = -INFINITY;
+    state[j].sum = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) state[j].acc[e] = 0.0f;
+  }
+
+  const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.max_len * HEAD_DIM;
+  const bf16_t* keys = a.k_cache + head_offset + dim0;
+  const bf16_t* values = a.v_cache + head_offset + dim0;
+  const int key_stride = k_warps * kKeysPerWarp;  // between a lane's consecutive keys
+
+  // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
+  for (int base = key_begin + warp_k * kKeysPerWarp; base < key_end; base += key_stride * kKeysPerStep) {
+    int key[kKeysPerStep];
+    Bf16Vec<8> k[kKeysPerStep], v[kKeysPerStep];
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      key[u] = base + key_lane + u * key_stride;
+      if (key[u] < key_end) {
+        k[u] = load_streaming<8>(keys + static_cast<size_t>(key[u]) * HEAD_DIM);
+        v[u] = load_streaming<8>(values + static_cast<size_t>(key[u]) * HEAD_DIM);
+      } else {
+        k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+        v[u] = k[u];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kQueryRowsPerWarp; ++j) {
+      float score[kKeysPerStep];
+      float step_max = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kKeysPerStep; ++u) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
+        dot = group_sum<kLanesPerKey>(dot);
+        const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
+        score[u] = visible ? dot : -INFINITY;
+        step_max = fmaxf(step_max, score[u]);
+      }
+      if (step_max != -INFINITY) {  // else no key of this step is visible to row j
+        Softmax& s = state[j];
+        const float new_max = fmaxf(s.max, step_max);
+        const float rescale = exp2f(s.max - new_max);
+        s.sum *= rescale;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
+#pragma unroll
+        for (int u = 0; u < kKeysPerStep; ++u) {
+          const float p = exp2f(score[u] - new_max);
+          s.sum += p;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p, v[u][e], s.acc[e]);
+        }
+        s.max = new_max;
+      }
+    }
+  }
+
+  // Lane groups of a warp saw different keys: fold them together.
+#pragma unroll
+  for (int mask = kLanesPerKey; mask < WARP_SIZE; mask *= 2) {
+#pragma unroll
+    for (int j = 0; j < kQueryRowsPerWarp; ++j) {
+      float other_acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
+      const float other_max = shfl_xor(state[j].max, mask);
+      const float other_sum = shfl_xor(state[j].sum, mask);
+      merge(state[j], other_max, other_sum, other_acc);
+    }
+  }
+
+  // Warps that split the keys fold together through shared memory, then the block writes its split.
+  __shared__ float shared_acc[kAttnWarps][kQueryRowsPerWarp][HEAD_DIM];
+  __shared__ float shared_max[kAttnWarps][kQueryRowsPerWarp];
+  __shared__ float shared_sum[kAttnWarps][kQueryRowsPerWarp];
+  if (key_lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kQueryRowsPerWarp; ++j) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) shared_acc[warp_id()][j][dim0 + e] = state[j].acc[e];
+      if (lane_id() == 0) {
+        shared_max[warp_id()][j] = state[j].max;
+        shared_sum[warp_id()][j] = state[j].sum;
+      }
+    }
+  }
+  __syncthreads();
+  const size_t split_base = (static_cast<size_t>(split) * a.kv_heads + kv_head) * rows;
+  for (int i = threadIdx.x; i < rows_per_block * HEAD_DIM; i += kAttnThreads) {
+    const int local_row = i / HEAD_DIM, d = i % HEAD_DIM;
+    const int row = blockIdx.x * rows_per_block + local_row;
+    if (row >= rows) continue;
+    const int wq = local_row / kQueryRowsPerWarp, j = local_row % kQueryRowsPerWarp;
+    float best = -INFINITY;
+    for (int w = wq; w < kAttnWarps; w += q_warps) best = fmaxf(best, shared_max[w][j]);
+    float sum = 0.0f, acc = 0.0f;
+    if (best != -INFINITY) {
+      for (int w = wq; w < kAttnWarps; w += q_warps) {
+        const float weight = exp2f(shared_max[w][j] - best);
+        sum += shared_sum[w][j] * weight;
+        acc += shared_acc[w][j][d] * weight;
+      }
+    }
+    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum : 0.0f;
+    if (d == 0) a.split_lse[split_base + row] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
+  }
+}
+
+// One block per (token, query head), one thread per output dimension: weight each split's output by
+// its share of the softmax mass. A row that sees no key (no valid position) gets zeros.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM) attention_combine_kernel(AttnArgs a) {
+  const SplitPlan plan = plan_splits(a);
+  const int token = blockIdx.x / a.heads, head = blockIdx.x % a.heads;
+  const int group = a.heads / a.kv_heads;
+  const int kv_head = head / group, row = token * group + head % group;
+  const int rows = query_rows(a);
+  const int d = threadIdx.x;
+
+  float best = -INFINITY;
+  for (int s = 0; s < plan.splits; ++s)
+    best = fmaxf(best, a.split_lse[(static_cast<size_t>(s) * a.kv_heads + kv_head) * rows + row]);
+  float sum = 0.0f, acc = 0.0f;
+  if (best != -INFINITY) {
+    for (int s = 0; s < plan.splits; ++s) {
+      const size_t at = (static_cast<size_t>(s) * a.kv_heads + kv_head) * rows + row;
+      const float weight = exp2f(a.split_lse[at] - best);
+      sum += weight;
+      acc += weight * a.split_out[at * HEAD_DIM + d];
+    }
+  }
+  a.out[(static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + d] = float_to_bf16(sum > 0.0f ? acc / sum : 0.0f);
+}
+
+template <int HEAD_DIM>
+ffi::Error launch_attention(gpuStream_t stream, const AttnArgs& a) {
+  const int rows = query_rows(a);
+  const int rows_per_block = query_warps(rows) * kQueryRowsPerWarp;
+  const dim3 split_grid((rows + rows_per_block - 1) / rows_per_block, a.max_splits, a.kv_heads);
+  attention_split_kernel<HEAD_DIM><<<split_grid, kAttnThreads, 0, stream>>>(a);
+  if (ffi::Error err = launch_status("decode_attention (splits)"); err.failure()) return err;
+  attention_combine_kernel<HEAD_DIM><<<a.tokens * a.heads, HEAD_DIM, 0, stream>>>(a);
+  return launch_status("decode_attention (combine)");
+}
+
+ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k_cache,
+                                 ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> positions,
+                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window) {
+  auto qd = q.dimensions();
+  auto cd = k_cache.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || v_cache.dimensions().size() != 5 ||
+      v_cache.element_count() != k_cache.element_count())
+    return invalid("decode_attention: expected q [tokens, heads, head_dim] and k/v caches [layers, batch, kv_heads, "
+                   "max_len, head_dim]; got q " + shape_string(qd) + ", cache " + shape_string(cd));
+  if (cd[1] != 1) return invalid("decode_attention: the fused kernels decode batch 1, cache has batch " +
+                                 std::to_string(cd[1]));
+  if (qd[2] != cd[4] || cd[2] <= 0 || qd[1] % cd[2] != 0)
+    return invalid("decode_attention: q " + shape_string(qd) + " does not fit cache " + shape_string(cd) +
+                   " (head_dim must match and heads be a multiple of kv_heads)");
+  if (positions.element_count() != static_cast<size_t>(qd[0]) || layer.element_count() != 1)
+    return invalid("decode_attention: positions must be [tokens] and layer a scalar");
+  if (qd[0] < 1 || qd[0] > kMaxTokens)
+    return invalid("decode_attention: 1.." + std::to_string(kMaxTokens) + " query positions, got " +
+                   std::to_string(qd[0]));
+  AttnArgs a{};
+  a.q = q.typed_data();
+  a.k_cache = k_cache.typed_data();
+  a.v_cache = v_cache.typed_data();
+  a.positions = positions.typed_data();
+  a.layer = layer.typed_data();
+  a.split_out = split_out->typed_data();
+  a.split_lse = split_lse->typed_data();
+  a.out = out->typed_data();
+  a.tokens = static_cast<int>(qd[0]);
+  a.heads = static_cast<int>(qd[1]);
+  a.kv_heads = static_cast<int>(cd[2]);
+  a.max_len = static_cast<int>(cd[3]);
+  a.window = static_cast<int>(window);
+  const int head_dim = static_cast<int>(cd[4]);
+  a.scale_log2 = static_cast<float>(kLog2e / std::sqrt(static_cast<double>(head_dim)));
+
+  // Enough splits to put a few blocks on every SM/CU at long context, within the scratch provided.
+  const int rows = query_rows(a);
+  const int row_blocks = (rows + query_warps(rows) * kQueryRowsPerWarp - 1) / (query_warps(rows) * kQueryRowsPerWarp);
+  const int capacity = static_cast<int>(split_lse->dimensions()[0]);
+  if (split_lse->element_count() != static_cast<size_t>(capacity) * a.kv_heads * rows ||
+      split_out->element_count() != split_lse->element_count() * head_dim)
+    return invalid("decode_attention: scratch must be [splits, kv_heads, rows(, head_dim)]");
+  const int wanted = (compute_unit_count() * kSplitBlocksPerUnit + a.kv_heads * row_blocks - 1) /
+                     (a.kv_heads * row_blocks);
+  const int by_length = (a.max_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+  a.max_splits = std::max(1, std::min({wanted, capacity, by_length}));
+
+  if (!aligned16(a.q) || !aligned16(a.k_cache) || !aligned16(a.v_cache))
+    return invalid("decode_attention: q and the caches must be 16-byte aligned");
+  switch (head_dim) {
+    case 64: return launch_attention<64>(stream, a);
+    case 128: return launch_attention<128>(stream, a);
+    case 256: return launch_attention<256>(stream, a);
+    default:
+      return invalid("decode_attention: head_dim " + std::to_string(head_dim) +
+                     " has no fused kernel (64, 128, 256); use kernels='reference'");
+  }
+}
+
+}  // namespace
+}  // namespace lithos
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttention, lithos::decode_attention_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k cache
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split outputs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split log-sum-exp
+                                  .Attr<int64_t>("window"),
+                              {ffi::Traits::kCmdBufferCompatible});

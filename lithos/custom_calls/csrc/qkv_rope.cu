@@ -1,0 +1,183 @@
+// Attention's input half in one pass for 1..16 tokens: RMSNorm(h) -> Q, K, V projections -> rotary
+// positions on Q and K -> K and V appended to the layer's cache slots at each token's position.
+//
+// A warp owns two rotary pairs of one head: rows (j, j + d/2, j + 1, j + 1 + d/2). Both halves of a
+// rotation are then in its registers and RoPE needs no shared memory or second pass. The cache is
+// updated in place (the handler's cache outputs alias its inputs); positions past max_len are dropped.
+#include "ffi_util.h"
+#include "portable.h"
+#include "rowdot.h"
+
+namespace lithos {
+namespace {
+
+struct QkvArgs {
+  const bf16_t* h;         // [tokens, hidden]
+  const bf16_t* norm_w;    // [layers, hidden]
+  const bf16_t* wq;        // [layers, heads * head_dim, hidden]
+  const bf16_t* wk;        // [layers, kv_heads * head_dim, hidden]
+  const bf16_t* wv;
+  const float* inv_freq;   // [head_dim / 2]
+  const int32_t* positions;  // [tokens]
+  const int32_t* layer;    // [] device scalar
+  int64_t norm_layer_stride, q_layer_stride, kv_layer_stride;
+  bf16_t* q;               // [tokens, heads, head_dim]
+  bf16_t* k_cache;         // [layers, 1, kv_heads, max_len, head_dim], aliased
+  bf16_t* v_cache;
+  int tokens, hidden, heads, kv_heads, head_dim, max_len;
+  float eps;
+};
+
+template <int TMAX, int VEC>
+__global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
+  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
+  __shared__ float rms_scale[TMAX];
+
+  const int64_t layer = *a.layer;
+  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
+  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
+
+  const int half = a.head_dim / 2;
+  const int units_per_head = half / 2;
+  const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+
+  for (int unit = blockIdx.x * kMatvecWarps + warp_id(); unit < units; unit += gridDim.x * kMatvecWarps) {
+    const int head = unit / units_per_head;  // q heads, then k heads, then v heads
+    const int j0 = (unit % units_per_head) * 2;
+    const bool is_q = head < a.heads;
+    const bool is_v = head >= a.heads + a.kv_heads;
+    const int kv_head = is_q ? 0 : (is_v ? head - a.heads - a.kv_heads : head - a.heads);
+    const bf16_t* matrix = is_q ? a.wq + layer * a.q_layer_stride + static_cast<size_t>(head) * a.head_dim * a.hidden
+                                : (is_v ? a.wv : a.wk) + layer * a.kv_layer_stride +
+                                      static_cast<size_t>(kv_head) * a.head_dim * a.hidden;
+    const bf16_t* rows[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = j0 + r / 2 + (r % 2) * half;
+      rows[r] = matrix + static_cast<size_t>(row) * a.hidden;
+    }
+    float acc[kRowsPerWarp][TMAX];
+    warp_rows_dot<TMAX, VEC>(rows, in, acc);
+
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t) {
+      if (t < a.tokens && lane_id() == t) {
+        const int position = a.positions[t];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const int j = j0 + p;
+          float lo = acc[2 * p][t] * rms_scale[t];
+          float hi = acc[2 * p + 1][t] * rms_scale[t];
+          if (!is_v) {
+            // The same float32 product as the reference, so both rotate by the same angle.
+            const float angle = static_cast<float>(position) * a.inv_freq[j];
+            float sin_a, cos_a;
+            sincosf(angle, &sin_a, &cos_a);
+            const float rotated_lo = lo * cos_a - hi * sin_a;
+            hi = hi * cos_a + lo * sin_a;
+            lo = rotated_lo;
+          }
+          if (is_q) {
+            bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
+            out[j] = float_to_bf16(lo);
+            out[j + half] = float_to_bf16(hi);
+          } else if (position >= 0 && position < a.max_len) {
+            bf16_t* cache = is_v ? a.v_cache : a.k_cache;
+            bf16_t* slot = cache + cache_layer + (static_cast<size_t>(kv_head) * a.max_len + position) * a.head_dim;
+            slot[j] = float_to_bf16(lo);
+            slot[j + half] = float_to_bf16(hi);
+          }
+        }
+      }
+    }
+  }
+}
+
+ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                                ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+                                ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
+                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache, ffi::Result<ffi::Buffer<ffi::BF16>> v_cache,
+                                float eps) {
+  auto hd = h.dimensions();
+  auto cd = k_cache->dimensions();
+  auto qd = q->dimensions();
+  if (hd.size() != 2 || cd.size() != 5 || qd.size() != 3)
+    return invalid("qkv_rope_append: expected h [tokens, hidden], q [tokens, heads, head_dim] and caches "
+                   "[layers, batch, kv_heads, max_len, head_dim]; got h " + shape_string(hd) + ", q " +
+                   shape_string(qd) + ", cache " + shape_string(cd));
+  if (cd[1] != 1) return invalid("qkv_rope_append: the fused kernels decode batch 1, cache has batch " +
+                                 std::to_string(cd[1]));
+  QkvArgs a{};
+  a.tokens = static_cast<int>(hd[0]);
+  a.hidden = static_cast<int>(hd[1]);
+  a.heads = static_cast<int>(qd[1]);
+  a.kv_heads = static_cast<int>(cd[2]);
+  a.max_len = static_cast<int>(cd[3]);
+  a.head_dim = static_cast<int>(cd[4]);
+  if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
+    return invalid("qkv_rope_append: head_dim must be a multiple of 4 and match q " + shape_string(qd));
+  const int64_t q_rows = int64_t{a.heads} * a.head_dim, kv_rows = int64_t{a.kv_heads} * a.head_dim;
+  if (wq.dimensions().size() != 3 || wq.dimensions()[1] != q_rows || wq.dimensions()[2] != a.hidden ||
+      wk.dimensions().size() != 3 || wk.dimensions()[1] != kv_rows || wk.dimensions()[2] != a.hidden ||
+      wv.element_count() != wk.element_count() || norm_w.dimensions().back() != a.hidden)
+    return invalid("qkv_rope_append: weights wq " + shape_string(wq.dimensions()) + ", wk " +
+                   shape_string(wk.dimensions()) + ", wv " + shape_string(wv.dimensions()) + ", norm " +
+                   shape_string(norm_w.dimensions()) + " do not fit hidden " + std::to_string(a.hidden));
+  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) || positions.element_count() != static_cast<size_t>(hd[0]) ||
+      layer.element_count() != 1)
+    return invalid("qkv_rope_append: inv_freq must be [head_dim/2], positions [tokens], layer a scalar");
+  a.h = h.typed_data();
+  a.norm_w = norm_w.typed_data();
+  a.wq = wq.typed_data();
+  a.wk = wk.typed_data();
+  a.wv = wv.typed_data();
+  a.inv_freq = inv_freq.typed_data();
+  a.positions = positions.typed_data();
+  a.layer = layer.typed_data();
+  a.norm_layer_stride = layer_stride(norm_w);
+  a.q_layer_stride = layer_stride(wq);
+  a.kv_layer_stride = layer_stride(wk);
+  if (layer_stride(wv) != a.kv_layer_stride) return invalid("qkv_rope_append: wk and wv must be stacked alike");
+  a.q = q->typed_data();
+  a.k_cache = k_cache->typed_data();
+  a.v_cache = v_cache->typed_data();
+  a.eps = eps;
+
+  const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
+                       aligned16(a.wv) && a.norm_layer_stride % 8 == 0 && a.q_layer_stride % 8 == 0 &&
+                       a.kv_layer_stride % 8 == 0;
+  const int blocks = persistent_blocks(int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4));
+  return with_token_bucket(a.tokens, [&](auto tmax) {
+    return with_vector_width(a.hidden, aligned, [&](auto vec) {
+      qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value><<<blocks, kMatvecThreads, 0, stream>>>(a);
+      return launch_status("qkv_rope_append");
+    });
+  });
+}
+
+}  // namespace
+}  // namespace lithos
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // attention norm weight
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wq
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 1)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 2)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,105 @@
+"""How a fused op is called: which path runs it, and the argument conventions at the FFI boundary.
+
+Every op takes `path`:
+- "auto": the FFI kernel on CUDA and ROCm, the reference twin on every other backend. The choice is
+  made by `jax.lax.platform_dependent` when XLA lowers for a platform, so one jitted function serves
+  both; a GPU whose kernels cannot be built is an error, never a silent fallback.
+- "reference": the jax.numpy twin, on any backend (the specification; what CI runs).
+- "ffi": the FFI kernel; needs a CUDA or ROCm backend.
+
+At the boundary, per-layer weights travel stacked with a leading `[layers]` axis plus a device
+scalar `layer` (so a call inside `lax.scan` reads the layer in place instead of XLA copying a
+slice out first), and an absent optional input travels as an empty array.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lithos.custom_calls.build import ensure_registered, gpu_platform
+from lithos.errors import LithosError
+
+PATHS = ("auto", "reference", "ffi")
+
+
+@functools.cache
+def _gpu_platform() -> str | None:
+    return gpu_platform()
+
+
+def dispatch(path: str, reference: Callable, kernel: Callable, *args: Any, check: Callable[[], None] = lambda: None):
+    """Run `reference(*args)` or `kernel(*args)` as `path` says; `check` validates kernel-only limits
+    (e.g. at most 16 query positions) wherever the kernel may run."""
+    if path == "reference":
+        return reference(*args)
+    if path == "ffi":
+        if _gpu_platform() is None:
+            raise LithosError("path='ffi' needs a CUDA or ROCm GPU and jax sees none; use path='auto' or 'reference'")
+        check()
+        return kernel(*args)
+    if path == "auto":
+        if _gpu_platform() is not None:
+            check()
+        return jax.lax.platform_dependent(*args, cuda=kernel, rocm=kernel, default=reference)
+    raise LithosError(f"unknown kernel path {path!r}; choose one of {', '.join(PATHS)}")
+
+
+def call_kernel(source: str, target: str, out_types: Sequence[jax.ShapeDtypeStruct], *args: jax.Array,
+                aliases: dict[int, int] | None = None, **attrs: Any) -> Any:
+    """Call FFI handler `target` of csrc/<source>.cu; where a GPU backend exists, build and register it
+    first (so the lowering finds it)."""
+    platform = _gpu_platform()
+    if platform is not None:
+        ensure_registered(source, platform)
+    return jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)(*args, **attrs)
+
+
+def absent(dtype=jnp.bfloat16) -> jax.Array:
+    """The empty array that stands for an optional input left out."""
+    return jnp.zeros((0,), dtype)
+
+
+def layer_index(layer: int | jax.Array | None) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def stacked(name: str, array: jax.Array | None, rank: int, layer) -> jax.Array | None:
+    """`array` with a leading layer axis, as the kernels take it. An array without one gets an axis of
+    1: the same weight for every layer (e.g. a final norm)."""
+    if array is None:
+        return None
+    if array.ndim == rank:
+        return array[None]
+    if array.ndim != rank + 1:
+        raise LithosError(f"{name} must have {rank} dimensions, or {rank + 1} stacked by layer; got {list(array.shape)}")
+    if layer is None and array.shape[0] != 1:
+        raise LithosError(f"{name} is stacked {list(array.shape)} (layers first): pass layer=")
+    return array
+
+
+def at_layer(array: jax.Array | None, layer: jax.Array) -> jax.Array | None:
+    """One layer of an array from `stacked` (the reference twins' view of it)."""
+    if array is None:
+        return None
+    if array.shape[0] == 1:
+        return array[0]
+    return jax.lax.dynamic_index_in_dim(array, layer, 0, keepdims=False)
+
+
+def require_bf16(op: str, **arrays: jax.Array | None) -> None:
+    wrong = {name: a.dtype for name, a in arrays.items() if a is not None and a.dtype != jnp.bfloat16}
+    if wrong:
+        raise LithosError(f"{op}: the fused kernels take bfloat16, got {wrong}; cast the inputs or use path='reference'")
+
+
+def check_tokens(op: str, tokens: int, limit: int = 16) -> None:
+    if not 1 <= tokens <= limit:
+        raise LithosError(
+            f"{op}: the fused kernels take 1..{limit} query positions (a decode step or k+1 to verify), got "
+            f"{tokens}; run prefill with kernels='reference'"
+        )

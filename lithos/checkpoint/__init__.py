@@ -48,6 +48,7 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
     source: str
     dtype: str
+    restored: bool = False  # True when read from a converted (orbax) copy
 
 
 def default_model_path() -> Path:
@@ -144,7 +145,9 @@ def restore_converted(path: Path, sharding=None) -> LoadedCheckpoint:
     family = family_for_architecture(cfg.architecture)
     flat = store.restore(path, family.param_shapes(cfg), DTYPES[meta["dtype"]], sharding)
     tokenizer = _tokenizer_from_converted(path / "tokenizer")
-    return LoadedCheckpoint(cfg, family.params_from_flat(flat), tokenizer, meta["source"], meta["dtype"])
+    return LoadedCheckpoint(
+        cfg, family.params_from_flat(flat), tokenizer, meta["source"], meta["dtype"], restored=True
+    )
 
 
 def load_checkpoint(

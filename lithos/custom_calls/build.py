@@ -50,8 +50,17 @@ XLA_PLATFORM = {"cuda": "CUDA", "rocm": "ROCM"}
 DEFAULT_ARCH = {"cuda": "sm_90a", "rocm": "gfx942"}
 
 # The XLA FFI headers warn about missing returns inside them; those warnings are not ours.
-_NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-Wno-return-type",
-               "-diag-suppress", "940,2473")
+_NVCC_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+    "-Xcompiler",
+    "-Wno-return-type",
+    "-diag-suppress",
+    "940,2473",
+)
 _HIPCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-return-type")
 
 INSTALL_HINT = {
@@ -83,8 +92,17 @@ class Toolchain:
             arch = self.arch.removeprefix("sm_")
             target = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
             return [self.compiler, *_NVCC_FLAGS, *target, *include, "-o", str(output), str(source)]
-        return [self.compiler, *_HIPCC_FLAGS, f"--offload-arch={self.arch}", *include, "-x", "hip",
-                str(source), "-o", str(output)]
+        return [
+            self.compiler,
+            *_HIPCC_FLAGS,
+            f"--offload-arch={self.arch}",
+            *include,
+            "-x",
+            "hip",
+            str(source),
+            "-o",
+            str(output),
+        ]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -133,7 +151,7 @@ def jaxlib_version() -> str:
 
 
 def gpu_platform() -> str | None:
-    """"cuda" or "rocm" when jax has that backend, else None."""
+    """ "cuda" or "rocm" when jax has that backend, else None."""
     for platform in PLATFORMS:
         try:
             if jax.devices(platform):
@@ -164,10 +182,10 @@ def toolchain(platform: str, arch: str | None = None) -> Toolchain:
     compiler = find_compiler(platform)
     if compiler is None:
         raise LithosError(
-            f"no {'nvcc' if platform == 'cuda' else 'hipcc'} was found, and lithos compiles its fused kernels for "
-            f"{platform.upper()} GPUs on first use: {INSTALL_HINT[platform]}. Or build them elsewhere "
-            "with `python -m lithos.custom_calls.build` into the same LITHOS_CACHE_DIR, or run the reference "
-            "path explicitly (kernels='reference')."
+            f"no {'nvcc' if platform == 'cuda' else 'hipcc'} was found, and lithos compiles its fused "
+            f"kernels for {platform.upper()} GPUs on first use: {INSTALL_HINT[platform]}. Or build them "
+            "elsewhere with `python -m lithos.custom_calls.build` into the same LITHOS_CACHE_DIR, or run "
+            "the reference path explicitly (kernels='reference')."
         )
     return Toolchain(platform, compiler, compiler_version(compiler), arch or detect_arch(platform))
 
@@ -196,8 +214,9 @@ def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     # Compile beside the target and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         partial = Path(tmp) / output.name
-        result = subprocess.run(tc.command(CSRC / f"{kernel}.cu", partial), capture_output=True, text=True,
-                                env=tc.environment())
+        result = subprocess.run(
+            tc.command(CSRC / f"{kernel}.cu", partial), capture_output=True, text=True, env=tc.environment()
+        )
         if result.returncode != 0:
             raise LithosError(
                 f"compiling {kernel}.cu for {tc.arch} with {tc.compiler} failed:\n{result.stderr[-4000:]}\n"
@@ -218,18 +237,24 @@ def ensure_registered(kernel: str, platform: str) -> None:
             return
         library = ctypes.cdll.LoadLibrary(str(build(kernel, toolchain(platform))))
         for symbol in KERNELS[kernel]:
-            jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)),
-                                        platform=XLA_PLATFORM[platform])
+            jax.ffi.register_ffi_target(
+                symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform=XLA_PLATFORM[platform]
+            )
         _registered.add((kernel, platform))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build lithos' fused kernels ahead of time.")
-    parser.add_argument("--platform", choices=PLATFORMS, default=None,
-                        help="default: the GPU backend jax sees, else cuda")
+    parser.add_argument(
+        "--platform", choices=PLATFORMS, default=None, help="default: the GPU backend jax sees, else cuda"
+    )
     parser.add_argument("--arch", default=None, help="e.g. sm_90a, gfx942 (default: the visible GPU's)")
-    parser.add_argument("--kernel", action="append", choices=sorted(KERNELS),
-                        help="build only these (repeatable; default: all)")
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        choices=sorted(KERNELS),
+        help="build only these (repeatable; default: all)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
     args = parser.parse_args(argv)
 
@@ -242,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except LithosError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    for kernel, path in zip(kernels, paths):
+    for kernel, path in zip(kernels, paths, strict=True):
         print(f"{kernel:10s} {tc.arch:8s} {path}")
     return 0
 

@@ -32,14 +32,18 @@ def _gpu_platform() -> str | None:
     return gpu_platform()
 
 
-def dispatch(path: str, reference: Callable, kernel: Callable, *args: Any, check: Callable[[], None] = lambda: None):
+def dispatch(
+    path: str, reference: Callable, kernel: Callable, *args: Any, check: Callable[[], None] = lambda: None
+):
     """Run `reference(*args)` or `kernel(*args)` as `path` says; `check` validates kernel-only limits
     (e.g. at most 16 query positions) wherever the kernel may run."""
     if path == "reference":
         return reference(*args)
     if path == "ffi":
         if _gpu_platform() is None:
-            raise LithosError("path='ffi' needs a CUDA or ROCm GPU and jax sees none; use path='auto' or 'reference'")
+            raise LithosError(
+                "path='ffi' needs a CUDA or ROCm GPU and jax sees none; use path='auto' or 'reference'"
+            )
         check()
         return kernel(*args)
     if path == "auto":
@@ -49,8 +53,14 @@ def dispatch(path: str, reference: Callable, kernel: Callable, *args: Any, check
     raise LithosError(f"unknown kernel path {path!r}; choose one of {', '.join(PATHS)}")
 
 
-def call_kernel(source: str, target: str, out_types: Sequence[jax.ShapeDtypeStruct], *args: jax.Array,
-                aliases: dict[int, int] | None = None, **attrs: Any) -> Any:
+def call_kernel(
+    source: str,
+    target: str,
+    out_types: Sequence[jax.ShapeDtypeStruct],
+    *args: jax.Array,
+    aliases: dict[int, int] | None = None,
+    **attrs: Any,
+) -> Any:
     """Call FFI handler `target` of csrc/<source>.cu; where a GPU backend exists, build and register it
     first (so the lowering finds it)."""
     platform = _gpu_platform()
@@ -76,7 +86,9 @@ def stacked(name: str, array: jax.Array | None, rank: int, layer) -> jax.Array |
     if array.ndim == rank:
         return array[None]
     if array.ndim != rank + 1:
-        raise LithosError(f"{name} must have {rank} dimensions, or {rank + 1} stacked by layer; got {list(array.shape)}")
+        raise LithosError(
+            f"{name} must have {rank} dimensions, or {rank + 1} stacked by layer; got {list(array.shape)}"
+        )
     if layer is None and array.shape[0] != 1:
         raise LithosError(f"{name} is stacked {list(array.shape)} (layers first): pass layer=")
     return array
@@ -94,7 +106,9 @@ def at_layer(array: jax.Array | None, layer: jax.Array) -> jax.Array | None:
 def require_bf16(op: str, **arrays: jax.Array | None) -> None:
     wrong = {name: a.dtype for name, a in arrays.items() if a is not None and a.dtype != jnp.bfloat16}
     if wrong:
-        raise LithosError(f"{op}: the fused kernels take bfloat16, got {wrong}; cast the inputs or use path='reference'")
+        raise LithosError(
+            f"{op}: the fused kernels take bfloat16, got {wrong}; cast the inputs or use path='reference'"
+        )
 
 
 def check_tokens(op: str, tokens: int, limit: int = 16) -> None:

@@ -60,7 +60,9 @@ def _gate_up_kernel(x, w_gate, w_up, layer, norm_weight, *, eps):
 
 def _check_input(op: str, x: jax.Array, w: jax.Array, norm_weight: jax.Array | None) -> None:
     if x.ndim != 2 or x.shape[1] != w.shape[-1]:
-        raise LithosError(f"{op}: x must be [tokens, {w.shape[-1]}] for w {list(w.shape)}, got {list(x.shape)}")
+        raise LithosError(
+            f"{op}: x must be [tokens, {w.shape[-1]}] for w {list(w.shape)}, got {list(x.shape)}"
+        )
     if norm_weight is not None and norm_weight.shape[-1] != x.shape[1]:
         raise LithosError(f"{op}: norm_weight {list(norm_weight.shape)} does not match x {list(x.shape)}")
 
@@ -81,14 +83,25 @@ def matvec(
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
     _check_input("matvec", x, w, norm_weight)
     if residual is not None and residual.shape != (x.shape[0], w.shape[1]):
-        raise LithosError(f"matvec: residual must be [{x.shape[0]}, {w.shape[1]}], got {list(residual.shape)}")
+        raise LithosError(
+            f"matvec: residual must be [{x.shape[0]}, {w.shape[1]}], got {list(residual.shape)}"
+        )
 
     def check():
         check_tokens("matvec", x.shape[0])
         require_bf16("matvec", x=x, w=w, norm_weight=norm_weight, residual=residual)
 
-    return dispatch(path, functools.partial(_matvec_reference, eps=eps), functools.partial(_matvec_kernel, eps=eps),
-                    x, w, layer_index(layer), norm_weight, residual, check=check)
+    return dispatch(
+        path,
+        functools.partial(_matvec_reference, eps=eps),
+        functools.partial(_matvec_kernel, eps=eps),
+        x,
+        w,
+        layer_index(layer),
+        norm_weight,
+        residual,
+        check=check,
+    )
 
 
 def gate_up_silu(
@@ -114,8 +127,17 @@ def gate_up_silu(
         check_tokens("gate_up_silu", x.shape[0])
         require_bf16("gate_up_silu", x=x, w_gate=w_gate, w_up=w_up, norm_weight=norm_weight)
 
-    return dispatch(path, functools.partial(_gate_up_reference, eps=eps), functools.partial(_gate_up_kernel, eps=eps),
-                    x, w_gate, w_up, layer_index(layer), norm_weight, check=check)
+    return dispatch(
+        path,
+        functools.partial(_gate_up_reference, eps=eps),
+        functools.partial(_gate_up_kernel, eps=eps),
+        x,
+        w_gate,
+        w_up,
+        layer_index(layer),
+        norm_weight,
+        check=check,
+    )
 
 
 __all__ = ["matvec", "gate_up_silu"]

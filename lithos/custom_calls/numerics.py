@@ -27,3 +27,15 @@ def rms_normalize(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Arr
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w.T` in float32 for `[out, in]` weights: x `[tokens, in]` -> `[tokens, out]`."""
     return jnp.einsum("ti,oi->to", f32(x), f32(w), precision=HIGHEST)
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary positions in float32, rotate-half form (as `lithos.models.llama.apply_rope`):
+    x `[tokens, heads, head_dim]`, positions `[tokens]`, inv_freq `[head_dim / 2]`."""
+    angles = positions[:, None].astype(jnp.float32) * f32(inv_freq)  # [T, D/2], one rounding, as the kernel
+    cos = jnp.concatenate([jnp.cos(angles), jnp.cos(angles)], -1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles), jnp.sin(angles)], -1)[:, None, :]
+    xf = f32(x)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
+    return xf * cos + rotated * sin

@@ -1,0 +1,122 @@
+"""Decode attention over the KV cache for 1..16 query positions (kernel in csrc/attention.cu) beside
+its reference twin.
+
+The kernel splits the cache along its length (flash-decoding): partial softmax per split, then a
+combine. It reads, per KV head, only the keys some query can see, positions being device data, so
+the same compiled step serves a 1K context and a 1M one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos.custom_calls.dispatch import (
+    at_layer,
+    call_kernel,
+    check_tokens,
+    dispatch,
+    layer_index,
+    require_bf16,
+    stacked,
+)
+from lithos.custom_calls.numerics import HIGHEST, f32
+from lithos.errors import LithosError
+
+# Rows of the kernel's scratch: it cuts the cache into at most this many splits per KV head.
+MAX_SPLITS = 64
+
+
+def _reference(q, k_cache, v_cache, positions, layer, *, window):
+    keys = f32(at_layer(k_cache, layer)[0])  # [kv_heads, max_len, head_dim], batch 0
+    values = f32(at_layer(v_cache, layer)[0])
+    tokens, heads, head_dim = q.shape
+    kv_heads, max_len = keys.shape[:2]
+    qg = f32(q).reshape(tokens, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("tkgd,ksd->tkgs", qg, keys, precision=HIGHEST) / math.sqrt(head_dim)
+    key_pos = jnp.arange(max_len)
+    visible = key_pos[None, :] <= positions[:, None]  # [T, S]
+    if window:
+        visible &= key_pos[None, :] > positions[:, None] - window
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgs,ksd->tkgd", probs, values, precision=HIGHEST)
+    # A query that sees no key (no valid position) reads zeros, as the kernel writes.
+    out = jnp.where(visible.any(-1)[:, None, None, None], out, 0.0)
+    return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+
+
+def _kernel(q, k_cache, v_cache, positions, layer, *, window):
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    rows = tokens * (heads // kv_heads)
+    out_types = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((MAX_SPLITS, kv_heads, rows, head_dim), jnp.float32),  # scratch
+        jax.ShapeDtypeStruct((MAX_SPLITS, kv_heads, rows), jnp.float32),  # scratch
+    ]
+    out, _, _ = call_kernel(
+        "attention",
+        "LithosDecodeAttention",
+        out_types,
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        layer,
+        window=np.int64(window),
+    )
+    return out
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    sliding_window: int | None = None,
+    path: str = "auto",
+) -> jax.Array:
+    """Attention of queries q `[tokens, heads, head_dim]` at `positions` `[tokens]` (int32) over one
+    layer of the cache: k_cache, v_cache `[layers, 1, kv_heads, max_len, head_dim]` with `layer`, or
+    `[1, kv_heads, max_len, head_dim]`. A query at position p sees keys at positions <= p (and
+    > p - sliding_window). Returns `[tokens, heads, head_dim]` in q's dtype."""
+    k_cache = stacked("k_cache", k_cache, 4, layer)
+    v_cache = stacked("v_cache", v_cache, 4, layer)
+    if q.ndim != 3 or k_cache.shape != v_cache.shape or q.shape[2] != k_cache.shape[4]:
+        raise LithosError(f"decode_attention: q {list(q.shape)} does not fit caches {list(k_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise LithosError(
+            f"decode_attention: {q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads"
+        )
+    if positions.shape != (q.shape[0],):
+        raise LithosError(f"decode_attention: positions must be [{q.shape[0]}], got {list(positions.shape)}")
+    window = int(sliding_window or 0)
+
+    def check():
+        check_tokens("decode_attention", q.shape[0])
+        require_bf16("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+        if k_cache.shape[1] != 1:
+            raise LithosError(
+                f"decode_attention: the fused kernels decode batch 1, the cache has batch {k_cache.shape[1]}"
+            )
+        if q.shape[2] not in (64, 128, 256):
+            raise LithosError(f"decode_attention: head_dim {q.shape[2]} has no fused kernel (64, 128, 256)")
+
+    return dispatch(
+        path,
+        functools.partial(_reference, window=window),
+        functools.partial(_kernel, window=window),
+        q,
+        k_cache,
+        v_cache,
+        positions.astype(jnp.int32),
+        layer_index(layer),
+        check=check,
+    )

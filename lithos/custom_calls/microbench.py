@@ -1,0 +1,171 @@
+"""Time each fused op against its floor (bytes it must read / measured read bandwidth), beside its
+reference twin, for the decode shapes. One op's time is measured over a chain of calls, one per
+layer (so the bytes exceed L2 as in a real step), each feeding the next, inside a jitted fori_loop.
+
+    python -m lithos.custom_calls.microbench --model llama-3.2-1b --tokens 1 --context 1024 131072
+
+The per-call time includes each call's launch gap inside XLA's loop (what a decode step pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos.custom_calls import decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
+
+BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+
+
+SHAPES = {
+    "smollm2-135m": Shape(30, 576, 9, 3, 64, 1536, 49152),
+    "llama-3.2-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256),
+    "llama-3.1-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
+}
+
+
+def read_bandwidth(gib: float = 4.0) -> float:
+    """Bytes per second of a large on-device bf16 sum (the floor's denominator)."""
+    data = jax.random.normal(jax.random.PRNGKey(0), (int(gib * 2**30) // 2,), BF16)
+    reps = 10
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, reps, lambda i, a: a + jnp.sum(x, dtype=jnp.float32), 0.0))
+    seconds = median_seconds(run, data)
+    return data.nbytes * reps / seconds
+
+
+def median_seconds(fn: Callable, *args, runs: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def chain_seconds(step: Callable, state, layers: int, iters: int) -> float:
+    """Seconds per call of `state = step(state, layer)`, run for every layer, `iters` times."""
+
+    def body(_, s):
+        for layer in range(layers):
+            s = step(s, layer)
+        return s
+
+    run = jax.jit(lambda s: jax.lax.fori_loop(0, iters, body, s))
+    return median_seconds(run, state) / (iters * layers)
+
+
+def op_chains(s: Shape, tokens: int, context: int, path: str) -> dict[str, tuple[Callable, object, int, int]]:
+    """name -> (step, initial state, layers in the chain, bytes one call must read)."""
+    k = iter(jax.random.split(jax.random.PRNGKey(1), 16))
+    L, D, F, Dq, Dkv = s.layers, s.hidden, s.ffn, s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+    def rand(*shape, scale=1.0):
+        return (scale * jax.random.normal(next(k), shape, jnp.float32)).astype(BF16)
+
+    h, attn = rand(tokens, D), rand(tokens, Dq)
+    wo, w_down = rand(L, D, Dq, scale=Dq**-0.5), rand(L, D, F, scale=F**-0.5)
+    w_gate, w_up = rand(L, F, D, scale=D**-0.5), rand(L, F, D, scale=D**-0.5)
+    wq, wk, wv = rand(L, Dq, D, scale=D**-0.5), rand(L, Dkv, D, scale=D**-0.5), rand(L, Dkv, D, scale=D**-0.5)
+    norm, head = 1 + rand(L, D, scale=0.1), rand(s.vocab, D)
+    max_len = context + 16
+    cache = (rand(L, 1, s.kv_heads, max_len, s.head_dim), rand(L, 1, s.kv_heads, max_len, s.head_dim))
+    inv_freq = jnp.asarray(1.0 / 5e5 ** (np.arange(0, s.head_dim, 2) / s.head_dim), jnp.float32)
+    positions = jnp.arange(context - tokens, context, dtype=jnp.int32)
+    q = rand(tokens, s.heads, s.head_dim)
+    mlp_ffn = rand(tokens, F)
+
+    def o_proj(r, layer):
+        return matvec(attn, wo, layer=layer, residual=r, path=path)
+
+    def down(r, layer):
+        return matvec(mlp_ffn, w_down, layer=layer, residual=r, path=path)
+
+    def mlp(x, layer):  # gate/up with the norm, then down with the residual
+        gated = gate_up_silu(x, w_gate, w_up, layer=layer, norm_weight=norm, path=path)
+        return matvec(gated, w_down, layer=layer, residual=x, path=path)
+
+    def qkv(caches, layer):
+        _, kc, vc = qkv_rope_append(h, norm, wq, wk, wv, inv_freq, positions, *caches, layer=layer, path=path)
+        return kc, vc
+
+    def attention(x, layer):
+        return decode_attention(x, *cache, positions, layer=layer, path=path)
+
+    def lm_head(ids, _):  # the embedding gather of the next step keeps the calls chained
+        return lm_head_argmax(head[ids], head, norm_weight=norm[0], path=path)
+
+    w = 2  # bytes per bf16
+    return {
+        "qkv_rope_append": (qkv, cache, L, (Dq + 2 * Dkv) * D * w),
+        f"attention@{context}": (attention, q, L, 2 * s.kv_heads * context * s.head_dim * w),
+        "o_proj+residual": (o_proj, h, L, D * Dq * w),
+        "mlp (gate_up+down)": (mlp, h, L, 3 * F * D * w),
+        "down+residual": (down, h, L, F * D * w),
+        "lm_head_argmax": (lm_head, jnp.zeros((tokens,), jnp.int32), 4, s.vocab * D * w),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), action="append")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--reference", action="store_true", help="also time the reference twins")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "microbench.json"))
+    args = parser.parse_args(argv)
+
+    bandwidth = read_bandwidth()
+    print(f"device: {jax.devices()[0].device_kind}; read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    paths = ["ffi", "reference"] if args.reference else ["ffi"]
+    for model in args.model or ["llama-3.2-1b"]:
+        for tokens in args.tokens:
+            for i, context in enumerate(args.context):
+                chains = {p: op_chains(SHAPES[model], tokens, context, p) for p in paths}
+                for name, (_, _, _, nbytes) in chains["ffi"].items():
+                    if i > 0 and not name.startswith("attention"):
+                        continue  # only attention depends on the context
+                    row = dict(model=model, tokens=tokens, op=name, bytes=nbytes,
+                               floor_us=nbytes / bandwidth * 1e6)  # fmt: skip
+                    for p in paths:
+                        step, state, layers, _ = chains[p][name]
+                        row[f"{p}_us"] = chain_seconds(step, state, layers, args.iters) * 1e6
+                    row["ratio"] = row["ffi_us"] / row["floor_us"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, read_bandwidth=bandwidth,
+                       rows=rows), f, indent=1)  # fmt: skip
+    print(f"\n{'model':14s} {'T':>2s} {'op':22s} {'MB':>8s} {'floor us':>9s} {'ffi us':>8s} {'x floor':>7s}"
+          + ("  ref us" if args.reference else ""))  # fmt: skip
+    for r in rows:
+        ref = f" {r['reference_us']:8.1f}" if args.reference else ""
+        print(f"{r['model']:14s} {r['tokens']:2d} {r['op']:22s} {r['bytes'] / 1e6:8.2f} {r['floor_us']:9.1f} "
+              f"{r['ffi_us']:8.1f} {r['ratio']:7.2f}{ref}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

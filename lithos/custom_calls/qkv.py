@@ -1,0 +1,143 @@
+"""Attention's input half for 1..16 tokens (kernel in csrc/qkv_rope.cu) beside its reference twin:
+RMSNorm -> Q, K, V projections -> rotary positions on Q and K -> K and V written into the cache.
+
+The caches are updated in place: the kernel's cache outputs alias its cache inputs, so under `jit`
+with the caches donated (or carried through a `scan`/`while_loop`) no copy is made.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from lithos.custom_calls.dispatch import (
+    at_layer,
+    call_kernel,
+    check_tokens,
+    dispatch,
+    layer_index,
+    require_bf16,
+    stacked,
+)
+from lithos.custom_calls.numerics import f32, project, rms_normalize, rotate
+from lithos.errors import LithosError
+
+
+def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+    tokens = h.shape[0]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
+    x = rms_normalize(h, at_layer(norm_weight, layer), eps)
+    q = project(x, at_layer(wq, layer)).reshape(tokens, -1, head_dim)
+    k = project(x, at_layer(wk, layer)).reshape(tokens, kv_heads, head_dim)
+    v = project(x, at_layer(wv, layer)).reshape(tokens, kv_heads, head_dim)
+    q = rotate(q, positions, inv_freq)
+    k = rotate(k, positions, inv_freq)
+    # A layer index into a cache with one layer (shared) is 0; positions past max_len are dropped.
+    cache_layer = layer if k_cache.shape[0] > 1 else 0
+    k_cache = k_cache.at[cache_layer, 0, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[cache_layer, 0, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+    return q.astype(h.dtype), k_cache, v_cache
+
+
+def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+    head_dim = k_cache.shape[4]
+    q_type = jax.ShapeDtypeStruct((h.shape[0], wq.shape[1] // head_dim, head_dim), h.dtype)
+    out_types = [
+        q_type,
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    ]
+    return tuple(
+        call_kernel(
+            "qkv_rope",
+            "LithosQkvRopeAppend",
+            out_types,
+            h,
+            norm_weight,
+            wq,
+            wk,
+            wv,
+            inv_freq,
+            positions,
+            layer,
+            k_cache,
+            v_cache,
+            aliases={8: 1, 9: 2},
+            eps=np.float32(eps),
+        )
+    )
+
+
+def qkv_rope_append(
+    h: jax.Array,
+    norm_weight: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    wv: jax.Array,
+    inv_freq: jax.Array,
+    positions: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    eps: float = 1e-5,
+    path: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries for `h` `[tokens, hidden]` at `positions` `[tokens]` (int32), with K and V written into
+    the caches. Weights `[out, hidden]` or stacked `[layers, out, hidden]` (norm `[hidden]` or
+    `[layers, hidden]`); caches `[layers, 1, kv_heads, max_len, head_dim]`; inv_freq `[head_dim/2]`
+    float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`, k_cache, v_cache)."""
+    norm_weight = stacked("norm_weight", norm_weight, 1, layer)
+    wq, wk, wv = (stacked(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
+    k_cache = stacked("k_cache", k_cache, 4, layer)
+    v_cache = stacked("v_cache", v_cache, 4, layer)
+    head_dim, kv_heads = k_cache.shape[4], k_cache.shape[2]
+    if h.ndim != 2 or wq.shape[2] != h.shape[1] or wq.shape[1] % head_dim != 0:
+        raise LithosError(
+            f"qkv_rope_append: h {list(h.shape)} and wq {list(wq.shape)} do not fit head_dim {head_dim}"
+        )
+    if (
+        wk.shape != wv.shape
+        or wk.shape[1:] != (kv_heads * head_dim, h.shape[1])
+        or v_cache.shape != k_cache.shape
+    ):
+        raise LithosError(
+            f"qkv_rope_append: wk {list(wk.shape)} / wv {list(wv.shape)} do not fit the cache "
+            f"{list(k_cache.shape)}"
+        )
+    if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
+        raise LithosError(f"qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
+
+    def check():
+        check_tokens("qkv_rope_append", h.shape[0])
+        require_bf16(
+            "qkv_rope_append",
+            h=h,
+            norm_weight=norm_weight,
+            wq=wq,
+            wk=wk,
+            wv=wv,
+            k_cache=k_cache,
+            v_cache=v_cache,
+        )
+        if k_cache.shape[1] != 1 or head_dim % 4 != 0:
+            raise LithosError("qkv_rope_append: the fused kernel takes batch 1 and head_dim a multiple of 4")
+
+    return dispatch(
+        path,
+        functools.partial(_reference, eps=eps),
+        functools.partial(_kernel, eps=eps),
+        h,
+        norm_weight,
+        wq,
+        wk,
+        wv,
+        f32(jax.numpy.asarray(inv_freq)),
+        positions.astype(np.int32),
+        layer_index(layer),
+        k_cache,
+        v_cache,
+        check=check,
+    )

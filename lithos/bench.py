@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lithos import decode
 from lithos.errors import LithosError
@@ -106,11 +105,14 @@ def time_decode_steps(params, cfg, context: int, kernels: str, steps: int, runs:
     """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens."""
     dtype = params.embed.dtype
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
-    start = jnp.full((1,), context, jnp.int32)
+
+    def start():  # a fresh array each run: the state (and everything in it) is donated
+        return jnp.full((1,), context, jnp.int32)
+
     state = decode.DecodeState(
         cache=cache,
         last_token=jnp.zeros((1,), jnp.int32),
-        position=start,
+        position=start(),
         generated=jnp.zeros((1,), jnp.int32),
         limit=jnp.full((1,), 1 << 30, jnp.int32),
         finish=jnp.zeros((1,), jnp.int32),
@@ -122,7 +124,7 @@ def time_decode_steps(params, cfg, context: int, kernels: str, steps: int, runs:
     jax.block_until_ready(state)
     per_step = []
     for _ in range(runs):
-        state = state.replace(position=start, finish=jnp.zeros((1,), jnp.int32))
+        state = state.replace(position=start(), finish=jnp.zeros((1,), jnp.int32))
         t = time.perf_counter()
         state = _steps(params, state, cfg, steps, kernels)
         jax.block_until_ready(state)
@@ -202,13 +204,16 @@ def environment() -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]], bandwidth: float) -> None:
     print(f"\nread bandwidth {bandwidth / 1e12:.3f} TB/s (measured)")
-    header = f"{'model':<16}{'kernels':<11}{'context':>8}{'floor ms':>10}{'step ms':>10}{'x floor':>9}{'tok/s':>10}{'$/Mtok':>9}"
+    header = (
+        f"{'model':<28}{'kernels':<11}{'context':>8}{'floor ms':>10}{'step ms':>10}"
+        f"{'x floor':>9}{'tok/s':>10}{'$/Mtok':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         cost = r["cost_per_million_tokens"]
         print(
-            f"{r['model']:<16}{r['kernels']:<11}{r['context']:>8}{r['floor_ms']:>10.3f}{r['step_ms']:>10.3f}"
+            f"{r['model']:<28}{r['kernels']:<11}{r['context']:>8}{r['floor_ms']:>10.3f}{r['step_ms']:>10.3f}"
             f"{r['ratio_to_floor']:>9.2f}{r['tokens_per_s']:>10.1f}{'-' if cost is None else f'{cost:.3f}':>9}"
         )
 
@@ -249,9 +254,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed device loop")
     p.add_argument("--runs", type=int, default=8, help="timed loops (steps x runs >= 128)")
-    p.add_argument("--generate-tokens", type=int, default=128, help="tokens for the end-to-end generation (real models)")
+    p.add_argument(
+        "--generate-tokens", type=int, default=128, help="tokens for the end-to-end generation (real models)"
+    )
     p.add_argument("--hardware", help="hardware profile from configs/hardware (default: detected)")
-    p.add_argument("--bandwidth-bytes", type=int, default=None, help="size of the bandwidth probe (default 4 GiB GPU, 512 MiB CPU)")
+    p.add_argument(
+        "--bandwidth-bytes", type=int, default=None, help="size of the bandwidth probe (default 4 GiB GPU, 512 MiB CPU)"
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="directory for the JSON and PNG")
     p.add_argument("--tag", default="", help="suffix for the result file name")
 

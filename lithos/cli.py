@@ -13,8 +13,12 @@ from lithos.errors import LithosError
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF safetensors dir, .gguf file or lithos-converted dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="weight dtype (default: bf16 on GPU, f32 on CPU)")
+    p.add_argument(
+        "--model", help="HF safetensors dir, .gguf file or lithos-converted dir (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), help="weight dtype (default: bf16 on GPU, f32 on CPU)"
+    )
     p.add_argument("--max-len", type=int, default=2048, help="KV cache length in tokens (prompt + generation)")
     p.add_argument("--kernels", default="reference", help="kernel path: reference, fused, megakernel")
 
@@ -38,9 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
-    sampling = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
-    )
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     stream = model.stream(prompt, max_new_tokens=args.max_new_tokens, raw=args.raw, **sampling)
     for piece in stream:
         sys.stdout.write(piece)

@@ -51,7 +51,9 @@ def _finish_reason(token, generated, limit, next_position, max_len, stop_ids, fi
     reason = jnp.where(
         hit_stop,
         STOPPED_ON_TOKEN,
-        jnp.where(generated >= limit, STOPPED_AT_LIMIT, jnp.where(next_position >= max_len, STOPPED_CACHE_FULL, RUNNING)),
+        jnp.where(
+            generated >= limit, STOPPED_AT_LIMIT, jnp.where(next_position >= max_len, STOPPED_CACHE_FULL, RUNNING)
+        ),
     )
     return jnp.where(finish != RUNNING, finish, reason)
 

@@ -189,14 +189,27 @@ class Model:
         stop = np.full((max(1, len(self.tokenizer.stop_ids)),), -1, np.int32)
         stop[: len(self.tokenizer.stop_ids)] = self.tokenizer.stop_ids
         cache = init_cache(
-            self.cfg.num_layers, batch, self.cfg.num_kv_heads, self.max_len, self.cfg.head_dim,
+            self.cfg.num_layers,
+            batch,
+            self.cfg.num_kv_heads,
+            self.max_len,
+            self.cfg.head_dim,
             self.params.embed.dtype,
         )
 
         t0 = time.perf_counter()
         state, first, _ = decode.prefill(
-            self.params, jnp.asarray(tokens), jnp.asarray(lengths_arr), cache, jnp.asarray(limits),
-            jnp.asarray(stop), sp, jax.random.key(seed), cfg=self.cfg, greedy=greedy, kernels=self.kernels,
+            self.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths_arr),
+            cache,
+            jnp.asarray(limits),
+            jnp.asarray(stop),
+            sp,
+            jax.random.key(seed),
+            cfg=self.cfg,
+            greedy=greedy,
+            kernels=self.kernels,
         )
         first = np.asarray(first)
         t1 = time.perf_counter()
@@ -210,8 +223,13 @@ class Model:
         done = np.asarray(state.done)
         while not done[:n].all():
             state, out = decode.decode_chunk(
-                self.params, state, cfg=self.cfg, chunk=self.stream_every, block=self.block,
-                greedy=greedy, kernels=self.kernels,
+                self.params,
+                state,
+                cfg=self.cfg,
+                chunk=self.stream_every,
+                block=self.block,
+                greedy=greedy,
+                kernels=self.kernels,
             )
             out = np.asarray(out)
             done = np.asarray(state.done)

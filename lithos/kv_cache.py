@@ -28,9 +28,7 @@ class KVCache:
         return self.k.shape[1]
 
 
-def init_cache(
-    num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype
-) -> KVCache:
+def init_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
     shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

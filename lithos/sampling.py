@@ -22,7 +22,7 @@ class SamplingParams:
     min_p: jax.Array  # f32 scalar; 0 keeps all
 
     @staticmethod
-    def make(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> "SamplingParams":
+    def make(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> SamplingParams:
         if temperature < 0:
             raise LithosError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k < 0:

@@ -171,9 +171,7 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise CheckpointError(
-            f"{path} is not valid JSON ({err}): re-download or re-save the checkpoint"
-        ) from err
+        raise CheckpointError(f"{path} is not valid JSON ({err}): re-download or re-save the checkpoint") from err
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -301,20 +299,14 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 def _check_messages(messages: Any) -> list[dict]:
     """Validate a conversation; return a plain copy without None-valued keys (as transformers does)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise LithosError(
-            f"a chat is a list of message dicts like {_EXAMPLE_MESSAGE}, got {type(messages).__name__}"
-        )
+        raise LithosError(f"a chat is a list of message dicts like {_EXAMPLE_MESSAGE}, got {type(messages).__name__}")
     checked = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise LithosError(
-                f"chat message {index} is a {type(message).__name__}, not a dict like {_EXAMPLE_MESSAGE}"
-            )
+            raise LithosError(f"chat message {index} is a {type(message).__name__}, not a dict like {_EXAMPLE_MESSAGE}")
         role = message.get("role")
         if role not in ALLOWED_ROLES:
-            raise LithosError(
-                f"chat message {index} has role {role!r}; allowed roles are {', '.join(ALLOWED_ROLES)}"
-            )
+            raise LithosError(f"chat message {index} has role {role!r}; allowed roles are {', '.join(ALLOWED_ROLES)}")
         content = message.get("content")
         # An assistant turn that only calls tools legitimately has no content.
         if content is None and not (role == "assistant" and message.get("tool_calls")):
@@ -467,9 +459,7 @@ class Tokenizer:
         # "<0xE6>" is a byte only to a model that falls back to bytes; elsewhere it is ordinary text.
         byte_fallback = getattr(backend.model, "byte_fallback", False)
         self._byte_ids = frozenset(
-            index
-            for token, index in backend.get_vocab().items()
-            if byte_fallback and _BYTE_FALLBACK_TOKEN.match(token)
+            index for token, index in backend.get_vocab().items() if byte_fallback and _BYTE_FALLBACK_TOKEN.match(token)
         )
 
     # ------------------------------------------------------------------ constructors
@@ -565,9 +555,7 @@ class Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise CheckpointError(
-                "the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer to run with"
-            )
+            raise CheckpointError("the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer to run with")
         tokens = [str(t) for t in tokens]
         token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or ()]
         arch = meta.get("general.architecture")
@@ -620,9 +608,7 @@ class Tokenizer:
         # special. It appends those missing from the vocabulary as new ids past the model's
         # embedding; we only mark the ones the vocabulary has.
         control += [t for t in (*named_defaults, *special_tokens.values()) if t in vocab]
-        backend.add_special_tokens(
-            [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control)]
-        )
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control)])
         # User-defined tokens (type 4, e.g. "<think>") are matched whole in the text but are not special.
         user_defined = [
             AddedToken(token, normalized=False, special=False)
@@ -635,9 +621,7 @@ class Tokenizer:
         add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
         add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
         extra_eos = [
-            int(meta[key])
-            for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if key in meta
+            int(meta[key]) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if key in meta
         ]
         return cls(
             backend,
@@ -723,9 +707,7 @@ class Tokenizer:
                 "check the messages or pass raw prompts (--raw)"
             ) from err
 
-    def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any) -> list[int]:
         """Token ids of the rendered conversation, shape [n]. No BOS is added: the template writes
         whatever special tokens it wants, as in transformers' tokenized `apply_chat_template`."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_vars)
@@ -785,9 +767,7 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> Backen
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = _gguf_merges(meta, tokens)
     try:
-        backend = BackendTokenizer(
-            BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
-        )
+        backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
     except Exception as err:
         raise CheckpointError(f"the GGUF's sentencepiece vocabulary is inconsistent: {err}") from err
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)

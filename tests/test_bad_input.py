@@ -57,8 +57,12 @@ def test_garbage_safetensors(hf_checkpoint, tmp_path):
 
 def test_sharded_safetensors_with_missing_shard(hf_checkpoint, tmp_path):
     path = copy_checkpoint(hf_checkpoint("qwen2"), tmp_path / "m")
-    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        }
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="missing shards"):
         load_checkpoint(path)

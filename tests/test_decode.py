@@ -126,6 +126,9 @@ def test_streaming_yields_the_same_text(tiny):
 
 def test_chat_prompt_uses_template(tiny):
     ids = tiny.prompt_ids([{"role": "user", "content": "hi"}])
-    assert tiny.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tiny.tokenizer.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     with pytest.raises(LithosError, match="role"):
         tiny.prompt_ids([{"role": "wizard", "content": "hi"}])

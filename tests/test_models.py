@@ -73,8 +73,12 @@ def test_config_reads_both_rope_styles():
     from lithos.models import llama
 
     base = dict(
-        architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=8,
-        num_hidden_layers=1, num_attention_heads=2,
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
     )
     scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
     old = llama.config_from_hf(base | {"rope_theta": 5e5, "rope_scaling": scaling})

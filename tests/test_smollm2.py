@@ -34,8 +34,9 @@ def test_prompt_logits_match_transformers(smollm2_model, hf_model):
     torch = require("torch")
     model, hf_tok = hf_model
     ids = smollm2_model.prompt_ids(QUESTION)
-    assert ids == hf_tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+    assert ids == hf_tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits.numpy()[0]
     cfg = smollm2_model.cfg
@@ -52,7 +53,7 @@ def test_greedy_chat_matches_transformers(smollm2_model, hf_model):
     ids = smollm2_model.prompt_ids(QUESTION)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
-    expected = out[0, len(ids):].tolist()
+    expected = out[0, len(ids) :].tolist()
     result = smollm2_model.generate(QUESTION, max_new_tokens=24)
     assert result.token_ids == expected
     assert result.text == "The capital of France is Paris."

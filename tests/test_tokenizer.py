@@ -312,9 +312,7 @@ def test_smollm_special_tokens(smollm, hf_smollm):
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_smollm_chat_matches_transformers(smollm, hf_smollm, name, add_generation_prompt):
     messages = CONVERSATIONS[name]
-    expected = hf_smollm.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    expected = hf_smollm.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert smollm.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected
     ids = smollm.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     assert ids == _hf_chat_ids(hf_smollm, messages, add_generation_prompt)
@@ -399,13 +397,9 @@ def test_tiny_chat_matches_transformers(tiny_pair):
     tok, hf = tiny_pair
     for messages in CONVERSATIONS.values():
         for add_generation_prompt in (True, False):
-            expected = hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
             assert tok.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected
-            assert tok.encode_chat(messages, add_generation_prompt) == _hf_chat_ids(
-                hf, messages, add_generation_prompt
-            )
+            assert tok.encode_chat(messages, add_generation_prompt) == _hf_chat_ids(hf, messages, add_generation_prompt)
 
 
 def test_tiny_stream_decoder_random_ids(tiny_pair):
@@ -438,9 +432,7 @@ def test_tiny_sentencepiece_details():
     assert tok.add_bos and tok.encode("the")[0] == tok.bos_id == 1
     assert tok.stop_ids == (2, tok.token_to_id("<|im_end|>"))
     # Characters outside the vocabulary fall back to their UTF-8 bytes.
-    assert tok.encode("🤖", add_special_tokens=False)[-4:] == [
-        tok.token_to_id(f"<0x{b:02X}>") for b in "🤖".encode()
-    ]
+    assert tok.encode("🤖", add_special_tokens=False)[-4:] == [tok.token_to_id(f"<0x{b:02X}>") for b in "🤖".encode()]
     pieces = _stream(tok, tok.encode("hello 🤖 world"))
     assert "".join(pieces) == "hello 🤖 world"
     assert not any("\ufffd" in piece for piece in pieces)

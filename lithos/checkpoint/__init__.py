@@ -95,9 +95,7 @@ def _read_source(path: Path):
     """Parse a HF directory or GGUF file: (cfg, flat float params, tokenizer, writer of tokenizer files)."""
     if path.is_file():
         if path.suffix != ".gguf":
-            raise CheckpointError(
-                f"{path} is a file but not a .gguf: pass a .gguf file or a model directory"
-            )
+            raise CheckpointError(f"{path} is a file but not a .gguf: pass a .gguf file or a model directory")
         cfg, flat, meta = gguf_file.load(path)
         tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
 
@@ -145,9 +143,7 @@ def restore_converted(path: Path, sharding=None) -> LoadedCheckpoint:
     family = family_for_architecture(cfg.architecture)
     flat = store.restore(path, family.param_shapes(cfg), DTYPES[meta["dtype"]], sharding)
     tokenizer = _tokenizer_from_converted(path / "tokenizer")
-    return LoadedCheckpoint(
-        cfg, family.params_from_flat(flat), tokenizer, meta["source"], meta["dtype"], restored=True
-    )
+    return LoadedCheckpoint(cfg, family.params_from_flat(flat), tokenizer, meta["source"], meta["dtype"], restored=True)
 
 
 def load_checkpoint(

@@ -65,9 +65,7 @@ def safetensors_files(path: Path) -> list[Path]:
         files = sorted({path / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(
-                f"{path} is missing shards named in its index: {', '.join(missing)}; download them"
-            )
+            raise CheckpointError(f"{path} is missing shards named in its index: {', '.join(missing)}; download them")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -42,7 +42,7 @@ def dispatch(
     if path == "ffi":
         if _gpu_platform() is None:
             raise LithosError(
-                "path='ffi' needs a CUDA or ROCm GPU and jax sees none; use path='auto' or 'reference'"
+                "path='ffi' needs a CUDA or ROCm GPU and jax sees none; use 'auto' or 'reference'"
             )
         check()
         return kernel(*args)

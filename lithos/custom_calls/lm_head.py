@@ -54,7 +54,7 @@ def lm_head_argmax(
         raise LithosError(f"lm_head_argmax: h {list(h.shape)} does not fit head {list(head.shape)}")
     if norm_weight is not None and norm_weight.shape != (h.shape[1],):
         raise LithosError(
-            f"lm_head_argmax: norm_weight must be [{h.shape[1]}], got {list(norm_weight.shape)}"
+            f"lm_head_argmax: norm_weight must be [{h.shape[1]}], not {list(norm_weight.shape)}"
         )
 
     def check():

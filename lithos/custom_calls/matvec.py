@@ -61,7 +61,7 @@ def _gate_up_kernel(x, w_gate, w_up, layer, norm_weight, *, eps):
 def _check_input(op: str, x: jax.Array, w: jax.Array, norm_weight: jax.Array | None) -> None:
     if x.ndim != 2 or x.shape[1] != w.shape[-1]:
         raise LithosError(
-            f"{op}: x must be [tokens, {w.shape[-1]}] for w {list(w.shape)}, got {list(x.shape)}"
+            f"{op}: x must be [tokens, {w.shape[-1]}] for w {list(w.shape)}, not {list(x.shape)}"
         )
     if norm_weight is not None and norm_weight.shape[-1] != x.shape[1]:
         raise LithosError(f"{op}: norm_weight {list(norm_weight.shape)} does not match x {list(x.shape)}")
@@ -84,7 +84,7 @@ def matvec(
     _check_input("matvec", x, w, norm_weight)
     if residual is not None and residual.shape != (x.shape[0], w.shape[1]):
         raise LithosError(
-            f"matvec: residual must be [{x.shape[0]}, {w.shape[1]}], got {list(residual.shape)}"
+            f"matvec: residual must be [{x.shape[0]}, {w.shape[1]}], not {list(residual.shape)}"
         )
 
     def check():

@@ -98,11 +98,8 @@ def qkv_rope_append(
         raise LithosError(
             f"qkv_rope_append: h {list(h.shape)} and wq {list(wq.shape)} do not fit head_dim {head_dim}"
         )
-    if (
-        wk.shape != wv.shape
-        or wk.shape[1:] != (kv_heads * head_dim, h.shape[1])
-        or v_cache.shape != k_cache.shape
-    ):
+    kv_shape = (kv_heads * head_dim, h.shape[1])
+    if wk.shape != wv.shape or wk.shape[1:] != kv_shape or v_cache.shape != k_cache.shape:
         raise LithosError(
             f"qkv_rope_append: wk {list(wk.shape)} / wv {list(wv.shape)} do not fit the cache "
             f"{list(k_cache.shape)}"

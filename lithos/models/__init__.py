@@ -14,9 +14,7 @@ GGUF_FAMILIES: dict[str, ModuleType] = {arch: llama for arch in llama.GGUF_ARCHI
 
 def family_for_architecture(arch: str) -> ModuleType:
     if arch not in FAMILIES:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise UnsupportedModelError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[arch]
 
 

@@ -402,9 +402,7 @@ def attention(
     S = k_cache.shape[2]
     out = jnp.einsum(
         "bkgts,bksd->btkgd", probs[..., :S].astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
-    ) + jnp.einsum(
-        "bkgtu,bukd->btkgd", probs[..., S:].astype(v_new.dtype), v_new, preferred_element_type=jnp.float32
-    )
+    ) + jnp.einsum("bkgtu,bukd->btkgd", probs[..., S:].astype(v_new.dtype), v_new, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H * D).astype(q.dtype)
 
 
@@ -463,8 +461,6 @@ def lm_logits(params: Params, h: jax.Array) -> jax.Array:
     """Logits `[..., vocab]` in float32 from final hidden states."""
     head = params.embed if params.lm_head is None else params.lm_head
     return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
-
-
 
 
 def forward(

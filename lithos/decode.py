@@ -13,6 +13,9 @@ attention masks by position, so padding never leaks into another row.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -58,7 +61,12 @@ def _finish_reason(token, generated, limit, next_position, max_len, stop_ids, fi
     return jnp.where(finish != RUNNING, finish, reason)
 
 
-@partial(jax.jit, static_argnames=("cfg", "greedy", "kernels"), donate_argnames=("cache",))
+# jit options shared by the one-device programs and their placed twins (`programs`).
+PREFILL_JIT = dict(static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
+DECODE_CHUNK_JIT = dict(static_argnames=("cfg", "chunk", "block", "greedy", "kernels"), donate_argnames=("state",))
+
+
+@partial(jax.jit, **PREFILL_JIT)
 def prefill(
     params,
     tokens: jax.Array,
@@ -70,7 +78,6 @@ def prefill(
     rng: jax.Array,
     cfg,
     greedy: bool,
-    kernels: str = "reference",
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Run prompts `tokens` `[B, bucket]` (row b real up to `lengths[b]`) and pick each row's first token.
 
@@ -79,7 +86,9 @@ def prefill(
     family = family_of(cfg)
     batch, bucket = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-    h, cache = family.hidden_states(params, tokens, positions, cache, cfg, kernels=kernels)
+    # Prefill is one large matrix product per weight, which XLA does well; the fused kernels are
+    # built for 1..16 new tokens (decode and verification), so prefill takes the reference path.
+    h, cache = family.hidden_states(params, tokens, positions, cache, cfg, kernels="reference")
     last_h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = family.lm_logits(params, last_h)
     rng, key = jax.random.split(rng)
@@ -105,11 +114,14 @@ def prefill(
 def decode_step(params, state: DecodeState, cfg, greedy: bool, kernels: str) -> tuple[DecodeState, jax.Array]:
     """One token for every running row; finished rows stay as they are. Returns (state, tokens `[B]`, -1 where done)."""
     family = family_of(cfg)
-    logits, cache = family.forward(
-        params, state.last_token[:, None], state.position[:, None], state.cache, cfg, kernels=kernels
-    )
+    args = (params, state.last_token[:, None], state.position[:, None], state.cache, cfg)
     rng, key = jax.random.split(state.rng)
-    token = sample(logits[:, 0], state.sampling, key, greedy)
+    if greedy:
+        token, cache = family.forward_argmax(*args, kernels=kernels)
+        token = token[:, 0]
+    else:
+        logits, cache = family.forward(*args, kernels=kernels)
+        token = sample(logits[:, 0], state.sampling, key, greedy)
     running = ~state.done
     generated = state.generated + running
     next_position = state.position + running
@@ -125,7 +137,7 @@ def decode_step(params, state: DecodeState, cfg, greedy: bool, kernels: str) -> 
     return state, jnp.where(running, token, -1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "chunk", "block", "greedy", "kernels"), donate_argnames=("state",))
+@partial(jax.jit, **DECODE_CHUNK_JIT)
 def decode_chunk(
     params, state: DecodeState, cfg, chunk: int, block: int, greedy: bool, kernels: str = "reference"
 ) -> tuple[DecodeState, jax.Array]:
@@ -153,3 +165,71 @@ def decode_chunk(
 
     state, out, _ = jax.lax.while_loop(more, run_block, (state, out, jnp.int32(0)))
     return state, out
+
+
+def programs(placement=None) -> tuple[Callable, Callable]:
+    """`(prefill, decode_chunk)`: the programs above for one device, or, given a
+    `lithos.placement.Placement`, the same functions jitted with its explicit in/out shardings
+    (params and KV cache split over the mesh, everything else replicated)."""
+    if placement is None:
+        return prefill, decode_chunk
+    return _placed_programs(placement)
+
+
+@functools.cache
+def _placed_programs(placement) -> tuple[Callable, Callable]:
+    rep = placement.replicated
+    params = placement.param_shardings()
+    cache = placement.cache_shardings()
+    state = DecodeState(
+        cache=cache,
+        last_token=rep,
+        position=rep,
+        generated=rep,
+        limit=rep,
+        finish=rep,
+        rng=rep,
+        stop_ids=rep,
+        sampling=rep,
+    )
+    # Prefill's logits stay split over the vocabulary: only the caller that asks for them gathers.
+    logits = placement.sharding(("batch", "vocab"))
+    placed_prefill = _jit_with_shardings(
+        prefill,
+        PREFILL_JIT,
+        in_shardings=(params, rep, rep, cache, rep, rep, rep, rep),
+        out_shardings=(state, rep, logits),
+    )
+    placed_decode_chunk = _jit_with_shardings(
+        decode_chunk, DECODE_CHUNK_JIT, in_shardings=(params, state), out_shardings=(state, rep)
+    )
+    return placed_prefill, placed_decode_chunk
+
+
+def _jit_with_shardings(jitted, options: dict, in_shardings, out_shardings) -> Callable:
+    """The function under `jitted`, jitted again with explicit shardings and called the same way
+    (`.lower` too). jax refuses keyword arguments once in_shardings are given, so the static
+    arguments, passed by keyword, are handed over by position."""
+    fn = jitted.__wrapped__
+    signature = inspect.signature(fn).parameters
+    names = list(signature)
+    program = jax.jit(
+        fn,
+        static_argnums=tuple(names.index(n) for n in options["static_argnames"]),
+        donate_argnums=tuple(names.index(n) for n in options["donate_argnames"]),
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+    )
+
+    def positional(args: tuple, kwargs: dict) -> tuple:
+        rest = [kwargs.pop(n) if n in kwargs else signature[n].default for n in names[len(args) :]]
+        if kwargs:
+            raise TypeError(f"{fn.__name__}() got unexpected arguments {sorted(kwargs)}")
+        return (*args, *rest)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return program(*positional(args, dict(kwargs)))
+
+    call.lower = lambda *args, **kwargs: program.lower(*positional(args, dict(kwargs)))
+    return call

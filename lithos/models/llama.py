@@ -24,6 +24,7 @@ from flax import struct
 
 from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import KVCache, append
+from lithos.quant import QuantizedArray, dequantize
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -280,6 +281,36 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Logical axes of every parameter (keys as in `param_shapes`) and of the KV cache, declared once;
+# lithos.placement maps them to mesh axes with a rule table. In weights, a "heads" dimension is
+# [kv_heads, heads per KV head, head_dim] flattened (the order `attention` reshapes q into) and a
+# "kv_heads" dimension is [kv_heads, head_dim] flattened.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "heads", "embed"),
+    "layers.wk": ("layers", "kv_heads", "embed"),
+    "layers.wv": ("layers", "kv_heads", "embed"),
+    "layers.wo": ("layers", "embed", "heads"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.w_gate": ("layers", "ffn", "embed"),
+    "layers.w_up": ("layers", "ffn", "embed"),
+    "layers.w_down": ("layers", "embed", "ffn"),
+    "layers.bq": ("layers", "heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.b_gate": ("layers", "ffn"),
+    "layers.b_up": ("layers", "ffn"),
+    "layers.b_down": ("layers", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k and .v
+
+
 def params_from_flat(flat: dict[str, Any]) -> Params:
     """Assemble Params from `{"layers.wq": array, ...}` as produced by `param_shapes` keys."""
     layer_fields = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
@@ -312,12 +343,31 @@ def init_params(cfg: Config, key: jax.Array, dtype=jnp.bfloat16) -> Params:
 # --------------------------------------------------------------------------------------------
 
 
-KERNEL_PATHS = ("reference",)
+# "reference": plain jax.numpy, any backend, any batch. "fused": FFI kernels (lithos/custom_calls)
+# on CUDA/ROCm and their jax.numpy twins elsewhere; batch 1, 1..16 new tokens per call (decode and
+# speculative verification; prefill always takes the reference path).
+KERNEL_PATHS = ("reference", "fused")
 
 
-def check_kernel_path(kernels: str) -> None:
+def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
+    """Raise a clear error if `kernels` is unknown or cannot run this model."""
     if kernels not in KERNEL_PATHS:
         raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
+    if kernels == "fused" and cfg is not None:
+        missing = [
+            name
+            for name, present in (
+                ("Q/K/V biases", cfg.qkv_bias),
+                ("output-projection bias", cfg.o_bias),
+                ("MLP biases", cfg.mlp_bias),
+                ("per-head Q/K norms", cfg.qk_norm),
+            )
+            if present
+        ]
+        if missing:
+            raise UnsupportedModelError(
+                f"the fused kernels do not implement {', '.join(missing)} ({cfg.architecture}); use kernels='reference'"
+            )
 
 
 def rope_inv_freq(cfg: Config) -> np.ndarray:
@@ -358,8 +408,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """`x @ w.T (+ b)` for `[out, in]` weights."""
+def linear(x: jax.Array, w: jax.Array | QuantizedArray, b: jax.Array | None = None) -> jax.Array:
+    """`x @ w.T (+ b)` for `[out, in]` weights, dense or packed (lithos.quant)."""
+    if isinstance(w, QuantizedArray):  # the reference reads packed weights through their exact dequantisation
+        w = dequantize(w)
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
@@ -430,20 +482,7 @@ def _layer(cfg: Config, inv_freq, positions, h, layer):
     return h, (k, v)
 
 
-def hidden_states(
-    params: Params,
-    tokens: jax.Array,
-    positions: jax.Array,
-    cache: KVCache,
-    cfg: Config,
-    kernels: str = "reference",
-) -> tuple[jax.Array, KVCache]:
-    """Run the decoder over `tokens` `[batch, tokens]` at `positions` (consecutive per row), appending
-    their keys and values to `cache`.
-
-    Returns the final-normed hidden states `[batch, tokens, hidden]` and the updated cache.
-    """
-    check_kernel_path(kernels)
+def _reference_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config):
     h = params.embed[tokens]
     inv_freq = rope_inv_freq(cfg)
 
@@ -453,14 +492,95 @@ def hidden_states(
     # The layers only read the cache; all layers' new entries are stored in one scatter afterwards,
     # which XLA does in place on the donated buffer.
     h, (k_new, v_new) = jax.lax.scan(body, h, (params.layers, cache.k, cache.v))
-    cache = append(cache, positions, k_new, v_new)
+    return h, append(cache, positions, k_new, v_new)
+
+
+def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config):
+    """The decoder as five fused calls per layer (see lithos/custom_calls/NOTES.md), batch 1.
+
+    Each kernel takes the stacked weights and the layer index, so nothing is sliced out; the K/V
+    kernel writes the new entries into the cache in place (aliased buffers carried by the loop).
+    """
+    from lithos.custom_calls import decode_attention, gate_up_silu, matvec, qkv_rope_append
+
+    if tokens.shape[0] != 1:
+        raise UnsupportedModelError(
+            f"the fused kernels decode one sequence, got a batch of {tokens.shape[0]}: use kernels='reference'"
+        )
+    L, eps = params.layers, cfg.rms_norm_eps
+    pos = positions[0].astype(jnp.int32)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    n_tokens = tokens.shape[1]
+
+    def layer(i, carry):
+        h, k_cache, v_cache = carry
+        q, k_cache, v_cache = qkv_rope_append(
+            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps
+        )
+        attn = decode_attention(q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window)
+        h = matvec(attn.reshape(n_tokens, cfg.q_size), L.wo, layer=i, residual=h)
+        gated = gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=eps)
+        h = matvec(gated, L.w_down, layer=i, residual=h)
+        return h, k_cache, v_cache
+
+    h = params.embed[tokens[0]]
+    h, k, v = jax.lax.fori_loop(0, cfg.num_layers, layer, (h, cache.k, cache.v))
+    return h[None], KVCache(k=k, v=v)
+
+
+def decoder(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    kernels: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder layers over `tokens` `[batch, tokens]` at `positions` (consecutive per row),
+    appending their keys and values to `cache`.
+
+    Returns the last layer's output `[batch, tokens, hidden]` (before the final norm) and the cache.
+    """
+    check_kernel_path(kernels, cfg)
+    if kernels == "fused":
+        return _fused_decoder(params, tokens, positions, cache, cfg)
+    return _reference_decoder(params, tokens, positions, cache, cfg)
+
+
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    kernels: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """`decoder` followed by the final norm: hidden states `[batch, tokens, hidden]` and the cache."""
+    h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
     return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
 
 
+def lm_head(params: Params) -> jax.Array:
+    """The output projection `[vocab, hidden]`: the embedding when tied."""
+    return params.embed if params.lm_head is None else params.lm_head
+
+
 def lm_logits(params: Params, h: jax.Array) -> jax.Array:
-    """Logits `[..., vocab]` in float32 from final hidden states."""
-    head = params.embed if params.lm_head is None else params.lm_head
+    """Logits `[..., vocab]` in float32 from final-normed hidden states."""
+    head = lm_head(params)
+    if isinstance(head, QuantizedArray):
+        head = dequantize(head)
     return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
+
+
+def _fused_head(params: Params, h: jax.Array, cfg: Config, with_logits: bool):
+    """Final norm + LM head + argmax in one kernel, for `h` `[1, tokens, hidden]` before the norm."""
+    from lithos.custom_calls import lm_head_argmax
+
+    out = lm_head_argmax(
+        h[0], lm_head(params), norm_weight=params.final_norm, eps=cfg.rms_norm_eps, with_logits=with_logits
+    )
+    return jax.tree_util.tree_map(lambda a: a[None], out)
 
 
 def forward(
@@ -475,5 +595,25 @@ def forward(
 
     Serves prefill (many tokens), decode (one) and speculative verification (k+1) alike.
     """
-    h, cache = hidden_states(params, tokens, positions, cache, cfg, kernels)
-    return lm_logits(params, h), cache
+    h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
+    if kernels == "fused":
+        _, logits = _fused_head(params, h, cfg, with_logits=True)
+        return logits, cache
+    return lm_logits(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps)), cache
+
+
+def forward_argmax(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    kernels: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Greedy next tokens `[batch, tokens]` (int32) and the updated cache; the fused path never
+    materialises the logits."""
+    h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
+    if kernels == "fused":
+        return _fused_head(params, h, cfg, with_logits=False), cache
+    logits = lm_logits(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

@@ -1,0 +1,72 @@
+"""`kernels="fused"` against `kernels="reference"` through the whole model.
+
+On a CPU the fused path runs the kernels' jax.numpy twins, which checks the plumbing (stacked
+weights + layer index, in-place cache writes, the fused head); on a GPU it runs the FFI kernels in
+bf16, which checks the kernels inside the real decode loop.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos.bench import model_shape
+from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import init_cache
+from lithos.models import llama
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral_window"])
+def test_fused_generation_equals_reference(hf_checkpoint, arch):
+    path = hf_checkpoint(arch, tied=False)
+    dtype = "bfloat16" if ON_GPU else "float32"
+    ref = lithos.load(path, dtype=dtype, max_len=128)
+    fused = lithos.load(path, dtype=dtype, max_len=128, kernels="fused")
+    for prompt in ("hello", "the quick brown fox jumps"):
+        assert fused.generate(prompt, raw=True, max_new_tokens=24).token_ids == ref.generate(
+            prompt, raw=True, max_new_tokens=24
+        ).token_ids
+    sampled = dict(raw=True, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5)
+    assert fused.generate("sample", **sampled).token_ids == ref.generate("sample", **sampled).token_ids
+
+
+def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):
+    with pytest.raises(UnsupportedModelError, match="per-head Q/K norms.*kernels='reference'"):
+        lithos.load(hf_checkpoint("qwen3"), dtype="float32", kernels="fused")
+    with pytest.raises(UnsupportedModelError, match="Q/K/V biases"):
+        lithos.load(hf_checkpoint("qwen2"), dtype="float32", kernels="fused")
+
+
+def _step_logits(cfg, params, kernels, context, new_tokens):
+    """Logits of `new_tokens` tokens after a random `context`-token prefix, through one path."""
+    forward = jax.jit(partial(llama.forward, cfg=cfg, kernels=kernels))
+    prefill = jax.jit(partial(llama.forward, cfg=cfg, kernels="reference"))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, context + new_tokens)), jnp.int32)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + 16, cfg.head_dim, params.embed.dtype)
+    _, cache = prefill(params, tokens[:, :context], jnp.arange(context)[None], cache)
+    logits, _ = forward(params, tokens[:, context:], jnp.arange(context, context + new_tokens)[None], cache)
+    return np.asarray(logits[0], np.float32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the FFI kernels need a CUDA or ROCm GPU")
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
+@pytest.mark.parametrize("new_tokens", [1, 8])
+def test_fused_logits_within_bf16_tolerance_on_model_shapes(shape, new_tokens):
+    cfg = model_shape(shape)
+    params = llama.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    ref = _step_logits(cfg, params, "reference", 1000, new_tokens)
+    fused = _step_logits(cfg, params, "fused", 1000, new_tokens)
+    scale = np.abs(ref).max()
+    assert np.abs(fused - ref).max() <= 0.03 * scale, (np.abs(fused - ref).max(), scale)
+    # Greedy choices agree wherever the reference's top two are not a near-tie.
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.02 * scale
+    np.testing.assert_array_equal(fused.argmax(-1)[clear], ref.argmax(-1)[clear])

@@ -135,11 +135,13 @@ def test_qkv_rope_append(model, tokens):
     np.testing.assert_array_equal(np.asarray(fused[1][0]), np.asarray(k_cache[0]))  # layer 0 untouched
 
 
-ATTENTION_CASES = [
-    (model, tokens, context, window)
-    for model, tokens in CASES
-    for context, window in [(1000, None), (4097, None), (3000, 1024)]
-] + [("llama-3.2-1b", tokens, 262_144, None) for tokens in (1, 16)]
+# Every case at 1K; longer and windowed contexts at 1 and 16 tokens; one long context (splits).
+ATTENTION_CASES = (
+    [(model, tokens, 1000, None) for model, tokens in CASES]
+    + [(model, tokens, 4097, None) for model in SHAPES for tokens in (1, 16)]
+    + [(model, tokens, 3000, 1024) for model in SHAPES for tokens in (1, 16)]
+    + [("llama-3.2-1b", tokens, 262_144, None) for tokens in (1, 16)]
+)
 
 
 @pytest.mark.parametrize("model,tokens,context,window", ATTENTION_CASES)

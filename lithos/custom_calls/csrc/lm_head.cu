@@ -40,6 +40,7 @@ struct LmHeadArgs {
   int32_t* block_index;  // [blocks, tokens]: and its id
   int32_t* tokens_out;   // [tokens]
   int tokens, hidden, vocab, blocks;
+  int k_split;  // warps sharing a row group (row_group_grid)
   float eps;
 };
 
@@ -55,32 +56,31 @@ __global__ void __launch_bounds__(kMatvecThreads) lm_head_kernel(LmHeadArgs a) {
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
 
   const int units = (a.vocab + kRowsPerWarp - 1) / kRowsPerWarp;
-  for (int unit = blockIdx.x * kMatvecWarps + warp_id(); unit < units; unit += gridDim.x * kMatvecWarps) {
-    const int first_row = unit * kRowsPerWarp;
-    const bf16_t* rows[kRowsPerWarp];
+  for_each_row_group<TMAX, VEC>(
+      in, units, a.k_split,
+      [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
-      rows[r] = a.head + static_cast<size_t>(min(first_row + r, a.vocab - 1)) * a.hidden;
-    float acc[kRowsPerWarp][TMAX];
-    warp_rows_dot<TMAX, VEC>(rows, in, acc);
-
-    // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
+        for (int r = 0; r < kRowsPerWarp; ++r)
+          rows[r] = a.head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
+      },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
 #pragma unroll
-    for (int t = 0; t < TMAX; ++t) {
-      if (t < a.tokens) {
-        const float scale = a.norm_w != nullptr ? rms_scale[t] : 1.0f;
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens) {
+            const float scale = a.norm_w != nullptr ? rms_scale[t] : 1.0f;
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          const int row = first_row + r;
-          if (row < a.vocab) {
-            const float logit = acc[r][t] * scale;
-            best[t] = better(best[t], Best{logit, row});
-            if (a.logits != nullptr && lane_id() == r) a.logits[static_cast<size_t>(t) * a.vocab + row] = logit;
+            for (int r = 0; r < kRowsPerWarp; ++r) {
+              const int row = unit * kRowsPerWarp + r;
+              if (row < a.vocab) {
+                const float logit = acc[r][t] * scale;
+                best[t] = better(best[t], Best{logit, row});
+                if (a.logits != nullptr && lane_id() == r) a.logits[static_cast<size_t>(t) * a.vocab + row] = logit;
+              }
+            }
           }
         }
-      }
-    }
-  }
+      });
 
 #pragma unroll
   for (int t = 0; t < TMAX; ++t)
@@ -140,14 +140,19 @@ ffi::Error lm_head_argmax_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
   a.vocab = static_cast<int>(wd[0]);
   // The scratch holds one best per block and token: never launch more blocks than it has rows for.
   const int capacity = static_cast<int>(block_value->dimensions()[0]);
-  a.blocks = std::min(persistent_blocks((a.vocab + kRowsPerWarp - 1) / kRowsPerWarp), capacity);
   a.eps = eps;
   const bool aligned = aligned16(a.h) && aligned16(a.head) && (a.norm_w == nullptr || aligned16(a.norm_w));
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
-      lm_head_kernel<decltype(tmax)::value, decltype(vec)::value><<<a.blocks, kMatvecThreads, 0, stream>>>(a);
+      constexpr auto kernel = lm_head_kernel<decltype(tmax)::value, decltype(vec)::value>;
+      const RowGroupGrid grid = row_group_grid((a.vocab + kRowsPerWarp - 1) / kRowsPerWarp, a.hidden,
+                                               resident_blocks_per_unit<kernel>(kMatvecThreads));
+      LmHeadArgs args = a;
+      args.blocks = std::min(grid.blocks, capacity);  // one best per block and token fits the scratch
+      args.k_split = grid.k_split;
+      kernel<<<args.blocks, kMatvecThreads, 0, stream>>>(args);
       if (ffi::Error err = launch_status("lm_head_argmax"); err.failure()) return err;
-      pick_tokens_kernel<<<1, kMatvecThreads, 0, stream>>>(a);
+      pick_tokens_kernel<<<1, kMatvecThreads, 0, stream>>>(args);
       return launch_status("lm_head_argmax (pick)");
     });
   });

@@ -22,6 +22,7 @@ struct MatvecArgs {
   int tokens;
   int n_in;
   int n_out;
+  int k_split;  // warps sharing a row group (row_group_grid)
   float eps;
 };
 
@@ -41,50 +42,52 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(MatvecArgs a) {
   if (in.norm_w != nullptr) block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
 
   const int units = (a.n_out + kOutsPerWarp - 1) / kOutsPerWarp;
-  for (int unit = blockIdx.x * kMatvecWarps + warp_id(); unit < units; unit += gridDim.x * kMatvecWarps) {
-    const int first_out = unit * kOutsPerWarp;
-    const bf16_t* rows[kRowsPerWarp];
+  for_each_row_group<TMAX, VEC>(
+      in, units, a.k_split,
+      [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      // Rows past the end re-read the last row: valid memory, results discarded.
-      const int out = min(first_out + (GATED ? r / 2 : r), a.n_out - 1);
-      const bf16_t* matrix = (GATED && r % 2 == 1) ? w_up : w;
-      rows[r] = matrix + static_cast<size_t>(out) * a.n_in;
-    }
-    float acc[kRowsPerWarp][TMAX];
-    warp_rows_dot<TMAX, VEC>(rows, in, acc);
-
-    // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          // Rows past the end re-read the last row: valid memory, results discarded.
+          const int out = min(unit * kOutsPerWarp + (GATED ? r / 2 : r), a.n_out - 1);
+          rows[r] = ((GATED && r % 2 == 1) ? w_up : w) + static_cast<size_t>(out) * a.n_in;
+        }
+      },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
 #pragma unroll
-    for (int t = 0; t < TMAX; ++t) {
-      if (t < a.tokens && lane_id() == t) {
-        const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+            const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
 #pragma unroll
-        for (int j = 0; j < kOutsPerWarp; ++j) {
-          const int out = first_out + j;
-          if (out < a.n_out) {
-            const size_t at = static_cast<size_t>(t) * a.n_out + out;
-            float value =
-                GATED ? silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
-            if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
-            a.y[at] = float_to_bf16(value);
+            for (int j = 0; j < kOutsPerWarp; ++j) {
+              const int out = unit * kOutsPerWarp + j;
+              if (out < a.n_out) {
+                const size_t at = static_cast<size_t>(t) * a.n_out + out;
+                float value =
+                    GATED ? silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
+                if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
+                a.y[at] = float_to_bf16(value);
+              }
+            }
           }
         }
-      }
-    }
-  }
+      });
 }
 
 template <bool GATED>
 ffi::Error launch_matvec(gpuStream_t stream, const MatvecArgs& a) {
   const int outs_per_warp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;
-  const int blocks = persistent_blocks((a.n_out + outs_per_warp - 1) / outs_per_warp);
   const bool aligned = aligned16(a.x) && aligned16(a.w) && (!GATED || aligned16(a.w_up)) &&
                        (a.norm_w == nullptr || aligned16(a.norm_w)) && a.w_layer_stride % 8 == 0 &&
                        a.norm_layer_stride % 8 == 0;
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.n_in, aligned, [&](auto vec) {
-      matvec_kernel<decltype(tmax)::value, decltype(vec)::value, GATED><<<blocks, kMatvecThreads, 0, stream>>>(a);
+      constexpr auto kernel = matvec_kernel<decltype(tmax)::value, decltype(vec)::value, GATED>;
+      const RowGroupGrid grid = row_group_grid((a.n_out + outs_per_warp - 1) / outs_per_warp, a.n_in,
+                                               resident_blocks_per_unit<kernel>(kMatvecThreads));
+      MatvecArgs args = a;
+      args.k_split = grid.k_split;
+      kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
       return launch_status(GATED ? "gate_up_silu" : "matvec");
     });
   });

@@ -18,6 +18,7 @@ using gpuError_t = hipError_t;
 #define gpuGetDevice hipGetDevice
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuAttrComputeUnitCount hipDeviceAttributeMultiprocessorCount
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #ifndef LITHOS_WARP_SIZE
 // CDNA (gfx90a, gfx942, gfx950) runs wave64. RDNA builds would pass -DLITHOS_WARP_SIZE=32.
 #define LITHOS_WARP_SIZE 64
@@ -35,6 +36,7 @@ using gpuError_t = cudaError_t;
 #define gpuGetDevice cudaGetDevice
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuAttrComputeUnitCount cudaDevAttrMultiProcessorCount
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define LITHOS_WARP_SIZE 32
 #endif
 
@@ -204,6 +206,18 @@ inline int compute_unit_count() {
     cached[device] = count;
   }
   return cached[device];
+}
+
+// Blocks of `Kernel` (launched with `threads` threads) that fit on one SM/CU at once, read once per
+// kernel: a persistent grid of exactly that many per SM/CU runs in one wave.
+template <auto Kernel>
+inline int resident_blocks_per_unit(int threads) {
+  static const int blocks = [threads] {
+    int n = 0;
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, 0) != gpuSuccess || n < 1) n = 1;
+    return n;
+  }();
+  return blocks;
 }
 
 }  // namespace lithos

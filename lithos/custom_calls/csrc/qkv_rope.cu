@@ -25,6 +25,7 @@ struct QkvArgs {
   bf16_t* k_cache;         // [layers, 1, kv_heads, max_len, head_dim], aliased
   bf16_t* v_cache;
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
+  int k_split;  // warps sharing a row group (row_group_grid)
   float eps;
 };
 
@@ -42,56 +43,63 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
 
-  for (int unit = blockIdx.x * kMatvecWarps + warp_id(); unit < units; unit += gridDim.x * kMatvecWarps) {
-    const int head = unit / units_per_head;  // q heads, then k heads, then v heads
-    const int j0 = (unit % units_per_head) * 2;
-    const bool is_q = head < a.heads;
-    const bool is_v = head >= a.heads + a.kv_heads;
-    const int kv_head = is_q ? 0 : (is_v ? head - a.heads - a.kv_heads : head - a.heads);
-    const bf16_t* matrix = is_q ? a.wq + layer * a.q_layer_stride + static_cast<size_t>(head) * a.head_dim * a.hidden
-                                : (is_v ? a.wv : a.wk) + layer * a.kv_layer_stride +
-                                      static_cast<size_t>(kv_head) * a.head_dim * a.hidden;
-    const bf16_t* rows[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int row = j0 + r / 2 + (r % 2) * half;
-      rows[r] = matrix + static_cast<size_t>(row) * a.hidden;
-    }
-    float acc[kRowsPerWarp][TMAX];
-    warp_rows_dot<TMAX, VEC>(rows, in, acc);
+  // Unit u: heads are q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of one.
+  auto head_of = [&](int unit) { return unit / units_per_head; };
+  auto first_pair_of = [&](int unit) { return (unit % units_per_head) * 2; };
+  auto kv_head_of = [&](int head) {
+    return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads;
+  };
 
+  for_each_row_group<TMAX, VEC>(
+      in, units, a.k_split,
+      [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+        const int head = head_of(unit);
+        const bf16_t* matrix =
+            head < a.heads ? a.wq + layer * a.q_layer_stride + static_cast<size_t>(head) * a.head_dim * a.hidden
+                           : (head >= a.heads + a.kv_heads ? a.wv : a.wk) + layer * a.kv_layer_stride +
+                                 static_cast<size_t>(kv_head_of(head)) * a.head_dim * a.hidden;
 #pragma unroll
-    for (int t = 0; t < TMAX; ++t) {
-      if (t < a.tokens && lane_id() == t) {
-        const int position = a.positions[t];
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          const int row = first_pair_of(unit) + r / 2 + (r % 2) * half;
+          rows[r] = matrix + static_cast<size_t>(row) * a.hidden;
+        }
+      },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        const int head = head_of(unit);
+        const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const int j = j0 + p;
-          float lo = acc[2 * p][t] * rms_scale[t];
-          float hi = acc[2 * p + 1][t] * rms_scale[t];
-          if (!is_v) {
-            // The same float32 product as the reference, so both rotate by the same angle.
-            const float angle = static_cast<float>(position) * a.inv_freq[j];
-            float sin_a, cos_a;
-            sincosf(angle, &sin_a, &cos_a);
-            const float rotated_lo = lo * cos_a - hi * sin_a;
-            hi = hi * cos_a + lo * sin_a;
-            lo = rotated_lo;
-          }
-          if (is_q) {
-            bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
-            out[j] = float_to_bf16(lo);
-            out[j + half] = float_to_bf16(hi);
-          } else if (position >= 0 && position < a.max_len) {
-            bf16_t* cache = is_v ? a.v_cache : a.k_cache;
-            bf16_t* slot = cache + cache_layer + (static_cast<size_t>(kv_head) * a.max_len + position) * a.head_dim;
-            slot[j] = float_to_bf16(lo);
-            slot[j + half] = float_to_bf16(hi);
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+            const int position = a.positions[t];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int j = first_pair_of(unit) + p;
+              float lo = acc[2 * p][t] * rms_scale[t];
+              float hi = acc[2 * p + 1][t] * rms_scale[t];
+              if (!is_v) {
+                // The same float32 product as the reference, so both rotate by the same angle.
+                const float angle = static_cast<float>(position) * a.inv_freq[j];
+                float sin_a, cos_a;
+                sincosf(angle, &sin_a, &cos_a);
+                const float rotated_lo = lo * cos_a - hi * sin_a;
+                hi = hi * cos_a + lo * sin_a;
+                lo = rotated_lo;
+              }
+              if (is_q) {
+                bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
+                out[j] = float_to_bf16(lo);
+                out[j + half] = float_to_bf16(hi);
+              } else if (position >= 0 && position < a.max_len) {
+                bf16_t* cache = is_v ? a.v_cache : a.k_cache;
+                bf16_t* slot =
+                    cache + cache_layer + (static_cast<size_t>(kv_head_of(head)) * a.max_len + position) * a.head_dim;
+                slot[j] = float_to_bf16(lo);
+                slot[j + half] = float_to_bf16(hi);
+              }
+            }
           }
         }
-      }
-    }
-  }
+      });
 }
 
 ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
@@ -149,10 +157,14 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
                        aligned16(a.wv) && a.norm_layer_stride % 8 == 0 && a.q_layer_stride % 8 == 0 &&
                        a.kv_layer_stride % 8 == 0;
-  const int blocks = persistent_blocks(int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4));
+  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
-      qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value><<<blocks, kMatvecThreads, 0, stream>>>(a);
+      constexpr auto kernel = qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value>;
+      const RowGroupGrid grid = row_group_grid(units, a.hidden, resident_blocks_per_unit<kernel>(kMatvecThreads));
+      QkvArgs args = a;
+      args.k_split = grid.k_split;
+      kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
       return launch_status("qkv_rope_append");
     });
   });

@@ -30,6 +30,12 @@ tp=2 there keeps the pair on one package.
 
 FFI kernels cannot be partitioned by XLA (it would gather their inputs): `Placement.shard_kernel`
 wraps a per-shard function in `jax.shard_map` with specs derived from the same logical axes.
+
+Not here: overlapping the per-layer all-reduce with a matvec (collective matmul). At batch 1 the
+message is one hidden vector (8 KB for Llama-3-8B in bf16), so the all-reduce costs its latency,
+not its bandwidth; cutting it into chunks that overlap the matvec still leaves the last chunk's
+full latency exposed. The gain must come from a cheaper reduction (one-shot, or fused into the
+matvec kernel's epilogue), and only two or more GPUs can measure it: not measured yet.
 """
 
 from __future__ import annotations

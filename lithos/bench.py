@@ -29,6 +29,7 @@ from lithos import decode
 from lithos.errors import LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import family_for_architecture
+from lithos.quant import bytes_by_format, quantize_params
 from lithos.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,11 +72,13 @@ def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
     XLA's speed differs between reduction layouts, so several are timed and the best is kept: the
     floor should be what the memory can actually deliver, not what one reduction happens to reach.
     """
+    rows = 16384
+    nbytes = max(nbytes // (4 * rows), 1) * 4 * rows  # both 2-D views need whole rows
     x = jnp.ones((nbytes // 4,), jnp.float32)
     reductions = [
         lambda a: jnp.sum(a),
-        lambda a: jnp.sum(a.reshape(-1, 16384), axis=0),
-        lambda a: jnp.sum(a.reshape(16384, -1), axis=1),
+        lambda a: jnp.sum(a.reshape(-1, rows), axis=0),
+        lambda a: jnp.sum(a.reshape(rows, -1), axis=1),
     ]
     best = float("inf")
     for reduction in reductions:
@@ -90,11 +93,15 @@ def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
 
 
 def weight_bytes_read(params, cfg) -> int:
-    """Bytes a decode step reads: every weight, except that an untied embedding table gives one row."""
+    """Bytes a decode step reads: every weight, except that an untied embedding table gives one row.
+
+    Packed weights (lithos.quant) count their stored planes (codes, scales, mins): the bytes a kernel
+    that reads the packed format moves.
+    """
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
     if params.lm_head is not None:
-        embed = params.embed
-        total -= embed.size * embed.dtype.itemsize - embed.shape[1] * embed.dtype.itemsize
+        embed_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params.embed))
+        total -= embed_bytes - embed_bytes // params.embed.shape[0]
     return int(total)
 
 
@@ -111,10 +118,16 @@ def _steps(params, state, cfg, steps: int, kernels: str):
     return jax.lax.fori_loop(0, steps, one, state)
 
 
-def time_decode_steps(params, cfg, context: int, kernels: str, steps: int, runs: int) -> list[float]:
-    """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens."""
+def time_decode_steps(
+    params, cfg, context: int, kernels: str, steps: int, runs: int, placement=None
+) -> list[float]:
+    """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens
+    (with `placement`, params already placed by it and the cache split the same way)."""
     dtype = params.embed.dtype
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
+    if placement is not None:
+        cache = placement.init_cache(1, context + steps, dtype)
+    else:
+        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
 
     def start():  # a fresh array each run: the state (and everything in it) is donated
         return jnp.full((1,), context, jnp.int32)
@@ -150,14 +163,14 @@ def cost_per_million_tokens(tokens_per_s: float, profile: dict[str, Any]) -> flo
 
 
 def bench_model(
-    name: str, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile
+    name: str, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile, placement=None
 ) -> list[dict[str, Any]]:
     rows = []
     wbytes = weight_bytes_read(params, cfg)
     itemsize = params.embed.dtype.itemsize
     for context in contexts:
         for kernels in kernel_paths:
-            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs)
+            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs, placement)
             step_ms = statistics.median(per_step)
             kv = kv_bytes_read(cfg, context, itemsize)
             floor_ms = (wbytes + kv) / bandwidth * 1e3
@@ -166,6 +179,7 @@ def bench_model(
                 {
                     "model": name,
                     "dtype": str(params.embed.dtype),
+                    "weight_formats": bytes_by_format(params),
                     "kernels": kernels,
                     "context": context,
                     "weight_bytes": wbytes,
@@ -276,6 +290,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", default="1024", help="comma-separated context lengths, e.g. 1024,8192,131072")
     p.add_argument("--kernels", default="reference", help="comma-separated kernel paths, e.g. reference,fused")
     p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
+    p.add_argument(
+        "--weight-format",
+        choices=("mxfp4", "mxfp8", "fp8_block128"),
+        help="quantize the random --shape weights to this packed format (see lithos.quant)",
+    )
+    p.add_argument(
+        "--dequantize", action="store_true", help="load --model's packed weights (GGUF Q4/Q8, ...) as dense dtype"
+    )
+    p.add_argument(
+        "--quantize-groups", default="attention,mlp", help="tensor groups --weight-format applies to (attention,mlp)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="split --shape models over this many devices (tensor parallel)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed device loop")
     p.add_argument("--runs", type=int, default=8, help="timed loops (steps x runs >= 128)")
     p.add_argument(
@@ -287,6 +313,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="directory for the JSON and PNG")
     p.add_argument("--tag", default="", help="suffix for the result file name")
+    from lithos.spec import bench as spec_bench
+
+    spec_bench.add_arguments(p)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
@@ -310,12 +339,27 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         cfg = model_shape(shape)
         family = family_for_architecture(cfg.architecture)
         params = family.init_params(cfg, jax.random.key(0), dtype)
-        rows += bench_model(shape, cfg, params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile)
+        if args.weight_format:
+            params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
+            shape = f"{shape}-{args.weight_format}"
+        placement = None
+        if args.tp > 1:
+            from lithos.placement import make_placement
+
+            # Bytes per step stay the whole model's; the floor uses one GPU's bandwidth, so a
+            # perfect split over tp GPUs would reach ratio_to_floor = 1/tp.
+            placement = make_placement(cfg, args.tp)
+            params, cfg, shape = placement.put_params(params), placement.cfg, f"{shape}-tp{args.tp}"
+        rows += bench_model(
+            shape, cfg, params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile, placement
+        )
         del params
     if args.model or not args.shape:
         import lithos
 
-        model = lithos.load(args.model, dtype=dtype_name, max_len=max(2048, max(contexts) + args.steps))
+        model = lithos.load(
+            args.model, dtype=dtype_name, max_len=max(2048, max(contexts) + args.steps), dequantize=args.dequantize
+        )
         name = Path(model.checkpoint.source).stem
         rows += bench_model(
             name, model.cfg, model.params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile
@@ -354,5 +398,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "spec", None):  # speculative decoding: acceptance and round time (lithos/spec/bench.py)
+        from lithos.spec import bench as spec_bench
+
+        spec_bench.run(args)
+        return 0
     run(args)
     return 0

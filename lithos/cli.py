@@ -21,6 +21,27 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-len", type=int, default=2048, help="KV cache length in tokens (prompt + generation)")
     p.add_argument("--kernels", default="reference", help="kernel path: reference, fused, megakernel")
+    p.add_argument(
+        "--dequantize", action="store_true", help="turn packed weights (GGUF Q4/Q8, MXFP4, FP8) into dense dtype"
+    )
+
+
+def _add_placement_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="split the model over this many logical devices (tensor parallel)")
+    p.add_argument(
+        "--devices-per-gpu",
+        type=int,
+        default=1,
+        help="logical devices each GPU shows: 2 for AMD MI355X in DPX mode (one per die), else 1",
+    )
+    p.add_argument(
+        "--pad-heads", action="store_true", help="add zero attention heads if the model's heads do not split over --tp"
+    )
+
+
+def placement_options(args: argparse.Namespace) -> dict:
+    """The `lithos.load` keywords that `_add_placement_options` parsed."""
+    return dict(tp=args.tp, devices_per_gpu=args.devices_per_gpu, pad_heads=args.pad_heads)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -35,7 +56,14 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import lithos
 
-    model = lithos.load(args.model, max_len=args.max_len, kernels=args.kernels, dtype=args.dtype)
+    model = lithos.load(
+        args.model,
+        max_len=args.max_len,
+        kernels=args.kernels,
+        dtype=args.dtype,
+        dequantize=args.dequantize,
+        **placement_options(args),
+    )
     if args.raw:
         prompt = args.prompt
     else:
@@ -43,6 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    from lithos.spec import cli as spec_cli
+
+    sampling |= spec_cli.options(args)
     stream = model.stream(prompt, max_new_tokens=args.max_new_tokens, raw=args.raw, **sampling)
     for piece in stream:
         sys.stdout.write(piece)
@@ -57,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from lithos.checkpoint import convert
 
-    out = convert(args.source, args.out, dtype=args.dtype)
+    out = convert(args.source, args.out, dtype=args.dtype, dequantize=args.dequantize)
     print(f"converted {args.source} -> {out}")
     return 0
 
@@ -77,13 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     g.add_argument("--system", help="system message for the chat template")
     _add_model_options(g)
+    _add_placement_options(g)
     _add_sampling_options(g)
+    from lithos.spec import cli as spec_cli
+
+    spec_cli.add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a HF or GGUF checkpoint to lithos's orbax format")
     c.add_argument("source")
     c.add_argument("out")
     c.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    c.add_argument("--dequantize", action="store_true", help="store packed weights (GGUF Q4/Q8, ...) as dense dtype")
     c.set_defaults(func=cmd_convert)
 
     from lithos import bench
@@ -91,6 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="decode step time against the memory-bandwidth floor")
     bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+    from lithos.eval import cli as eval_cli
+
+    e = sub.add_parser("eval", help="accuracy and speed on a JSONL task file; compare two configurations")
+    eval_cli.add_arguments(e)
+    e.set_defaults(func=eval_cli.main)
+
+    from lithos.quant import cli as quant_cli
+
+    q = sub.add_parser("quantize", help="quantize a bf16/f32 checkpoint to MXFP4 or MXFP8, with a quality report")
+    quant_cli.add_arguments(q)
+    q.set_defaults(func=quant_cli.main)
     return parser
 
 

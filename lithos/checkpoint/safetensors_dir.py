@@ -12,6 +12,9 @@ import numpy as np
 
 from lithos.errors import CheckpointError
 from lithos.models import family_for_architecture
+from lithos.quant import dequantize as dequantize_packed
+from lithos.quant import from_fp8_block_scaled, from_gpt_oss_mxfp4
+from lithos.quant.layouts import stack
 
 # HF tensor name inside `model.layers.{i}.` -> lithos flat parameter name.
 LAYER_NAMES = {
@@ -81,7 +84,47 @@ _DTYPES = {
     "I64": np.int64,
     "I32": np.int32,
     "U8": np.uint8,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
+
+# Packed tensors come in pairs: FP8 block-scaled (DeepSeek-V3, Qwen3-FP8) `X.weight` + `X.weight_scale_inv`,
+# MXFP4 in the GPT-OSS layout `X_blocks` + `X_scales` (for a Linear, `X` is `....weight`).
+FP8_SCALE_SUFFIX = "_scale_inv"
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def pack_quantized(tensors: dict[str, np.ndarray], dequantize: bool = False) -> dict[str, Any]:
+    """Merge each packed pair into one tensor named as the dense weight would be: a QuantizedArray, or
+    its exact float32 values when `dequantize`."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if name.endswith(FP8_SCALE_SUFFIX) or name.endswith(MXFP4_SUFFIXES[1]):
+            continue  # consumed with its weight below
+        if name.endswith(MXFP4_SUFFIXES[0]):
+            base = name[: -len(MXFP4_SUFFIXES[0])]
+            scales = tensors.get(base + MXFP4_SUFFIXES[1])
+            if scales is None:
+                raise CheckpointError(f"{name} has no {base + MXFP4_SUFFIXES[1]}: the MXFP4 checkpoint is incomplete")
+            packed = from_gpt_oss_mxfp4(value, scales)
+            name = base
+        elif name + FP8_SCALE_SUFFIX in tensors:
+            packed = from_fp8_block_scaled(value, tensors[name + FP8_SCALE_SUFFIX])
+        elif value.dtype == ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(
+                f"{name} is FP8 without a {name + FP8_SCALE_SUFFIX}: only 128x128 block-scaled FP8 checkpoints "
+                "(DeepSeek-V3 / Qwen3-FP8 layout) are supported"
+            )
+        else:
+            out[name] = value
+            continue
+        out[name] = np.asarray(dequantize_packed(packed, np.float32)) if dequantize else packed
+    for name in tensors:
+        if name.endswith(FP8_SCALE_SUFFIX) and name[: -len(FP8_SCALE_SUFFIX)] not in tensors:
+            weight = name[: -len(FP8_SCALE_SUFFIX)]
+            raise CheckpointError(f"{name} has no weight {weight}: the checkpoint is incomplete")
+        if name.endswith(MXFP4_SUFFIXES[1]) and name[: -len(MXFP4_SUFFIXES[1])] + MXFP4_SUFFIXES[0] not in tensors:
+            raise CheckpointError(f"{name} has no matching {MXFP4_SUFFIXES[0]} tensor: the checkpoint is incomplete")
+    return out
 
 
 def read_safetensors(f: Path) -> dict[str, np.ndarray]:
@@ -127,13 +170,16 @@ def _read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load(path: Path) -> tuple[Any, dict[str, np.ndarray]]:
-    """Read config and weights; returns (Config, flat params `{"layers.wq": [L, out, in], ...}`)."""
+def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Read config and weights; returns (Config, flat params `{"layers.wq": [L, out, in], ...}`).
+
+    FP8 block-scaled and MXFP4 weights stay packed (lithos.quant.QuantizedArray) unless `dequantize`.
+    """
     hf_config = read_config(path)
     arch = (hf_config.get("architectures") or ["(none given)"])[0]
     family = family_for_architecture(arch)
     cfg = family.config_from_hf(hf_config)
-    tensors = _read_tensors(safetensors_files(path))
+    tensors = pack_quantized(_read_tensors(safetensors_files(path)), dequantize)
 
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
@@ -156,7 +202,7 @@ def load(path: Path) -> tuple[Any, dict[str, np.ndarray]]:
         missing = [i for i, t in enumerate(layers) if t is None]
         if missing:
             raise CheckpointError(f"{path} lacks {name} for layers {missing}: the checkpoint is incomplete")
-        flat[name] = np.stack(layers)
+        flat[name] = stack(layers)
     if cfg.tie_word_embeddings:
         flat.pop("lm_head", None)
     return cfg, flat

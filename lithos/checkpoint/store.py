@@ -2,9 +2,11 @@
 what the tokenizer needs, so the second load of a model skips parsing and dequantising.
 
 Layout of a converted directory:
-    lithos.json        {"format": 1, "config": {...}, "dtype": "bfloat16", "source": "..."}
+    lithos.json        {"format": 1, "config": {...}, "dtype": "bfloat16", "source": "...",
+                        "formats": {"layers.wq": "q4_1", ...}}   (packed parameters only; may be absent)
     tokenizer/         tokenizer.json etc. (HF sources) or gguf_tokenizer.json (GGUF sources)
-    params/            orbax checkpoint of {"embed": ..., "layers": {"wq": ...}, ...}
+    params/            orbax checkpoint of {"embed": ..., "layers": {"wq": ...}, ...}; a packed
+                       parameter is a group of its planes, {"layers": {"wq": {"data", "scales", "mins"}}}
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 
 from lithos.errors import CheckpointError
+from lithos.quant import QuantizedArray, from_planes, get_format
 
 FORMAT_VERSION = 1
 MARKER = "lithos.json"
@@ -73,9 +76,13 @@ def save(path: Path, cfg, flat_params: dict[str, jax.Array], dtype: str, source:
     tmp.mkdir(parents=True)
     tokenizer_files(tmp / "tokenizer")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((tmp / "params").absolute(), _nest(flat_params))
+    formats = {n: w.format.name for n, w in flat_params.items() if isinstance(w, QuantizedArray)}
+    planes = {n: w.planes() if isinstance(w, QuantizedArray) else w for n, w in flat_params.items()}
+    checkpointer.save((tmp / "params").absolute(), _nest(planes))
     checkpointer.wait_until_finished()
     meta = {"format": FORMAT_VERSION, "config": config_to_json(cfg), "dtype": dtype, "source": source}
+    if formats:
+        meta["formats"] = formats
     (tmp / MARKER).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)  # the marker appears only once everything is written
@@ -93,14 +100,29 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def restore(path: Path, shapes: dict[str, tuple[int, ...]], dtype, sharding=None) -> dict[str, jax.Array]:
-    """Restore flat params of the given shapes straight onto the device (or `sharding`)."""
+def restore(
+    path: Path, shapes: dict[str, tuple[int, ...]], dtype, sharding=None, formats: dict[str, str] | None = None
+) -> dict[str, jax.Array]:
+    """Restore flat params of the given (logical) shapes straight onto the device (or `sharding`);
+    names in `formats` are packed in that format and come back as QuantizedArray standing for `dtype`."""
     import orbax.checkpoint as ocp
 
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = _nest({n: jax.ShapeDtypeStruct(s, np.dtype(dtype), sharding=sharding) for n, s in shapes.items()})
+    formats = formats or {}
+
+    def abstract(name: str, shape: tuple[int, ...]):
+        if name not in formats:
+            return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        planes = get_format(formats[name]).plane_shapes(shape)
+        return {p: jax.ShapeDtypeStruct(s, d, sharding=sharding) for p, (s, d) in planes.items()}
+
+    target = _nest({n: abstract(n, s) for n, s in shapes.items()})
     try:
         tree = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax wraps tensorstore errors in many types
         raise CheckpointError(f"{path}/params cannot be restored ({type(e).__name__}: {e}); convert again") from e
-    return _flatten(tree)
+    flat = _flatten(tree)
+    for name, fmt in formats.items():  # _flatten split each packed parameter into its planes
+        planes = {p: flat.pop(f"{name}.{p}") for p in get_format(fmt).plane_shapes(shapes[name])}
+        flat[name] = from_planes(fmt, planes, dtype)
+    return flat

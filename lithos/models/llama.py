@@ -410,8 +410,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | QuantizedArray, b: jax.Array | None = None) -> jax.Array:
     """`x @ w.T (+ b)` for `[out, in]` weights, dense or packed (lithos.quant)."""
-    if isinstance(w, QuantizedArray):  # the reference reads packed weights through their exact dequantisation
-        w = dequantize(w)
+    if isinstance(w, QuantizedArray):
+        # The exact f32 weight values (a bf16 copy would round Q4/Q8/FP8 values), f32 accumulation, as a
+        # kernel that dequantises in registers computes it.
+        y = jnp.einsum("...i,oi->...o", x, dequantize(w, jnp.float32), preferred_element_type=jnp.float32)
+        y = y.astype(x.dtype)
+        return y if b is None else y + b
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
@@ -507,6 +511,13 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
         raise UnsupportedModelError(
             f"the fused kernels decode one sequence, got a batch of {tokens.shape[0]}: use kernels='reference'"
         )
+    layer_weights = {f.name: getattr(params.layers, f.name) for f in dataclasses.fields(params.layers)}
+    packed = [name for name, w in layer_weights.items() if isinstance(w, QuantizedArray)]
+    if packed or isinstance(params.embed, QuantizedArray) or isinstance(params.lm_head, QuantizedArray):
+        raise UnsupportedModelError(
+            f"the fused kernels do not read packed weights yet ({', '.join(packed) or 'embed'} are lithos.quant "
+            "formats): load with dequantize=True (--dequantize) or use kernels='reference'"
+        )
     L, eps = params.layers, cfg.rms_norm_eps
     pos = positions[0].astype(jnp.int32)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -569,7 +580,7 @@ def lm_logits(params: Params, h: jax.Array) -> jax.Array:
     """Logits `[..., vocab]` in float32 from final-normed hidden states."""
     head = lm_head(params)
     if isinstance(head, QuantizedArray):
-        head = dequantize(head)
+        head = dequantize(head, jnp.float32)
     return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,68 @@
+"""Low-precision weights kept packed: formats, their exact reference dequantisation, converters from
+checkpoint layouts, quantizers, and the quality report of a quantized model.
+
+    from lithos.quant import quantize, dequantize
+    w_q = quantize(w, "mxfp4")            # QuantizedArray: data u8 [out, in/2], scales u8 [out, in/32]
+    w_ref = dequantize(w_q)               # exact values, [out, in]
+
+Models accept a `QuantizedArray` wherever a weight matrix goes (`linear`, the embedding lookup, the
+LM head); the reference path dequantises it, the kernels will read the planes directly.
+"""
+
+from lithos.quant.formats import (
+    FORMATS,
+    FP8_BLOCK128,
+    MXFP4,
+    MXFP8,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    QuantFormat,
+    QuantizedArray,
+    as_dense,
+    bytes_by_format,
+    dequantize,
+    dequantize_params,
+    format_name,
+    from_planes,
+    get_format,
+    is_quantized,
+    scale_by_e8m0,
+    unpack_nibbles,
+    with_dtype,
+)
+from lithos.quant.layouts import GGUF_FORMATS, from_fp8_block_scaled, from_gguf, from_gpt_oss_mxfp4
+from lithos.quant.quantize import DEFAULT_GROUPS, GROUPS, names_for_groups, quantize, quantize_mx, quantize_params
+
+__all__ = [
+    "DEFAULT_GROUPS",
+    "FORMATS",
+    "FP8_BLOCK128",
+    "GGUF_FORMATS",
+    "GROUPS",
+    "MXFP4",
+    "MXFP8",
+    "Q4_0",
+    "Q4_1",
+    "Q8_0",
+    "QuantFormat",
+    "QuantizedArray",
+    "as_dense",
+    "bytes_by_format",
+    "dequantize",
+    "dequantize_params",
+    "format_name",
+    "from_fp8_block_scaled",
+    "from_gguf",
+    "from_gpt_oss_mxfp4",
+    "from_planes",
+    "get_format",
+    "is_quantized",
+    "names_for_groups",
+    "quantize",
+    "quantize_mx",
+    "quantize_params",
+    "scale_by_e8m0",
+    "unpack_nibbles",
+    "with_dtype",
+]

@@ -1,0 +1,331 @@
+"""Low-precision weight formats kept packed: the arrays a kernel reads, and their exact meaning.
+
+A `QuantizedArray` is a pytree of packed planes (`data`, `scales`, optionally `mins`) plus a static
+`QuantFormat` and the dtype it stands for in a model. Its logical shape is `[..., out, in]` like a
+dense weight (leading axes such as `[layers]` are carried by every plane, so `lax.scan` slices it
+like any other leaf); every block of weights shares one scale along the `in` axis (or a 2-D tile
+for the FP8 block-scaled format), so a batch-1 matvec reads each output row's codes and scales
+contiguously.
+
+Planes, for logical shape `[..., out, in]` (all row-major):
+
+    format        data                       scales                                mins
+    mxfp4         u8 [..., out, in/2]        u8  [..., out, in/32]  E8M0           -
+    mxfp8         u8 [..., out, in]  E4M3    u8  [..., out, in/32]  E8M0           -
+    fp8_block128  u8 [..., out, in]  E4M3    f32 [..., ceil(out/128), ceil(in/128)] (multiplier)
+    q8_0          i8 [..., out, in]          f16 [..., out, in/32]                 -
+    q4_0          u8 [..., out, in/2]        f16 [..., out, in/32]                 -
+    q4_1          u8 [..., out, in/2]        f16 [..., out, in/32]                 f16 [..., out, in/32]
+
+4-bit data: element 2k of a row is the low nibble of byte k, element 2k+1 the high nibble (the
+OCP/GPT-OSS order). GGUF files store Q4 blocks with elements 0..15 in the low nibbles and 16..31 in
+the high nibbles; the loader reorders them losslessly so that every 4-bit format unpacks alike.
+
+Values (f32, exact):
+
+    mxfp4          e2m1(code) * 2^(scale - 127)        scale 0xFF: NaN for the whole block
+    mxfp8          e4m3(code) * 2^(scale - 127)        (E4M3 "fn": 0x7F/0xFF are NaN, no inf)
+    fp8_block128   e4m3(code) * scale[row // 128, col // 128]   (the checkpoint's weight_scale_inv)
+    q8_0           f32(d) * code                       (code signed)
+    q4_0           f32(d) * (code - 8)
+    q4_1           f32(d) * code + f32(m)
+
+`dequantize` is the reference: plain jax.numpy, bit-exact on every backend. XLA on CPU flushes
+subnormal f32 results to zero, so the power-of-two MX scaling is done on the exponent bits with
+integer arithmetic instead of a multiply (exact there too; a GPU kernel may simply multiply).
+
+For kernels: a packed matvec gets the planes stacked `[layers, ...]` like dense weights, reads row o's
+codes `data[l, o, :]` and its scales `scales[l, o, :]` contiguously (block b = columns 32b..32b+31 =
+bytes 16b..16b+15 of a 4-bit row), computes each weight in f32 registers with the formula above and
+accumulates `x * w` in f32. Its reference twin is `lithos.models.llama.linear(x, w)`: f32 values from
+`dequantize(w, jnp.float32)`, an f32-accumulated product, cast to x's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lithos.errors import LithosError
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """A packed format: what one element is and how a block of elements shares a scale.
+
+    `block` is `(rows, cols)` of weights sharing one scale: `(1, 32)` for MX and GGUF blocks,
+    `(128, 128)` for FP8 block-scaled checkpoints.
+    """
+
+    name: str
+    element: str  # "e2m1", "e4m3", "int8", "uint4"
+    element_bits: int  # 4 or 8
+    block: tuple[int, int]
+    scale: str  # "e8m0" (u8 biased exponent), "f16", "f32"
+    has_min: bool = False
+    origin: str = ""
+
+    @property
+    def elements_per_byte(self) -> int:
+        return 8 // self.element_bits
+
+    def bits_per_weight(self) -> float:
+        """Average storage bits per weight, scales included (for full blocks)."""
+        scale_bits = {"e8m0": 8, "f16": 16, "f32": 32}[self.scale] * (2 if self.has_min else 1)
+        return self.element_bits + scale_bits / (self.block[0] * self.block[1])
+
+    def plane_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of each plane for a logical `[..., out, in]` shape."""
+        if len(shape) < 1:
+            raise LithosError(f"{self.name}: a packed array needs at least one axis, got shape {shape}")
+        *lead, cols = shape
+        rows_block, cols_block = self.block
+        if rows_block == 1 and cols % cols_block:
+            raise LithosError(
+                f"{self.name} packs rows in blocks of {cols_block}, but the rows have {cols} elements: "
+                f"keep this tensor in bf16/f32 (its input size must be a multiple of {cols_block})"
+            )
+        data_dtype = np.dtype(np.int8) if self.element == "int8" else np.dtype(np.uint8)
+        planes = {"data": ((*lead, cols // self.elements_per_byte), data_dtype)}
+        scale_dtype = np.dtype({"e8m0": np.uint8, "f16": np.float16, "f32": np.float32}[self.scale])
+        if rows_block == 1:
+            scale_shape = (*lead, cols // cols_block)
+        else:
+            if not lead:
+                raise LithosError(f"{self.name} scales 2-D tiles: it needs a [out, in] shape, got {shape}")
+            *outer, rows = lead
+            scale_shape = (*outer, math.ceil(rows / rows_block), math.ceil(cols / cols_block))
+        planes["scales"] = (scale_shape, scale_dtype)
+        if self.has_min:
+            planes["mins"] = (scale_shape, scale_dtype)
+        return planes
+
+
+MXFP4 = QuantFormat("mxfp4", "e2m1", 4, (1, 32), "e8m0", origin="OCP MX v1.0; GPT-OSS checkpoints")
+MXFP8 = QuantFormat("mxfp8", "e4m3", 8, (1, 32), "e8m0", origin="OCP MX v1.0 (MXFP8 E4M3)")
+FP8_BLOCK128 = QuantFormat(
+    "fp8_block128", "e4m3", 8, (128, 128), "f32", origin="DeepSeek-V3 / Qwen3 FP8 (weight_scale_inv)"
+)
+Q8_0 = QuantFormat("q8_0", "int8", 8, (1, 32), "f16", origin="GGUF (llama.cpp)")
+Q4_0 = QuantFormat("q4_0", "uint4", 4, (1, 32), "f16", origin="GGUF (llama.cpp)")
+Q4_1 = QuantFormat("q4_1", "uint4", 4, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (MXFP4, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1)}
+
+
+def get_format(name: str) -> QuantFormat:
+    if name not in FORMATS:
+        raise LithosError(f"unknown weight format {name!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+@struct.dataclass
+class QuantizedArray:
+    """A packed weight of logical shape `[..., out, in]` (see the module docstring for the planes).
+
+    `dtype` is what it stands for in a model (the activations' dtype): `dequantize` and indexing
+    return that dtype, and code that asks a weight for its dtype (cache allocation) gets it.
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    format: QuantFormat = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False)
+    mins: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantised) shape."""
+        *lead, packed = self.data.shape
+        return (*lead, packed * self.format.elements_per_byte)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all planes: what a kernel reads to use every weight once."""
+        return sum(int(p.size) * np.dtype(p.dtype).itemsize for p in self.planes().values())
+
+    def planes(self) -> dict[str, Any]:
+        """`{"data": ..., "scales": ..., ["mins": ...]}`: the arrays that are stored and read."""
+        out = {"data": self.data, "scales": self.scales}
+        if self.mins is not None:
+            out["mins"] = self.mins
+        return out
+
+    def __getitem__(self, index) -> jax.Array:
+        """Index the leading axis and return dequantised values, as `dense[index]` would.
+
+        For an embedding table `[vocab, hidden]` this gathers only the packed rows asked for (so a
+        lookup never dequantises the whole table); for stacked weights `[layers, out, in]` it picks
+        layers.
+        """
+        if self.ndim < 2:
+            raise LithosError(f"indexing a packed {self.format.name} array needs 2 or more axes, has {self.ndim}")
+        if self.format.block[0] == 1 or self.ndim > 2:  # the leading axis does not share scales
+            picked = jax.tree_util.tree_map(lambda p: p[index], self)
+            return dequantize(picked, self.dtype)
+        rows = jnp.asarray(index)
+        values = e4m3_to_f32(self.data[rows])
+        scale = jnp.repeat(self.scales[rows // self.format.block[0]], self.format.block[1], axis=-1)
+        return (values * scale[..., : values.shape[-1]]).astype(self.dtype)
+
+
+def from_planes(fmt: QuantFormat | str, planes: dict[str, Any], dtype=np.float32) -> QuantizedArray:
+    """Build a QuantizedArray from its planes, checking their shapes and dtypes against the format."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    data = planes["data"]
+    shape = (*data.shape[:-1], data.shape[-1] * fmt.elements_per_byte)
+    expected = fmt.plane_shapes(shape)
+    if set(planes) != set(expected):
+        raise LithosError(f"{fmt.name} has planes {sorted(expected)}, got {sorted(planes)}")
+    for name, (plane_shape, plane_dtype) in expected.items():
+        got = planes[name]
+        if tuple(got.shape) != plane_shape or np.dtype(got.dtype) != plane_dtype:
+            raise LithosError(
+                f"{fmt.name} {name} for shape {shape} must be {plane_dtype} {plane_shape}, "
+                f"got {np.dtype(got.dtype)} {tuple(got.shape)}: the packed tensor is corrupt"
+            )
+    return QuantizedArray(
+        data=data, scales=planes["scales"], mins=planes.get("mins"), format=fmt, dtype=np.dtype(dtype)
+    )
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedArray)
+
+
+def format_name(x: Any) -> str:
+    """"mxfp4", "q4_1", ... for packed arrays, the dtype's name ("bfloat16") for dense ones."""
+    return x.format.name if isinstance(x, QuantizedArray) else str(np.dtype(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Reference dequantisation
+# --------------------------------------------------------------------------------------------
+
+# E2M1 code -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E8M0_NAN = 0xFF
+_F32_NAN_BITS = 0x7FC00000
+_F32_INF_BITS = 0x7F800000
+
+
+def unpack_nibbles(data: jax.Array) -> jax.Array:
+    """`[..., n]` u8 -> `[..., 2n]` int32 codes 0..15: element 2k from the low nibble of byte k, 2k+1 from
+    the high. (A broadcast shift in int32 fuses into one loop on XLA:CPU; stacking two u8 halves does not.)"""
+    codes = (data.astype(jnp.int32)[..., None] >> jnp.array([0, 4], jnp.int32)) & 0x0F
+    return codes.reshape(*data.shape[:-1], 2 * data.shape[-1])
+
+
+def e4m3_to_f32(codes: jax.Array) -> jax.Array:
+    """E4M3 ("fn") bit patterns (u8) to f32; every E4M3 value is a normal f32, so this is exact."""
+    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def scale_by_e8m0(values: jax.Array, exponents: jax.Array) -> jax.Array:
+    """`values * 2^(exponents - 127)` exactly, by adding to the f32 exponent field.
+
+    values: f32 `[..., blocks, block]` whose nonzero entries are normal f32 with at most 4
+    significant bits (E2M1 or E4M3 values), so no product ever needs rounding, even when it lands
+    among the subnormals (the smallest, 2^-9 * 2^-127, is far above 2^-149). exponents: u8
+    `[..., blocks]`; 0xFF (E8M0 NaN) makes the whole block NaN, as the OCP spec says. A multiply
+    would give the same bits on a GPU, but XLA on CPU flushes subnormal results to zero.
+    """
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    sign = bits & jnp.uint32(0x80000000)
+    magnitude = bits & jnp.uint32(0x7FFFFFFF)
+    mantissa = magnitude & jnp.uint32(0x7FFFFF)
+    k = exponents.astype(jnp.int32)[..., None] - 127
+    new_exp = (magnitude >> 23).astype(jnp.int32) + k
+    normal = sign | (jnp.clip(new_exp, 1, 254).astype(jnp.uint32) << 23) | mantissa
+    # Below the normal range: the significand (implicit bit made explicit) shifted right; exact, see above.
+    shift = jnp.clip(1 - new_exp, 0, 31).astype(jnp.uint32)
+    subnormal = sign | ((mantissa | jnp.uint32(0x800000)) >> shift)
+    out = jnp.where(new_exp >= 255, sign | jnp.uint32(_F32_INF_BITS), jnp.where(new_exp >= 1, normal, subnormal))
+    out = jnp.where(magnitude == 0, sign, out)
+    nan = jnp.isnan(values) | (exponents == E8M0_NAN)[..., None]
+    out = jnp.where(nan, jnp.uint32(_F32_NAN_BITS), out)
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """`[..., n]` -> `[..., n/block, block]`."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _unblock(x: jax.Array) -> jax.Array:
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def _dequantize_f32(w: QuantizedArray) -> jax.Array:
+    fmt = w.format
+    name = fmt.name
+    if name in ("mxfp4", "mxfp8"):
+        if name == "mxfp4":
+            values = jnp.asarray(E2M1_VALUES)[unpack_nibbles(w.data)]
+        else:
+            values = e4m3_to_f32(w.data)
+        return _unblock(scale_by_e8m0(_blocks(values, fmt.block[1]), w.scales))
+    if name == "fp8_block128":
+        values = e4m3_to_f32(w.data)
+        rows, cols = values.shape[-2:]
+        scale = jnp.repeat(jnp.repeat(w.scales, fmt.block[0], axis=-2), fmt.block[1], axis=-1)
+        return values * scale[..., :rows, :cols]
+    d = w.scales.astype(jnp.float32)[..., None]
+    if name == "q8_0":
+        return _unblock(d * _blocks(w.data.astype(jnp.float32), 32))
+    codes = _blocks(unpack_nibbles(w.data), 32)
+    if name == "q4_0":
+        return _unblock(d * (codes - 8).astype(jnp.float32))
+    if name == "q4_1":
+        return _unblock(d * codes.astype(jnp.float32) + w.mins.astype(jnp.float32)[..., None])
+    raise LithosError(f"no reference dequantisation for format {name!r}")
+
+
+def dequantize(w: QuantizedArray, dtype=None) -> jax.Array:
+    """The reference: exact values `[..., out, in]` in f32, cast to `dtype` (default `w.dtype`) last."""
+    out = _dequantize_f32(w)
+    dtype = w.dtype if dtype is None else dtype
+    return out if np.dtype(dtype) == np.float32 else out.astype(dtype)
+
+
+def as_dense(w: Any, dtype=None) -> Any:
+    """`w` itself if it is a plain array, else its dequantised values (reference path of a packed weight)."""
+    return dequantize(w, dtype) if isinstance(w, QuantizedArray) else w
+
+
+def with_dtype(w: QuantizedArray, dtype) -> QuantizedArray:
+    """The same packed planes, standing for `dtype` in the model."""
+    return w.replace(dtype=np.dtype(dtype))
+
+
+def dequantize_params(params: Any) -> Any:
+    """`params` with every packed leaf replaced by its dequantised values (in its model dtype)."""
+    return jax.tree_util.tree_map(
+        lambda w: dequantize(w) if isinstance(w, QuantizedArray) else w,
+        params,
+        is_leaf=lambda w: isinstance(w, QuantizedArray),
+    )
+
+
+def bytes_by_format(params: Any) -> dict[str, int]:
+    """Bytes of `params` per storage format: `{"q4_1": ..., "q8_0": ..., "float32": ...}` (packed arrays
+    count all their planes)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(params, is_leaf=lambda w: isinstance(w, QuantizedArray)):
+        nbytes = leaf.nbytes if isinstance(leaf, QuantizedArray) else int(leaf.size) * np.dtype(leaf.dtype).itemsize
+        out[format_name(leaf)] = out.get(format_name(leaf), 0) + nbytes
+    return out

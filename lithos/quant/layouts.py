@@ -1,0 +1,124 @@
+"""Checkpoint layouts -> packed planes (numpy, at load time, lossless).
+
+- GGUF blocks (Q8_0, Q4_0, Q4_1, MXFP4): llama.cpp interleaves each block's scale with its codes
+  (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
+  kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
+  "element 2k in the low nibble of byte k" order.
+- GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
+  `*_scales` u8 `[..., out, in/32]`.
+- FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
+  `weight_scale_inv` f32 (or bf16) `[ceil(out/128), ceil(in/128)]`, the multiplier that dequantises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lithos.errors import CheckpointError
+from lithos.quant.formats import FP8_BLOCK128, MXFP4, Q4_0, Q4_1, Q8_0, QuantFormat, QuantizedArray, from_planes
+
+# GGUF tensor type name -> (format, bytes per block of 32 weights).
+GGUF_FORMATS: dict[str, tuple[QuantFormat, int]] = {
+    "Q8_0": (Q8_0, 34),
+    "Q4_0": (Q4_0, 18),
+    "Q4_1": (Q4_1, 20),
+    "MXFP4": (MXFP4, 17),
+}
+
+
+def _field(blocks: np.ndarray, start: int, stop: int, dtype) -> np.ndarray:
+    """Bytes `start:stop` of every block, reinterpreted as `dtype`: `[..., blocks]` or `[..., blocks, n]`."""
+    raw = np.ascontiguousarray(blocks[..., start:stop]).view(dtype)
+    return raw[..., 0] if raw.shape[-1] == 1 else raw
+
+
+def gguf_nibbles_to_planar(qs: np.ndarray) -> np.ndarray:
+    """GGUF 4-bit codes `[..., blocks, 16]` (elements 0..15 low nibbles, 16..31 high) -> `[..., blocks*16]`
+    with element 2k in the low nibble of byte k."""
+    elements = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., blocks, 32] in element order
+    packed = elements[..., 0::2] | (elements[..., 1::2] << 4)
+    return packed.reshape(*qs.shape[:-2], qs.shape[-2] * 16)
+
+
+def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.float32) -> QuantizedArray:
+    """A GGUF tensor's bytes (u8, any shape with `shape`'s total size in blocks) -> QuantizedArray of
+    logical `shape` `[..., out, in]` (row-major, as `gguf.quants.dequantize` returns it)."""
+    if type_name not in GGUF_FORMATS:
+        raise CheckpointError(f"GGUF type {type_name} is not kept packed (packed: {', '.join(GGUF_FORMATS)})")
+    fmt, block_bytes = GGUF_FORMATS[type_name]
+    *lead, cols = shape
+    if cols % 32:
+        raise CheckpointError(f"GGUF {type_name} tensor of shape {shape}: rows of {cols} do not split in blocks of 32")
+    blocks = np.asarray(raw, np.uint8).reshape(*lead, cols // 32, block_bytes)
+    if type_name == "Q8_0":
+        planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
+        planes["data"] = planes["data"].reshape(*lead, cols)
+    elif type_name == "Q4_0":
+        planes = {"scales": _field(blocks, 0, 2, np.float16), "data": gguf_nibbles_to_planar(blocks[..., 2:18])}
+    elif type_name == "Q4_1":
+        planes = {
+            "scales": _field(blocks, 0, 2, np.float16),
+            "mins": _field(blocks, 2, 4, np.float16),
+            "data": gguf_nibbles_to_planar(blocks[..., 4:20]),
+        }
+    else:
+        # MXFP4: [e8m0][16 bytes]. llama.cpp doubles its value table and halves the scale (same numbers),
+        # but its integer table makes code 8 +0 (E2M1: -0) and it reads scale 0xFF as 2^128 (E8M0: NaN);
+        # lithos keeps the OCP meaning of both, which no real weight uses.
+        planes = {"scales": np.ascontiguousarray(blocks[..., 0]), "data": gguf_nibbles_to_planar(blocks[..., 1:17])}
+    return from_planes(fmt, planes, dtype)
+
+
+def from_gpt_oss_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> QuantizedArray:
+    """GPT-OSS `*_blocks` u8 `[..., out, in/32, 16]` + `*_scales` u8 `[..., out, in/32]` -> MXFP4 `[..., out, in]`."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise CheckpointError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.ndim < 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(
+            f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair as [..., out, in/32, 16] "
+            "and [..., out, in/32]: the checkpoint is not in the GPT-OSS layout"
+        )
+    data = np.asarray(blocks).reshape(*blocks.shape[:-2], blocks.shape[-2] * 16)
+    return from_planes(MXFP4, {"data": data, "scales": np.asarray(scales)}, dtype)
+
+
+def from_fp8_block_scaled(weight: np.ndarray, scale_inv: np.ndarray, dtype=np.float32) -> QuantizedArray:
+    """`weight` E4M3 `[..., out, in]` (float8_e4m3fn or its u8 bits) + `weight_scale_inv` `[..., ceil(out/128),
+    ceil(in/128)]` -> FP8_BLOCK128. bf16 scales widen to f32 exactly."""
+    data = np.asarray(weight)
+    if data.dtype.itemsize != 1:
+        raise CheckpointError(f"an FP8 weight must have 1-byte elements, got {data.dtype}")
+    data = data.view(np.uint8)
+    scales = np.asarray(scale_inv).astype(np.float32)
+    expected = FP8_BLOCK128.plane_shapes(data.shape)["scales"][0]
+    if scales.shape != expected:
+        raise CheckpointError(
+            f"FP8 weight {data.shape} needs weight_scale_inv of shape {expected} (128x128 blocks), got "
+            f"{scales.shape}: only weight_block_size [128, 128] is supported"
+        )
+    return from_planes(FP8_BLOCK128, {"data": data, "scales": scales}, dtype)
+
+
+def map_planes(fn, w):
+    """Apply `fn` to every plane of a packed array (or to a dense array): for row permutations, which
+    move each row's codes and scales together (valid for formats whose blocks are one row)."""
+    if isinstance(w, QuantizedArray):
+        if w.format.block[0] != 1:
+            raise CheckpointError(f"rows of a {w.format.name} tensor share scales in tiles: they cannot be permuted")
+        return w.replace(**{name: fn(plane) for name, plane in w.planes().items()})
+    return fn(w)
+
+
+def stack(arrays: list) -> np.ndarray | QuantizedArray:
+    """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane;
+    a mix (a GGUF whose layers use different types) falls back to exact f32 values."""
+    packed = [a for a in arrays if isinstance(a, QuantizedArray)]
+    if packed and len(packed) == len(arrays) and len({a.format for a in packed}) == 1:
+        first = packed[0]
+        planes = {name: np.stack([np.asarray(a.planes()[name]) for a in packed]) for name in first.planes()}
+        return from_planes(first.format, planes, first.dtype)
+    if packed:
+        from lithos.quant.formats import dequantize
+
+        arrays = [np.asarray(dequantize(a, np.float32)) if isinstance(a, QuantizedArray) else a for a in arrays]
+    return np.stack(arrays)

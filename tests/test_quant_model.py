@@ -1,0 +1,163 @@
+"""Packed weights inside models and checkpoints: the forward reads them exactly as their dequantised
+values; safetensors FP8 block-scaled and GPT-OSS-layout MXFP4 load packed; `lithos quantize` writes an
+orbax checkpoint that loads packed, with its quality report; GGUF stays packed; bench counts packed bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lithos import quant
+from lithos.bench import weight_bytes_read
+from lithos.checkpoint import load_checkpoint
+from lithos.checkpoint.safetensors_dir import read_safetensors
+from lithos.kv_cache import init_cache
+from lithos.models import family_of
+
+TOKENS = [[3, 17, 101, 250, 7, 64, 33, 200, 5]]
+
+
+def logits_of(params, cfg) -> np.ndarray:
+    n = len(TOKENS[0])
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
+    forward = jax.jit(partial(family_of(cfg).forward, cfg=cfg))
+    logits, _ = forward(params, jnp.asarray(TOKENS), jnp.arange(n)[None], cache)
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("fmt_name, tied", [("mxfp4", False), ("mxfp8", True), ("fp8_block128", False)])
+def test_forward_reads_packed_weights_as_their_values(hf_checkpoint, fmt_name, tied):
+    """Every matrix packed (embedding and LM head included): the same logits as the dense model made
+    of the dequantised values, so packing changes storage and nothing else."""
+    ck = load_checkpoint(hf_checkpoint("llama3", tied=tied), dtype="float32", use_cache=False)
+    packed = quant.quantize_params(ck.params, fmt_name, ["attention", "mlp", "embed", "lm_head"])
+    assert quant.is_quantized(packed.layers.wq) and quant.is_quantized(packed.embed)
+    assert (packed.lm_head is None) == tied and (tied or quant.is_quantized(packed.lm_head))
+    expected = logits_of(quant.dequantize_params(packed), ck.cfg)
+    np.testing.assert_allclose(logits_of(packed, ck.cfg), expected, rtol=0, atol=1e-5)
+    assert np.abs(expected - logits_of(ck.params, ck.cfg)).max() > 0  # it did quantize
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A .safetensors file written by hand (the safetensors package has no numpy FP8 writer)."""
+    names = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.uint8): "U8"}
+    names[np.dtype(ml_dtypes.float8_e4m3fn)] = "F8_E4M3"
+    header, offset, blobs = {}, 0, []
+    for name, value in tensors.items():
+        blob = np.ascontiguousarray(value).tobytes()
+        span = [offset, offset + len(blob)]
+        header[name] = {"dtype": names[value.dtype], "shape": list(value.shape), "data_offsets": span}
+        offset += len(blob)
+        blobs.append(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def packed_copy(src: Path, dst: Path, fmt_name: str) -> Path:
+    """`src` (a tiny HF checkpoint) with every projection stored as FP8 block-scaled or GPT-OSS MXFP4."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = {k: np.array(v) for k, v in read_safetensors(f).items()}
+        out = {}
+        for name, value in tensors.items():
+            if not name.endswith("_proj.weight"):
+                out[name] = value
+                continue
+            w = quant.quantize(jnp.asarray(value), fmt_name)
+            if fmt_name == "fp8_block128":
+                out[name] = np.asarray(w.data).view(ml_dtypes.float8_e4m3fn)
+                out[name + "_scale_inv"] = np.asarray(w.scales)
+            else:
+                rows, cols = value.shape
+                out[name + "_blocks"] = np.asarray(w.data).reshape(rows, cols // 32, 16)
+                out[name + "_scales"] = np.asarray(w.scales)
+        f.unlink()
+        write_safetensors(f, out)
+    return dst
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_block128", "mxfp4"])
+def test_safetensors_packed_checkpoints_load_packed(hf_checkpoint, tmp_path, fmt_name):
+    src = hf_checkpoint("qwen3")
+    path = packed_copy(src, tmp_path / fmt_name, fmt_name)
+    packed = load_checkpoint(path, dtype="float32", use_cache=False)
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        w = getattr(packed.params.layers, name)
+        assert quant.is_quantized(w) and w.format.name == fmt_name, name
+    dense = load_checkpoint(path, dtype="float32", use_cache=False, dequantize=True)
+    assert not quant.is_quantized(dense.params.layers.wq)
+    values = quant.dequantize(packed.params.layers.w_up)
+    np.testing.assert_array_equal(np.asarray(dense.params.layers.w_up), np.asarray(values))
+    np.testing.assert_allclose(logits_of(packed.params, packed.cfg), logits_of(dense.params, dense.cfg), atol=1e-5)
+    # Close to the unquantized weights it came from (relative error of one E2M1 / E4M3 rounding).
+    original = load_checkpoint(src, dtype="float32", use_cache=False).params.layers.w_up
+    tolerance = (0.5 if fmt_name == "mxfp4" else 2.0**-4) * np.abs(np.asarray(original)).max()
+    assert np.abs(np.asarray(dense.params.layers.w_up) - np.asarray(original)).max() <= tolerance
+
+
+def test_quantize_command_writes_a_packed_checkpoint_and_a_report(hf_checkpoint, tmp_path):
+    from lithos import cli
+
+    src = hf_checkpoint("llama3", tied=True)
+    out = tmp_path / "q"
+    argv = ["quantize", str(src), str(out), "--format", "mxfp8", "--groups", "attention,mlp,lm_head"]
+    assert cli.main(argv + ["--dtype", "float32", "--max-tokens", "48"]) == 0
+    report = json.loads((out / "quality.json").read_text())
+    q = report["quality"]
+    assert q["positions"] == 47 and 0 <= q["kl_mean"] < 0.1 and q["perplexity_quantized"] > 1
+    assert set(report["bytes_quantized"]) == {"mxfp8", "float32"}
+
+    ck = load_checkpoint(out)
+    assert ck.restored and ck.dtype == "float32"
+    assert ck.params.layers.w_down.format.name == "mxfp8" and ck.params.embed.format.name == "mxfp8"  # tied
+    assert not quant.is_quantized(ck.params.layers.attn_norm)
+
+    import lithos
+
+    result = lithos.load(out, max_len=64).generate("hello", max_new_tokens=4, raw=True)
+    assert result.generated_tokens >= 1
+
+
+def test_bench_counts_packed_bytes(hf_checkpoint):
+    ck = load_checkpoint(hf_checkpoint("llama3"), dtype="float32", use_cache=False)
+    packed = quant.quantize_params(ck.params, "mxfp4", ["attention", "mlp", "embed"])
+    cfg = ck.cfg
+    planes = sum(int(p.size) * p.dtype.itemsize for p in jax.tree_util.tree_leaves(packed))
+    embed = packed.embed
+    embed_row = (cfg.hidden_size // 2) + (cfg.hidden_size // 32)  # MXFP4 codes + E8M0 scales of one row
+    assert weight_bytes_read(packed, cfg) == planes - embed.nbytes + embed_row
+    assert quant.bytes_by_format(packed)["mxfp4"] > 0
+
+
+@pytest.mark.slow
+def test_default_gguf_loads_packed(smollm2_model):
+    """The default SmolLM2 Q4_1 GGUF runs from its packed weights (test_smollm2 checks its logits and
+    greedy output against transformers through this same fixture)."""
+    layers = smollm2_model.params.layers
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert getattr(layers, name).format.name == "q4_1", name
+    assert smollm2_model.params.embed.format.name == "q8_0"  # tied: also the LM head
+    assert not quant.is_quantized(layers.attn_norm)
+
+
+@pytest.mark.slow
+def test_gguf_packed_equals_dequantized_load(smollm2_gguf):
+    """Tensor by tensor, the packed load (Q/K rows un-permuted plane by plane) decodes to exactly what
+    the dequantizing load (gguf.quants.dequantize, then un-permuted) gives."""
+    from lithos.checkpoint import gguf_file
+
+    _, packed, _ = gguf_file.load(smollm2_gguf)
+    _, dense, _ = gguf_file.load(smollm2_gguf, dequantize=True)
+    assert set(packed) == set(dense)
+    for name, w in packed.items():
+        values = np.asarray(jax.jit(quant.dequantize)(w)) if quant.is_quantized(w) else w
+        np.testing.assert_array_equal(values, dense[name], err_msg=name)

@@ -236,6 +236,8 @@ def test_bad_options_are_clear(tiny):
         tiny.generate("hi", raw=True, spec="ngram", draft_tokens=0)
     with pytest.raises(LithosError, match="draft_model"):
         tiny.generate("hi", raw=True, spec="draft")
+    with pytest.raises(LithosError, match="unknown generation option 'draft_token'"):
+        tiny.generate("hi", raw=True, spec="ngram", draft_token=3)
 
 
 def test_head_drafter_is_a_drafter(tiny):

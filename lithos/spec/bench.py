@@ -64,6 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-batch", type=int, default=16, help="prompts decoded together when measuring acceptance")
     g.add_argument("--spec-check", action="store_true", help="also check outputs against plain greedy decoding")
     g.add_argument("--no-acceptance", action="store_true", help="skip the acceptance measurement")
+    g.add_argument(
+        "--exit-profile",
+        help="comma-separated exit layers, e.g. 8,15,24: teacher-forced estimate of early-exit drafting at each "
+        "(one forward per prompt over its greedy output)",
+    )
     g.add_argument("--no-timing", action="store_true", help="skip the round-time measurement")
 
 
@@ -117,8 +122,9 @@ def measure_acceptance(
     new_tokens: int,
     batch: int,
     plain: list[list[int]] | None = None,
-) -> dict[str, Any]:
-    """Greedy speculative decoding of every prompt; pooled and per-category tokens per round."""
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Greedy speculative decoding of every prompt: pooled and per-category tokens per round, and the
+    outputs (which are plain greedy decoding's)."""
     reports, outputs = [], []
     t = time.perf_counter()
     for start in range(0, len(prompts), batch):
@@ -156,7 +162,68 @@ def measure_acceptance(
     if plain is not None:
         row["identical_to_plain"] = outputs == plain
         row["prompts_differing_from_plain"] = [i for i, (a, b) in enumerate(zip(outputs, plain)) if a != b]
-    return row
+    return row, outputs
+
+
+def early_exit_profile(
+    model, prompts: list[str], outputs: list[list[int]], layers: list[int], ks: list[int]
+) -> dict[str, Any]:
+    """Teacher-forced estimate of early-exit drafting at several exit layers, from one forward per prompt.
+
+    Greedy drafts are accepted only while every earlier draft of the round was, and until then the
+    drafter has seen exactly the target's own tokens. So draft i of a round whose newest token sits
+    at p is accepted iff, for it and all drafts before it, the exit's argmax after the tokens up to
+    p + i equals the target's token at p + i + 1. One forward over prompt + greedy output that reads
+    the residual stream at every exit layer gives all those agreements; the rounds are replayed on
+    the host. (The real loop drafts one token at a time; float rounding can rarely break a near-tie
+    differently, so this is an estimate, checked against the measured rows of the same run.)
+    """
+    from lithos.models import llama
+    from lithos.spec.target import run_layers
+
+    cfg, params = model.cfg, model.params
+    exits = tuple(layers)
+
+    @jax.jit
+    def exit_tokens(tokens, positions, cache):  # [exits, 1, T]: each exit's greedy next token
+        _, _, feats = run_layers(params, tokens, positions, cache, cfg, max(exits), exits)
+        feats = jnp.moveaxis(feats.reshape(*feats.shape[:2], len(exits), cfg.hidden_size), 2, 0)
+        head = lambda h: jnp.argmax(llama.lm_logits(params, llama.rms_norm(h, params.final_norm, cfg.rms_norm_eps)), -1)
+        return jax.lax.map(head, feats)
+
+    agree_all: list[list[np.ndarray]] = [
+        [] for _ in exits
+    ]  # per exit, per prompt: agreement at each generated position
+    for prompt, output in zip(prompts, outputs):
+        ids = model.prompt_ids(prompt) + output
+        bucket = _pow2(len(ids))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(ids)] = ids
+        cache = init_cache(max(exits), 1, cfg.num_kv_heads, bucket, cfg.head_dim, params.embed.dtype)
+        predicted = np.asarray(exit_tokens(jnp.asarray(tokens), jnp.arange(bucket)[None], cache))[:, 0]
+        start = len(ids) - len(output)  # the first generated token (from prefill) sits here
+        following = np.asarray(ids[start + 1 :])  # tokens the rounds produce
+        for e in range(len(exits)):
+            agree_all[e].append(predicted[e, start : len(ids) - 1] == following)
+
+    profile: dict[str, Any] = {"layers": list(exits), "first_draft_agreement": [], "tokens_per_round": {}}
+    for e in range(len(exits)):
+        agreements = agree_all[e]
+        profile["first_draft_agreement"].append(float(np.mean(np.concatenate(agreements))))
+    for k in ks:
+        per_exit = []
+        for e in range(len(exits)):
+            rounds = accepted = 0
+            for agree in agree_all[e]:
+                p = 0
+                while p < len(agree):  # agree[p + i]: draft i of a round whose newest token is the p-th
+                    n = 0
+                    while n < k and p + n < len(agree) and agree[p + n]:
+                        n += 1
+                    rounds, accepted, p = rounds + 1, accepted + n, p + n + 1
+            per_exit.append((accepted + rounds) / rounds if rounds else 0.0)
+        profile["tokens_per_round"][str(k)] = per_exit
+    return profile
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,6 +433,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
 
     acceptance_rows: list[dict[str, Any]] = []
     timing_rows: list[dict[str, Any]] = []
+    exit_profile = None
     for shape in args.shape or []:
         cfg = bench.model_shape(shape)
         params = family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
@@ -390,8 +458,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         name = Path(model.checkpoint.source).stem
         speculators = speculators_for(args, model, model.cfg, model.params, shape_run=False)
         measured: dict[tuple[str, int], dict] = {}
+        plain = None
         if not args.no_acceptance:
-            plain = None
             if args.spec_check:
                 print(f"  plain greedy over {len(prompts)} prompts (for --spec-check)", flush=True)
                 plain = []
@@ -400,9 +468,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                     plain += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
             for label, speculator in speculators:
                 print(f"  acceptance: {name} {speculator.describe()} on {len(prompts)} prompts", flush=True)
-                row = measure_acceptance(
+                row, outputs = measure_acceptance(
                     model, {"spec": speculator}, prompts, categories, args.spec_new_tokens, args.spec_batch, plain
                 )
+                plain = plain or outputs  # every speculative run's output is plain greedy decoding's
                 row = {
                     "model": name,
                     "dtype": dtype_name,
@@ -416,6 +485,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                 }
                 measured[(label, speculator.draft_tokens)] = row
                 acceptance_rows.append(row)
+        if args.exit_profile:
+            if plain is None:
+                print(f"  plain greedy over {len(prompts)} prompts (for --exit-profile)", flush=True)
+                plain = []
+                for start in range(0, len(prompts), args.spec_batch):
+                    chunk = prompts[start : start + args.spec_batch]
+                    plain += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
+            layers = [int(n) for n in args.exit_profile.split(",")]
+            print(f"  early-exit profile at layers {layers}", flush=True)
+            exit_profile = early_exit_profile(
+                model, prompts, plain, layers, sorted({s.draft_tokens for _, s in speculators})
+            )
         if not args.no_timing:
             timing_rows += bench_rounds(
                 name,
@@ -444,18 +525,30 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             f"rounds after a prompt of `context` random tokens; credited: 1 + {CREDITED_ACCEPTANCE} k tokens per round"
         ),
         "acceptance": acceptance_rows,
+        "early_exit_profile": exit_profile,
         "rounds": timing_rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{now:%Y-%m-%d}-{profile['id']}-spec{'-' + args.tag if args.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    print_tables(acceptance_rows, timing_rows)
+    print_tables(acceptance_rows, timing_rows, exit_profile)
     print(f"wrote {out / (stem + '.json')}")
     return result
 
 
-def print_tables(acceptance_rows: list[dict[str, Any]], timing_rows: list[dict[str, Any]]) -> None:
+def print_tables(
+    acceptance_rows: list[dict[str, Any]], timing_rows: list[dict[str, Any]], exit_profile: dict | None = None
+) -> None:
+    if exit_profile:
+        print("\nearly-exit profile (teacher-forced estimate)")
+        print(
+            f"{'exit layer':>10}{'first-draft agreement':>23}"
+            + "".join(f"{'k=' + k:>8}" for k in exit_profile["tokens_per_round"])
+        )
+        for e, layer in enumerate(exit_profile["layers"]):
+            tprs = "".join(f"{v[e]:>8.3f}" for v in exit_profile["tokens_per_round"].values())
+            print(f"{layer:>10}{exit_profile['first_draft_agreement'][e]:>23.3f}{tprs}")
     if acceptance_rows:
         print(f"\n{'model':<28}{'drafter':<9}{'k':>3}{'tokens/round':>14}{'accepted':>10}{'prompts':>9}")
         for r in acceptance_rows:

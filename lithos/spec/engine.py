@@ -116,14 +116,18 @@ def make_speculator(
         from lithos.spec.early_exit import EarlyExitDrafter
 
         if draft_layers is None:
-            raise LithosError("spec='self' needs draft_layers (how many of the target's layers draft), e.g. 8")
+            raise LithosError(
+                "spec='self' needs draft_layers (--draft-layers): how many of the target's layers draft, e.g. 8"
+            )
         return Speculator(EarlyExitDrafter(model.cfg, draft_layers), None, draft_tokens)
     if spec == "draft":
         return Speculator(*_draft_model(model, draft_model), draft_tokens)
     from lithos.spec.heads import HeadDrafter, load_head
 
     if draft_head is None:
-        raise LithosError("spec='head' needs draft_head: a directory in the layout of lithos/spec/README.md")
+        raise LithosError(
+            "spec='head' needs draft_head (--draft-head): a directory in the layout of lithos/spec/README.md"
+        )
     if isinstance(draft_head, tuple):  # (HeadConfig, HeadParams) built in memory
         head, params = draft_head
     else:
@@ -135,7 +139,9 @@ def _draft_model(model, draft_model) -> tuple[Drafter, Any]:
     from lithos.spec.draft_model import DraftModelDrafter
 
     if draft_model is None:
-        raise LithosError("spec='draft' needs draft_model: a path or a loaded lithos.Model with the same tokenizer")
+        raise LithosError(
+            "spec='draft' needs draft_model (--draft-model): a path or a loaded lithos.Model with the same tokenizer"
+        )
     if not hasattr(draft_model, "params"):
         import lithos
 
@@ -230,8 +236,17 @@ class SpecProgram:
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+SPEC_OPTIONS = ("draft_tokens", "draft_model", "draft_layers", "draft_head", "max_ngram", "min_ngram")
+
+
 def program_for(model, spec: Any = None, **options) -> SpecProgram:
     """The SpecProgram for `model` with these options (cached while the model lives)."""
+    unknown = sorted(set(options) - set(SPEC_OPTIONS))
+    if unknown:
+        raise LithosError(
+            f"unknown generation option {', '.join(map(repr, unknown))}: sampling takes temperature, top_k, top_p, "
+            f"min_p, seed; speculative decoding takes spec, {', '.join(SPEC_OPTIONS)}"
+        )
     cache = _PROGRAMS.setdefault(model, {})
     try:
         key = (spec, tuple(sorted(options.items())))

@@ -87,6 +87,18 @@ TINY_ARCHS = {
     ),
     "mistral": dict(cls="MistralForCausalLM", sliding_window=None),
     "mistral_window": dict(cls="MistralForCausalLM", sliding_window=12),
+    # head_dim 64, a size the fused attention kernel is built for
+    "llama_hd64": dict(
+        cls="LlamaForCausalLM", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    ),
+    "mistral_hd64_window": dict(
+        cls="MistralForCausalLM",
+        sliding_window=12,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    ),
     "qwen2": dict(cls="Qwen2ForCausalLM"),
     "qwen3": dict(cls="Qwen3ForCausalLM"),
 }
@@ -101,19 +113,21 @@ def make_hf_checkpoint(path: Path, arch: str, tied: bool, dtype: str = "float32"
     model_cls = getattr(transformers, cls_name)
     config_cls = model_cls.config_class
     tok = byte_tokenizer()
-    config = config_cls(
-        vocab_size=len(tok),
+    shape = dict(
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
+    )
+    config = config_cls(
+        vocab_size=len(tok),
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        **spec,
+        **(shape | spec),
     )
     config.architectures = [cls_name]
     torch.manual_seed(seed)

@@ -23,7 +23,7 @@ from lithos.models import llama
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.mark.parametrize("arch", ["llama3", "mistral_window"])
+@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window"])
 def test_fused_generation_equals_reference(hf_checkpoint, arch):
     path = hf_checkpoint(arch, tied=False)
     dtype = "bfloat16" if ON_GPU else "float32"
@@ -42,6 +42,8 @@ def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):
         lithos.load(hf_checkpoint("qwen3"), dtype="float32", kernels="fused")
     with pytest.raises(UnsupportedModelError, match="Q/K/V biases"):
         lithos.load(hf_checkpoint("qwen2"), dtype="float32", kernels="fused")
+    with pytest.raises(UnsupportedModelError, match="head_dim 16"):
+        lithos.load(hf_checkpoint("llama3"), dtype="float32", kernels="fused")
 
 
 def _step_logits(cfg, params, kernels, context, new_tokens):

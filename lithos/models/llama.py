@@ -347,6 +347,7 @@ def init_params(cfg: Config, key: jax.Array, dtype=jnp.bfloat16) -> Params:
 # on CUDA/ROCm and their jax.numpy twins elsewhere; batch 1, 1..16 new tokens per call (decode and
 # speculative verification; prefill always takes the reference path).
 KERNEL_PATHS = ("reference", "fused")
+FUSED_HEAD_DIMS = (64, 128, 256)  # the attention kernel's instantiations
 
 
 def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
@@ -364,6 +365,8 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
             )
             if present
         ]
+        if cfg.head_dim not in FUSED_HEAD_DIMS:
+            missing.append(f"head_dim {cfg.head_dim} (kernels exist for {', '.join(map(str, FUSED_HEAD_DIMS))})")
         if missing:
             raise UnsupportedModelError(
                 f"the fused kernels do not implement {', '.join(missing)} ({cfg.architecture}); use kernels='reference'"

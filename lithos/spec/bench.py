@@ -458,7 +458,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         name = Path(model.checkpoint.source).stem
         speculators = speculators_for(args, model, model.cfg, model.params, shape_run=False)
         measured: dict[tuple[str, int], dict] = {}
-        plain = None
+        plain = greedy = None
         if not args.no_acceptance:
             if args.spec_check:
                 print(f"  plain greedy over {len(prompts)} prompts (for --spec-check)", flush=True)
@@ -471,7 +471,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                 row, outputs = measure_acceptance(
                     model, {"spec": speculator}, prompts, categories, args.spec_new_tokens, args.spec_batch, plain
                 )
-                plain = plain or outputs  # every speculative run's output is plain greedy decoding's
+                greedy = greedy or outputs  # every speculative run's output is plain greedy decoding's
                 row = {
                     "model": name,
                     "dtype": dtype_name,
@@ -486,17 +486,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                 measured[(label, speculator.draft_tokens)] = row
                 acceptance_rows.append(row)
         if args.exit_profile:
-            if plain is None:
+            greedy = greedy or plain
+            if greedy is None:
                 print(f"  plain greedy over {len(prompts)} prompts (for --exit-profile)", flush=True)
-                plain = []
+                greedy = []
                 for start in range(0, len(prompts), args.spec_batch):
                     chunk = prompts[start : start + args.spec_batch]
-                    plain += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
+                    greedy += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
             layers = [int(n) for n in args.exit_profile.split(",")]
             print(f"  early-exit profile at layers {layers}", flush=True)
-            exit_profile = early_exit_profile(
-                model, prompts, plain, layers, sorted({s.draft_tokens for _, s in speculators})
-            )
+            ks = sorted({s.draft_tokens for _, s in speculators})
+            exit_profile = early_exit_profile(model, prompts, greedy, layers, ks)
         if not args.no_timing:
             timing_rows += bench_rounds(
                 name,

@@ -34,7 +34,7 @@ class FakeModel:
     def __init__(self, interrupt_on_call: int | None = None):
         self.checkpoint = SimpleNamespace(source="fake.gguf", dtype="float32")
         self.cfg = SimpleNamespace(
-            architecture="LlamaForCausalLM", qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False
+            architecture="LlamaForCausalLM", qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, head_dim=64
         )
         self.kernels = "reference"
         self.calls: list[dict] = []

@@ -204,6 +204,18 @@ def test_sliding_window(hf_checkpoint):
     assert_same(expected, model.generate_batch(prompts, raw=True, max_new_tokens=30, spec="self", draft_layers=1))
 
 
+def test_packed_weights(tiny):
+    """Early exit indexes the target's layers one by one: packed (MXFP8) weights index plane by plane."""
+    from lithos.engine import Model
+    from lithos.quant import quantize_params
+
+    ckpt = tiny.checkpoint
+    packed = Model(dataclasses.replace(ckpt, params=quantize_params(ckpt.params, "mxfp8")), max_len=64)
+    prompts = PROMPTS[:4]
+    expected = packed.generate_batch(prompts, raw=True, max_new_tokens=16)
+    assert_same(expected, packed.generate_batch(prompts, raw=True, max_new_tokens=16, spec="self", draft_layers=1))
+
+
 # --- prompt lookup --------------------------------------------------------------------------
 
 

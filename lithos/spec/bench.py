@@ -185,7 +185,7 @@ def early_exit_profile(
     exits = tuple(layers)
 
     @jax.jit
-    def exit_tokens(tokens, positions, cache):  # [exits, 1, T]: each exit's greedy next token
+    def exit_tokens(params, tokens, positions, cache):  # [exits, 1, T]: each exit's greedy next token
         _, _, feats = run_layers(params, tokens, positions, cache, cfg, max(exits), exits)
         feats = jnp.moveaxis(feats.reshape(*feats.shape[:2], len(exits), cfg.hidden_size), 2, 0)
         head = lambda h: jnp.argmax(llama.lm_logits(params, llama.rms_norm(h, params.final_norm, cfg.rms_norm_eps)), -1)
@@ -200,7 +200,7 @@ def early_exit_profile(
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, : len(ids)] = ids
         cache = init_cache(max(exits), 1, cfg.num_kv_heads, bucket, cfg.head_dim, params.embed.dtype)
-        predicted = np.asarray(exit_tokens(jnp.asarray(tokens), jnp.arange(bucket)[None], cache))[:, 0]
+        predicted = np.asarray(exit_tokens(params, jnp.asarray(tokens), jnp.arange(bucket)[None], cache))[:, 0]
         start = len(ids) - len(output)  # the first generated token (from prefill) sits here
         following = np.asarray(ids[start + 1 :])  # tokens the rounds produce
         for e in range(len(exits)):

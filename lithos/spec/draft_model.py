@@ -29,7 +29,7 @@ class DraftModelDrafter:
 
     cfg: Any  # the draft model's Config
     target_vocab: int
-    kernels: str = "reference"
+    kernels: str | None = None  # None: the target's kernel path (fused drafting at batch 1 when it verifies fused)
     name: ClassVar[str] = "draft"
 
     @property
@@ -60,8 +60,9 @@ class DraftModelDrafter:
         greedy: bool,
     ) -> Proposal:
         family = family_of(self.cfg)
+        kernels = self.kernels or ctx.kernels
         forward = lambda tokens, positions, cache: family.forward(
-            draft_params, tokens, positions, cache, self.cfg, kernels=self.kernels
+            draft_params, tokens, positions, cache, self.cfg, kernels=kernels
         )
         pos = ctx.position
         previous = jnp.take_along_axis(ctx.history, (pos - 1)[:, None], axis=1)[:, 0]

@@ -39,6 +39,7 @@ class DraftContext:
     last_token: jax.Array  # [B] i32
     target_params: Any
     target_cache: KVCache  # valid below `position`
+    kernels: str = struct.field(pytree_node=False, default="reference")  # the target's kernel path this round
 
 
 @struct.dataclass

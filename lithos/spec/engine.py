@@ -153,7 +153,7 @@ def _draft_model(model, draft_model) -> tuple[Drafter, Any]:
             "the draft model's tokenizer splits text differently from the target's: a draft model must share "
             "the target's tokenizer (e.g. a smaller model of the same family)"
         )
-    drafter = DraftModelDrafter(draft_model.cfg, model.cfg.vocab_size, kernels="reference")
+    drafter = DraftModelDrafter(draft_model.cfg, model.cfg.vocab_size)
     return drafter, draft_model.params
 
 

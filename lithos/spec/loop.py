@@ -138,6 +138,7 @@ def spec_round(
         last_token=dec.last_token,
         target_params=params,
         target_cache=dec.cache,
+        kernels=kernels,
     )
     proposal = drafter.propose(draft_params, state.draft, ctx, k, key_draft, dec.sampling, greedy)
 

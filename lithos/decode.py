@@ -93,8 +93,14 @@ def prefill(
     # Prefill is one large matrix product per weight, which XLA does well; the fused kernels are
     # built for 1..16 new tokens (decode and verification), so prefill takes the reference path.
     h, cache = family.hidden_states(params, tokens, positions, cache, cfg, kernels="reference")
+    return start_decoding(params, h, lengths, cache, limit, stop_ids, sampling, rng, cfg, greedy)
+
+
+def start_decoding(params, h, lengths, cache, limit, stop_ids, sampling, rng, cfg, greedy):
+    """From a prompt pass's hidden states `h` `[B, bucket, hidden]`: each row's first token, its
+    logits and the decode state that continues from it (shared by plain and speculative prefill)."""
     last_h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = family.lm_logits(params, last_h)
+    logits = family_of(cfg).lm_logits(params, last_h)
     rng, key = jax.random.split(rng)
     first = sample(logits, sampling, key, greedy)
     generated = jnp.ones_like(lengths)

@@ -101,6 +101,21 @@ class Drafter(Protocol):
     def update(self, draft_params: Any, draft_state: Any, verified: Verified) -> Any: ...
 
 
+class StatelessDrafter:
+    """Defaults for drafters that keep no per-request state and read no target features (prompt
+    lookup, early exit): their `draft_state` is `()` and verification leaves it as it is."""
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def init(self, draft_params: Any, target_params: Any, prompt: PromptContext) -> Any:
+        return ()
+
+    def update(self, draft_params: Any, draft_state: Any, verified: Verified) -> Any:
+        return draft_state
+
+
 def match_vocab(logits: jax.Array, vocab: int) -> jax.Array:
     """Draft logits `[..., Vd]` over the target's vocabulary `[..., vocab]`.
 

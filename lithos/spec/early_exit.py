@@ -20,12 +20,12 @@ import jax
 from lithos.errors import LithosError
 from lithos.models import family_of, llama
 from lithos.sampling import SamplingParams
-from lithos.spec.drafter import DraftContext, PromptContext, Proposal, Verified, autoregress
+from lithos.spec.drafter import DraftContext, Proposal, StatelessDrafter, autoregress
 from lithos.spec.target import check_llama_family, run_layers
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyExitDrafter:
+class EarlyExitDrafter(StatelessDrafter):
     """Draft with the target's first `num_layers` layers (the target's params; no draft params)."""
 
     cfg: Any  # the target's Config
@@ -39,13 +39,6 @@ class EarlyExitDrafter:
                 f"draft layers must be in 1..{self.cfg.num_layers - 1} for a {self.cfg.num_layers}-layer target, "
                 f"got {self.num_layers}"
             )
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return ()
-
-    def init(self, draft_params: Any, target_params: Any, prompt: PromptContext) -> Any:
-        return ()
 
     def propose(
         self,
@@ -69,9 +62,6 @@ class EarlyExitDrafter:
         cache, first = run(ctx.target_cache, ctx.last_token, 0)
         tokens, probs, cache = autoregress(run, cache, first, k, key, sampling, greedy)
         return Proposal(tokens=tokens, probs=probs, draft_state=draft_state, target_cache=cache)
-
-    def update(self, draft_params: Any, draft_state: Any, verified: Verified) -> Any:
-        return draft_state
 
     def describe(self) -> str:
         return f"early exit after {self.num_layers} of {self.cfg.num_layers} layers"

@@ -30,8 +30,7 @@ from flax import struct
 from lithos import decode
 from lithos.decode import RUNNING, DecodeState
 from lithos.kv_cache import KVCache
-from lithos.models import family_of
-from lithos.sampling import SamplingParams, sample
+from lithos.sampling import SamplingParams
 from lithos.spec import verify
 from lithos.spec.drafter import DraftContext, Drafter, PromptContext, Verified
 from lithos.spec.target import prompt_pass, verify_pass
@@ -88,28 +87,10 @@ def spec_prefill(
 ) -> tuple[SpecState, jax.Array]:
     """Run prompts `tokens` `[B, bucket]` (row b real up to `lengths[b]`), pick each row's first token
     exactly as `decode.prefill` does, and set up the drafter. Returns the state and first tokens `[B]`."""
-    family = family_of(cfg)
     batch, bucket = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
     h, cache, features = prompt_pass(params, tokens, positions, cache, cfg, drafter.feature_layers)
-    last_h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = family.lm_logits(params, last_h)
-    rng, key = jax.random.split(rng)
-    first = sample(logits, sampling, key, greedy)
-    generated = jnp.ones_like(lengths)
-    finish = decode._finish_reason(first, generated, limit, lengths, cache.max_len, stop_ids, jnp.zeros_like(lengths))
-    finish = jnp.where(limit <= 0, decode.STOPPED_AT_LIMIT, finish)  # padding rows of the batch
-    state = DecodeState(
-        cache=cache,
-        last_token=first,
-        position=lengths.astype(jnp.int32),
-        generated=generated,
-        limit=limit,
-        finish=finish,
-        rng=rng,
-        stop_ids=stop_ids,
-        sampling=sampling,
-    )
+    state, first, _ = decode.start_decoding(params, h, lengths, cache, limit, stop_ids, sampling, rng, cfg, greedy)
     history = jnp.zeros((batch, history_length(cache.max_len, k)), jnp.int32)
     history = history.at[:, :bucket].set(tokens)
     history = history.at[jnp.arange(batch), lengths].set(first)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from lithos.errors import LithosError
 from lithos.sampling import SamplingParams
-from lithos.spec.drafter import DraftContext, PromptContext, Proposal, Verified
+from lithos.spec.drafter import DraftContext, Proposal, StatelessDrafter
 
 
 def prompt_lookup(history: jax.Array, position: jax.Array, k: int, min_ngram: int, max_ngram: int) -> jax.Array:
@@ -50,7 +50,7 @@ def prompt_lookup(history: jax.Array, position: jax.Array, k: int, min_ngram: in
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(StatelessDrafter):
     """Prompt-lookup drafting over the prompt and everything generated so far."""
 
     max_ngram: int = 3
@@ -60,13 +60,6 @@ class NGramDrafter:
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise LithosError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return ()
-
-    def init(self, draft_params: Any, target_params: Any, prompt: PromptContext) -> Any:
-        return ()
 
     def propose(
         self,
@@ -80,9 +73,6 @@ class NGramDrafter:
     ) -> Proposal:
         tokens = prompt_lookup(ctx.history, ctx.position, k, self.min_ngram, self.max_ngram)
         return Proposal(tokens=tokens, probs=None, draft_state=draft_state, target_cache=ctx.target_cache)
-
-    def update(self, draft_params: Any, draft_state: Any, verified: Verified) -> Any:
-        return draft_state
 
     def describe(self) -> str:
         return f"prompt lookup (n-grams {self.min_ngram}..{self.max_ngram})"

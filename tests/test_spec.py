@@ -255,3 +255,25 @@ def test_bad_options_are_clear(tiny):
 def test_head_drafter_is_a_drafter(tiny):
     head = head_config("eagle3", tiny.cfg)
     assert HeadDrafter(head).feature_layers == (1, 1, 0)  # a 2-layer target: layers 2, L/2, L-3 clipped
+
+
+# --- acceptance replayed from plain greedy output --------------------------------------------
+
+
+@pytest.mark.parametrize("kind,options", [("ngram", {}), ("self", {"draft_layers": 1})])
+def test_replayed_rounds_equal_the_loops(tiny, kind, options):
+    """`lithos bench --spec ... --replay` counts the same rounds, accepted drafts and histogram as
+    the speculative loop itself, for every k, from one plain greedy decode."""
+    from lithos.spec import make_speculator
+    from lithos.spec.bench import early_exit_profile, measure_acceptance, plain_greedy, replayed_acceptance
+
+    categories, new_tokens, ks = ["all"] * len(PROMPTS), 24, (2, 5)
+    continuations = plain_greedy(tiny, PROMPTS, new_tokens + max(ks), len(PROMPTS))
+    _, agreement = early_exit_profile(tiny, PROMPTS, continuations, new_tokens, [1], list(ks))
+    for k in ks:
+        speculator = make_speculator(tiny, kind, draft_tokens=k, **options)
+        loop, _ = measure_acceptance(tiny, {"spec": speculator}, PROMPTS, categories, new_tokens, len(PROMPTS))
+        replayed = replayed_acceptance(tiny, speculator, PROMPTS, categories, continuations, new_tokens, agreement)
+        assert loop["accepted"] > 0, "a test that accepts nothing compares nothing"
+        for field in ("rounds", "accepted", "histogram", "per_prompt_tokens_per_round"):
+            assert replayed[field] == loop[field], (field, k)

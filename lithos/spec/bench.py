@@ -38,8 +38,10 @@ from lithos.errors import LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import family_for_architecture
 from lithos.sampling import SamplingParams
-from lithos.spec.engine import SPEC_KINDS, Speculator, make_speculator
+from lithos.spec import replay
+from lithos.spec.engine import SPEC_KINDS, SpecReport, Speculator, make_speculator
 from lithos.spec.loop import spec_prefill, spec_rounds
+from lithos.spec.ngram import NGramDrafter
 
 CREDITED_ACCEPTANCE = 0.75  # BENCHMARKS.md: 75% of drafts accepted, the figure the seeds use
 MTBENCH_FILE = "fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -63,7 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-new-tokens", type=int, default=128, help="tokens generated per prompt for acceptance")
     g.add_argument("--spec-batch", type=int, default=16, help="prompts decoded together when measuring acceptance")
     g.add_argument("--spec-check", action="store_true", help="also check outputs against plain greedy decoding")
-    g.add_argument("--no-acceptance", action="store_true", help="skip the acceptance measurement")
+    g.add_argument("--no-acceptance", action="store_true", help="skip the acceptance measurement in the loop")
+    g.add_argument(
+        "--replay",
+        action="store_true",
+        help="also replay ngram and self rounds for every k from one plain greedy decode (lithos.spec.replay)",
+    )
     g.add_argument(
         "--exit-profile",
         help="comma-separated exit layers, e.g. 8,15,24: teacher-forced estimate of early-exit drafting at each "
@@ -134,6 +141,16 @@ def measure_acceptance(
         done = start + len(results)
         mean = sum(r.accepted + r.rounds for r in reports) / max(sum(r.rounds for r in reports), 1)
         print(f"    {done}/{len(prompts)} prompts, {mean:.3f} tokens/round so far", flush=True)
+    row = {"method": "loop", **acceptance_row(reports, categories), "wall_s": time.perf_counter() - t}
+    row["generated_tokens"] = sum(len(o) for o in outputs)
+    if plain is not None:
+        row["identical_to_plain"] = outputs == plain
+        row["prompts_differing_from_plain"] = [i for i, (a, b) in enumerate(zip(outputs, plain)) if a != b]
+    return row, outputs
+
+
+def acceptance_row(reports: list[SpecReport], categories: list[str]) -> dict[str, Any]:
+    """Pooled and per-category tokens per round of one (drafter, k) over a prompt set."""
     k = reports[0].draft_tokens
 
     def pooled(rs) -> dict[str, Any]:
@@ -150,80 +167,67 @@ def measure_acceptance(
     by_category = collections.defaultdict(list)
     for category, r in zip(categories, reports):
         by_category[category].append(r)
-    row = {
+    return {
         **pooled(reports),
         "mean_of_prompt_tokens_per_round": statistics.fmean(r.tokens_per_round for r in reports),
         "histogram": np.sum([r.histogram for r in reports], axis=0).tolist(),
-        "generated_tokens": sum(len(o) for o in outputs),
         "by_category": {c: pooled(rs) for c, rs in sorted(by_category.items())},
         "per_prompt_tokens_per_round": [r.tokens_per_round for r in reports],
-        "wall_s": time.perf_counter() - t,
     }
-    if plain is not None:
-        row["identical_to_plain"] = outputs == plain
-        row["prompts_differing_from_plain"] = [i for i, (a, b) in enumerate(zip(outputs, plain)) if a != b]
-    return row, outputs
+
+
+def plain_greedy(model, prompts: list[str], new_tokens: int, batch: int) -> list[list[int]]:
+    outputs = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        outputs += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=new_tokens)]
+    return outputs
+
+
+def replayed_acceptance(
+    model,
+    speculator: Speculator,
+    prompts: list[str],
+    categories: list[str],
+    continuations: list[list[int]],
+    new_tokens: int,
+    agreement: dict[int, list[np.ndarray]],
+) -> dict[str, Any]:
+    """The rounds of `speculator` replayed from plain greedy `continuations` (see lithos.spec.replay),
+    decoded past `new_tokens` by at least k tokens; `agreement[layers]` for early exit."""
+    drafter, k = speculator.drafter, speculator.draft_tokens
+    reports = []
+    for i, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+        if isinstance(drafter, NGramDrafter):
+            ids = model.prompt_ids(prompt)
+            accepted_at = replay.ngram_accepted_at(ids, continuation, k, drafter.min_ngram, drafter.max_ngram)
+        else:
+            accepted_at = replay.exit_accepted_at(agreement[drafter.num_layers][i])
+        rounds = replay.replay(accepted_at, min(len(continuation), new_tokens), k)
+        reports.append(SpecReport(drafter.name, k, emitted=0, decode_ms=0.0, **rounds))
+    return {"method": "replay", **acceptance_row(reports, categories)}
 
 
 def early_exit_profile(
-    model, prompts: list[str], outputs: list[list[int]], layers: list[int], ks: list[int]
-) -> dict[str, Any]:
-    """Teacher-forced estimate of early-exit drafting at several exit layers, from one forward per prompt.
-
-    Greedy drafts are accepted only while every earlier draft of the round was, and until then the
-    drafter has seen exactly the target's own tokens. So draft i of a round whose newest token sits
-    at p is accepted iff, for it and all drafts before it, the exit's argmax after the tokens up to
-    p + i equals the target's token at p + i + 1. One forward over prompt + greedy output that reads
-    the residual stream at every exit layer gives all those agreements; the rounds are replayed on
-    the host. (The real loop drafts one token at a time; float rounding can rarely break a near-tie
-    differently, so this is an estimate, checked against the measured rows of the same run.)
-    """
-    from lithos.models import llama
-    from lithos.spec.target import run_layers
-
-    cfg, params = model.cfg, model.params
-    exits = tuple(layers)
-
-    @jax.jit
-    def exit_tokens(params, tokens, positions, cache):  # [exits, 1, T]: each exit's greedy next token
-        _, _, feats = run_layers(params, tokens, positions, cache, cfg, max(exits), exits)
-        feats = jnp.moveaxis(feats.reshape(*feats.shape[:2], len(exits), cfg.hidden_size), 2, 0)
-        head = lambda h: jnp.argmax(llama.lm_logits(params, llama.rms_norm(h, params.final_norm, cfg.rms_norm_eps)), -1)
-        return jax.lax.map(head, feats)
-
-    agree_all: list[list[np.ndarray]] = [
-        [] for _ in exits
-    ]  # per exit, per prompt: agreement at each generated position
-    for prompt, output in zip(prompts, outputs):
-        ids = model.prompt_ids(prompt) + output
-        bucket = _pow2(len(ids))
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, : len(ids)] = ids
-        cache = init_cache(max(exits), 1, cfg.num_kv_heads, bucket, cfg.head_dim, params.embed.dtype)
-        predicted = np.asarray(exit_tokens(params, jnp.asarray(tokens), jnp.arange(bucket)[None], cache))[:, 0]
-        start = len(ids) - len(output)  # the first generated token (from prefill) sits here
-        following = np.asarray(ids[start + 1 :])  # tokens the rounds produce
-        for e in range(len(exits)):
-            agree_all[e].append(predicted[e, start : len(ids) - 1] == following)
-
-    profile: dict[str, Any] = {"layers": list(exits), "first_draft_agreement": [], "tokens_per_round": {}}
-    for e in range(len(exits)):
-        agreements = agree_all[e]
-        profile["first_draft_agreement"].append(float(np.mean(np.concatenate(agreements))))
+    model, prompts: list[str], outputs: list[list[int]], new_tokens: int, layers: list[int], ks: list[int]
+) -> tuple[dict[str, Any], dict[int, list[np.ndarray]]]:
+    """Early-exit drafting replayed at several exit layers (lithos.spec.replay), from one forward per
+    prompt over its greedy continuation. Returns the profile and the agreements it used."""
+    agreement = dict(zip(layers, replay.exit_agreement(model, prompts, outputs, layers)))
+    profile: dict[str, Any] = {"layers": list(layers), "first_draft_agreement": [], "tokens_per_round": {}}
+    for layer in layers:
+        profile["first_draft_agreement"].append(float(np.mean(np.concatenate(agreement[layer]))))
     for k in ks:
         per_exit = []
-        for e in range(len(exits)):
-            rounds = accepted = 0
-            for agree in agree_all[e]:
-                p = 0
-                while p < len(agree):  # agree[p + i]: draft i of a round whose newest token is the p-th
-                    n = 0
-                    while n < k and p + n < len(agree) and agree[p + n]:
-                        n += 1
-                    rounds, accepted, p = rounds + 1, accepted + n, p + n + 1
-            per_exit.append((accepted + rounds) / rounds if rounds else 0.0)
+        for layer in layers:
+            rounds = [
+                replay.replay(replay.exit_accepted_at(agree), min(len(out), new_tokens), k)
+                for agree, out in zip(agreement[layer], outputs)
+            ]
+            done, accepted = sum(r["rounds"] for r in rounds), sum(r["accepted"] for r in rounds)
+            per_exit.append((accepted + done) / done if done else 0.0)
         profile["tokens_per_round"][str(k)] = per_exit
-    return profile
+    return profile, agreement
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,6 +438,33 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     acceptance_rows: list[dict[str, Any]] = []
     timing_rows: list[dict[str, Any]] = []
     exit_profile = None
+    now = dt.datetime.now(dt.timezone.utc)
+    out = Path(args.out)
+    stem = f"{now:%Y-%m-%d}-{profile['id']}-spec{'-' + args.tag if args.tag else ''}"
+
+    def save() -> dict[str, Any]:
+        """Write what is measured so far: a run stopped part-way keeps its finished rows."""
+        result = {
+            "date": now.isoformat(timespec="seconds"),
+            "command": "lithos bench " + " ".join(argv if argv is not None else sys.argv[2:]),
+            "environment": bench.environment(),
+            "hardware_profile": profile,
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "protocol": (
+                f"acceptance: greedy, chat-formatted prompts, {args.spec_new_tokens} new tokens each, batches of "
+                f"{args.spec_batch} (method 'loop': the speculative loop itself; 'replay': rounds replayed from "
+                f"plain greedy output, lithos.spec.replay); round time: batch 1, greedy, median of {args.runs} "
+                f"device loops of {args.steps} rounds after a prompt of `context` random tokens; credited: "
+                f"1 + {CREDITED_ACCEPTANCE} k tokens per round"
+            ),
+            "acceptance": acceptance_rows,
+            "early_exit_profile": exit_profile,
+            "rounds": timing_rows,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        return result
+
     for shape in args.shape or []:
         cfg = bench.model_shape(shape)
         params = family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
@@ -459,44 +490,53 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         speculators = speculators_for(args, model, model.cfg, model.params, shape_run=False)
         measured: dict[tuple[str, int], dict] = {}
         plain = greedy = None
+
+        def describe(label: str, speculator: Speculator) -> dict[str, Any]:
+            return {
+                "model": name,
+                "dtype": dtype_name,
+                "drafter": label,
+                "drafter_detail": speculator.describe(),
+                "draft_tokens": speculator.draft_tokens,
+                "prompt_set": args.prompts,
+                "prompt_source": source,
+                "new_tokens_per_prompt": args.spec_new_tokens,
+            }
+
         if not args.no_acceptance:
             if args.spec_check:
                 print(f"  plain greedy over {len(prompts)} prompts (for --spec-check)", flush=True)
-                plain = []
-                for start in range(0, len(prompts), args.spec_batch):
-                    chunk = prompts[start : start + args.spec_batch]
-                    plain += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
+                plain = plain_greedy(model, prompts, args.spec_new_tokens, args.spec_batch)
             for label, speculator in speculators:
                 print(f"  acceptance: {name} {speculator.describe()} on {len(prompts)} prompts", flush=True)
                 row, outputs = measure_acceptance(
                     model, {"spec": speculator}, prompts, categories, args.spec_new_tokens, args.spec_batch, plain
                 )
                 greedy = greedy or outputs  # every speculative run's output is plain greedy decoding's
-                row = {
-                    "model": name,
-                    "dtype": dtype_name,
-                    "drafter": label,
-                    "drafter_detail": speculator.describe(),
-                    "draft_tokens": speculator.draft_tokens,
-                    "prompt_set": args.prompts,
-                    "prompt_source": source,
-                    "new_tokens_per_prompt": args.spec_new_tokens,
-                    **row,
-                }
+                row = {**describe(label, speculator), **row}
                 measured[(label, speculator.draft_tokens)] = row
                 acceptance_rows.append(row)
-        if args.exit_profile:
-            greedy = greedy or plain
-            if greedy is None:
-                print(f"  plain greedy over {len(prompts)} prompts (for --exit-profile)", flush=True)
-                greedy = []
-                for start in range(0, len(prompts), args.spec_batch):
-                    chunk = prompts[start : start + args.spec_batch]
-                    greedy += [r.token_ids for r in model.generate_batch(chunk, max_new_tokens=args.spec_new_tokens)]
-            layers = [int(n) for n in args.exit_profile.split(",")]
-            print(f"  early-exit profile at layers {layers}", flush=True)
-            ks = sorted({s.draft_tokens for _, s in speculators})
-            exit_profile = early_exit_profile(model, prompts, greedy, layers, ks)
+                save()
+        replayable = [(label, s) for label, s in speculators if label in ("ngram", "self")]
+        if args.exit_profile or (args.replay and replayable):
+            k_max = max(s.draft_tokens for _, s in speculators)
+            print(f"  plain greedy over {len(prompts)} prompts, {args.spec_new_tokens} + {k_max} tokens", flush=True)
+            continuations = plain_greedy(model, prompts, args.spec_new_tokens + k_max, args.spec_batch)
+            layers = [int(n) for n in args.exit_profile.split(",")] if args.exit_profile else []
+            layers += sorted({s.drafter.num_layers for label, s in replayable if label == "self"} - set(layers))
+            agreement = {}
+            if layers:
+                print(f"  early-exit agreement at layers {layers}", flush=True)
+                ks = sorted({s.draft_tokens for _, s in speculators})
+                exit_profile, agreement = early_exit_profile(
+                    model, prompts, continuations, args.spec_new_tokens, layers, ks
+                )
+            for label, speculator in replayable if args.replay else []:
+                row = replayed_acceptance(
+                    model, speculator, prompts, categories, continuations, args.spec_new_tokens, agreement
+                )
+                acceptance_rows.append({**describe(label, speculator), **row})
+                save()
         if not args.no_timing:
             timing_rows += bench_rounds(
                 name,
@@ -512,26 +552,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                 measured,
             )
 
-    now = dt.datetime.now(dt.timezone.utc)
-    result = {
-        "date": now.isoformat(timespec="seconds"),
-        "command": "lithos bench " + " ".join(argv if argv is not None else sys.argv[2:]),
-        "environment": bench.environment(),
-        "hardware_profile": profile,
-        "read_bandwidth_bytes_per_s": bandwidth,
-        "protocol": (
-            f"acceptance: greedy, chat-formatted prompts, {args.spec_new_tokens} new tokens each, batches of "
-            f"{args.spec_batch}; round time: batch 1, greedy, median of {args.runs} device loops of {args.steps} "
-            f"rounds after a prompt of `context` random tokens; credited: 1 + {CREDITED_ACCEPTANCE} k tokens per round"
-        ),
-        "acceptance": acceptance_rows,
-        "early_exit_profile": exit_profile,
-        "rounds": timing_rows,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{now:%Y-%m-%d}-{profile['id']}-spec{'-' + args.tag if args.tag else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    result = save()
     print_tables(acceptance_rows, timing_rows, exit_profile)
     print(f"wrote {out / (stem + '.json')}")
     return result
@@ -550,10 +571,10 @@ def print_tables(
             tprs = "".join(f"{v[e]:>8.3f}" for v in exit_profile["tokens_per_round"].values())
             print(f"{layer:>10}{exit_profile['first_draft_agreement'][e]:>23.3f}{tprs}")
     if acceptance_rows:
-        print(f"\n{'model':<28}{'drafter':<9}{'k':>3}{'tokens/round':>14}{'accepted':>10}{'prompts':>9}")
+        print(f"\n{'model':<28}{'drafter':<9}{'k':>3}{'method':>8}{'tokens/round':>14}{'accepted':>10}{'prompts':>9}")
         for r in acceptance_rows:
             print(
-                f"{r['model']:<28}{r['drafter']:<9}{r['draft_tokens']:>3}{r['tokens_per_round']:>14.3f}"
+                f"{r['model']:<28}{r['drafter']:<9}{r['draft_tokens']:>3}{r['method']:>8}{r['tokens_per_round']:>14.3f}"
                 f"{100 * r['acceptance_rate']:>9.1f}%{r['prompts']:>9}"
             )
     if timing_rows:

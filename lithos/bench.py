@@ -11,6 +11,7 @@ PNG plots step time against context length with the floor.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from lithos import decode
 from lithos.errors import LithosError
-from lithos.kv_cache import init_cache
+from lithos.kv_cache import CACHE_DTYPES, cache_dtype, init_cache, is_fp8
 from lithos.models import family_for_architecture
 from lithos.quant import bytes_by_format, quantize_params
 from lithos.sampling import SamplingParams
@@ -96,38 +97,58 @@ def weight_bytes_read(params, cfg) -> int:
     """Bytes a decode step reads: every weight, except that an untied embedding table gives one row.
 
     Packed weights (lithos.quant) count their stored planes (codes, scales, mins): the bytes a kernel
-    that reads the packed format moves.
+    that reads the packed format moves. Mixture-of-experts families count only the experts one token
+    is routed to (their `unread_weight_bytes`: top-k of each MoE layer's experts).
     """
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
     if params.lm_head is not None:
         embed_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params.embed))
         total -= embed_bytes - embed_bytes // params.embed.shape[0]
+    unread = getattr(family_for_architecture(cfg.architecture), "unread_weight_bytes", None)
+    if unread is not None:
+        total -= unread(params, cfg)
     return int(total)
 
 
+def kv_cache_bytes_read(cfg, context: int, kv_dtype) -> int:
+    """KV bytes a one-token step reads from a cache of `kv_dtype` (lithos.kv_cache.cache_dtype): an FP8
+    cache reads one byte per element plus its f32 scales (one per layer and KV head, for K and for V)."""
+    if is_fp8(kv_dtype):
+        return kv_bytes_read(cfg, context, 1) + 2 * cfg.num_layers * cfg.num_kv_heads * 4
+    return kv_bytes_read(cfg, context, jnp.dtype(kv_dtype).itemsize)
+
+
 def kv_bytes_read(cfg, context: int, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * itemsize
+    """Keys and values a one-token step reads at `context`; a family with sliding-window layers says
+    how many positions those read (`kv_positions_read`)."""
+    positions = getattr(family_for_architecture(cfg.architecture), "kv_positions_read", None)
+    layer_positions = cfg.num_layers * context if positions is None else positions(cfg, context)
+    return 2 * layer_positions * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-@partial(jax.jit, static_argnames=("cfg", "steps", "kernels"), donate_argnames=("state",))
-def _steps(params, state, cfg, steps: int, kernels: str):
+@partial(jax.jit, static_argnames=("cfg", "steps", "kernels", "placement"), donate_argnames=("state",))
+def _steps(params, state, cfg, steps: int, kernels: str, placement=None):
     def one(_, s):
-        s, _tok = decode.decode_step(params, s, cfg, True, kernels)
+        s, _tok = decode.decode_step(params, s, cfg, True, kernels, placement)
         return s
 
     return jax.lax.fori_loop(0, steps, one, state)
 
 
 def time_decode_steps(
-    params, cfg, context: int, kernels: str, steps: int, runs: int, placement=None
+    params, cfg, context: int, kernels: str, steps: int, runs: int, placement=None, kv_cache_dtype=None
 ) -> list[float]:
     """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens
-    (with `placement`, params already placed by it and the cache split the same way)."""
-    dtype = params.embed.dtype
+    (with `placement`, params already placed by it and the cache split the same way), the cache
+    holding `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the weights' dtype)."""
+    dtype = cache_dtype(kv_cache_dtype, params.embed.dtype)
     if placement is not None:
         cache = placement.init_cache(1, context + steps, dtype)
     else:
         cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
+    if cache.quantized:
+        # No prefill sets this cache's scales: scales of 1 stand in (step time does not depend on values).
+        cache = cache.replace(k_scale=jnp.ones_like(cache.k_scale), v_scale=jnp.ones_like(cache.v_scale))
 
     def start():  # a fresh array each run: the state (and everything in it) is donated
         return jnp.full((1,), context, jnp.int32)
@@ -143,13 +164,13 @@ def time_decode_steps(
         stop_ids=jnp.full((1,), -1, jnp.int32),
         sampling=SamplingParams.make(),
     )
-    state = _steps(params, state, cfg, steps, kernels)  # compile and warm up
+    state = _steps(params, state, cfg, steps, kernels, placement)  # compile and warm up
     jax.block_until_ready(state)
     per_step = []
     for _ in range(runs):
         state = state.replace(position=start(), finish=jnp.zeros((1,), jnp.int32))
         t = time.perf_counter()
-        state = _steps(params, state, cfg, steps, kernels)
+        state = _steps(params, state, cfg, steps, kernels, placement)
         jax.block_until_ready(state)
         per_step.append((time.perf_counter() - t) * 1e3 / steps)
     return per_step
@@ -163,16 +184,47 @@ def cost_per_million_tokens(tokens_per_s: float, profile: dict[str, Any]) -> flo
 
 
 def bench_model(
-    name: str, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile, placement=None
+    name: str,
+    cfg,
+    params,
+    contexts,
+    kernel_paths,
+    steps,
+    runs,
+    bandwidth,
+    profile,
+    placement=None,
+    overlap=False,
+    kv_caches=("model",),
 ) -> list[dict[str, Any]]:
+    """Rows for each KV cache kind (`kv_caches`: lithos.kv_cache.CACHE_DTYPES; an FP8 cache's rows are named
+    `<name>-kvfp8`), context and kernel path; with `overlap` (and a placement), the fused path is
+    timed a second time with its reductions overlapped (kernels "fused+overlap"), side by side."""
+    rows = []
+    for kv_cache in kv_caches:
+        kv_dtype = cache_dtype(kv_cache, params.embed.dtype)
+        if placement is not None and is_fp8(kv_dtype):
+            placement = dataclasses.replace(placement, fp8_cache=True)
+        label = f"{name}-kvfp8" if is_fp8(kv_dtype) else name
+        timing = (contexts, kernel_paths, steps, runs, bandwidth, profile, placement, overlap)
+        rows += _bench_rows(label, cfg, params, *timing, kv_dtype)
+    return rows
+
+
+def _bench_rows(
+    name, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile, placement, overlap, kv_dtype
+) -> list[dict[str, Any]]:
+    """`bench_model`'s rows for one KV cache dtype (resolved: lithos.kv_cache.cache_dtype)."""
     rows = []
     wbytes = weight_bytes_read(params, cfg)
-    itemsize = params.embed.dtype.itemsize
+    variants = [(kernels, kernels, placement) for kernels in kernel_paths]
+    if overlap and placement is not None and "fused" in kernel_paths:
+        variants.append(("fused+overlap", "fused", dataclasses.replace(placement, overlap=True)))
     for context in contexts:
-        for kernels in kernel_paths:
-            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs, placement)
+        for label, kernels, where in variants:
+            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs, where, kv_dtype)
             step_ms = statistics.median(per_step)
-            kv = kv_bytes_read(cfg, context, itemsize)
+            kv = kv_cache_bytes_read(cfg, context, kv_dtype)
             floor_ms = (wbytes + kv) / bandwidth * 1e3
             tps = 1e3 / step_ms
             rows.append(
@@ -180,7 +232,9 @@ def bench_model(
                     "model": name,
                     "dtype": str(params.embed.dtype),
                     "weight_formats": bytes_by_format(params),
-                    "kernels": kernels,
+                    "kv_cache": kv_dtype if is_fp8(kv_dtype) else jnp.dtype(kv_dtype).name,
+                    "kernels": label,
+                    "tp": 1 if where is None else where.tp,
                     "context": context,
                     "weight_bytes": wbytes,
                     "kv_bytes": kv,
@@ -193,7 +247,7 @@ def bench_model(
                     "cost_per_million_tokens": cost_per_million_tokens(tps, profile),
                 }
             )
-            print(f"  {name} {kernels} ctx={context}: {step_ms:.3f} ms/step (floor {floor_ms:.3f})", flush=True)
+            print(f"  {name} {label} ctx={context}: {step_ms:.3f} ms/step (floor {floor_ms:.3f})", flush=True)
     return rows
 
 
@@ -218,9 +272,18 @@ def _git_commit() -> str | None:
 
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    # A run from a tree with uncommitted edits says so: the commit alone would not reproduce it.
+    return (commit + ("+uncommitted" if changes.stdout.strip() else "")) or None
 
 
 def environment() -> dict[str, Any]:
@@ -243,7 +306,7 @@ def environment() -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]], bandwidth: float) -> None:
     print(f"\nread bandwidth {bandwidth / 1e12:.3f} TB/s (measured)")
     header = (
-        f"{'model':<28}{'kernels':<11}{'context':>8}{'floor ms':>10}{'step ms':>10}"
+        f"{'model':<28}{'kernels':<15}{'context':>8}{'floor ms':>10}{'step ms':>10}"
         f"{'x floor':>9}{'tok/s':>10}{'$/Mtok':>9}"
     )
     print(header)
@@ -251,7 +314,7 @@ def print_table(rows: list[dict[str, Any]], bandwidth: float) -> None:
     for r in rows:
         cost = r["cost_per_million_tokens"]
         print(
-            f"{r['model']:<28}{r['kernels']:<11}{r['context']:>8}{r['floor_ms']:>10.3f}{r['step_ms']:>10.3f}"
+            f"{r['model']:<28}{r['kernels']:<15}{r['context']:>8}{r['floor_ms']:>10.3f}{r['step_ms']:>10.3f}"
             f"{r['ratio_to_floor']:>9.2f}{r['tokens_per_s']:>10.1f}{'-' if cost is None else f'{cost:.3f}':>9}"
         )
 
@@ -302,6 +365,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantize-groups", default="attention,mlp", help="tensor groups --weight-format applies to (attention,mlp)"
     )
     p.add_argument("--tp", type=int, default=1, help="split --shape models over this many devices (tensor parallel)")
+    p.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="with --tp > 1: also time the fused path with its reductions overlapped (collective matmul)",
+    )
+    p.add_argument(
+        "--kv-cache",
+        default="model",
+        help=f"comma-separated KV cache kinds to time side by side ({', '.join(CACHE_DTYPES)}), e.g. model,fp8",
+    )
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed device loop")
     p.add_argument("--runs", type=int, default=8, help="timed loops (steps x runs >= 128)")
     p.add_argument(
@@ -323,6 +396,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         raise LithosError(f"steps x runs must be at least 128 (BENCHMARKS.md); got {args.steps} x {args.runs}")
     contexts = [int(c) for c in str(args.context).split(",")]
     kernel_paths = [k.strip() for k in str(args.kernels).split(",")]
+    kv_caches = [k.strip() for k in str(args.kv_cache).split(",")]
+    for kv in kv_caches:
+        cache_dtype(kv, jnp.float32)  # an unknown name fails here, before anything is timed
+    if args.tp_overlap and (args.tp < 2 or "fused" not in kernel_paths or not args.shape):
+        raise LithosError(
+            "--tp-overlap times the fused path's reductions between devices: give --shape, --tp 2 (or more) and "
+            "--kernels with fused in it"
+        )
     from lithos.checkpoint import default_dtype
 
     dtype_name = args.dtype or default_dtype()
@@ -350,9 +431,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             # perfect split over tp GPUs would reach ratio_to_floor = 1/tp.
             placement = make_placement(cfg, args.tp)
             params, cfg, shape = placement.put_params(params), placement.cfg, f"{shape}-tp{args.tp}"
-        rows += bench_model(
-            shape, cfg, params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile, placement
-        )
+        timing = (contexts, kernel_paths, args.steps, args.runs, bandwidth, profile)
+        rows += bench_model(shape, cfg, params, *timing, placement, overlap=args.tp_overlap, kv_caches=kv_caches)
         del params
     if args.model or not args.shape:
         import lithos
@@ -362,12 +442,22 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         )
         name = Path(model.checkpoint.source).stem
         rows += bench_model(
-            name, model.cfg, model.params, contexts, kernel_paths, args.steps, args.runs, bandwidth, profile
+            name,
+            model.cfg,
+            model.params,
+            contexts,
+            kernel_paths,
+            args.steps,
+            args.runs,
+            bandwidth,
+            profile,
+            kv_caches=kv_caches,
         )
         generation = []
-        for kernels in kernel_paths:
-            model.kernels = kernels
-            generation.append(bench_generation(model, args.generate_tokens))
+        for kv in kv_caches:
+            for kernels in kernel_paths:
+                runner = lithos.Model(model.checkpoint, max_len=model.max_len, kernels=kernels, kv_cache_dtype=kv)
+                generation.append({**bench_generation(runner, args.generate_tokens), "kv_cache": kv})
 
     now = dt.datetime.now(dt.timezone.utc)
     result = {
@@ -390,7 +480,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     if generation:
         for g in generation:
             print(
-                f"generation ({g['kernels']}): prompt {g['prompt_tokens']} tokens, {g['generated_tokens']} generated, "
+                f"generation ({g['kernels']}, KV cache {g['kv_cache']}): prompt {g['prompt_tokens']} tokens, "
+                f"{g['generated_tokens']} generated, "
                 f"prefill {g['prefill_ms']:.1f} ms, decode {g['decode_tokens_per_s']:.1f} tokens/s"
             )
     print(f"wrote {out / (stem + '.json')}")

@@ -24,6 +24,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dequantize", action="store_true", help="turn packed weights (GGUF Q4/Q8, MXFP4, FP8) into dense dtype"
     )
+    from lithos.kv_cache import CACHE_DTYPES
+
+    p.add_argument(
+        "--kv-cache",
+        choices=CACHE_DTYPES,
+        default="model",
+        help="what the KV cache holds: the weights' dtype (model), fp8 (E4M3 with per-head scales: half the bytes "
+        "of bf16, for long contexts) or a float dtype",
+    )
 
 
 def _add_placement_options(p: argparse.ArgumentParser) -> None:
@@ -37,11 +46,17 @@ def _add_placement_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pad-heads", action="store_true", help="add zero attention heads if the model's heads do not split over --tp"
     )
+    p.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        help="with --kernels fused and --tp > 1: overlap each layer's reductions with its projections "
+        "(collective matmul) instead of one all-reduce each",
+    )
 
 
 def placement_options(args: argparse.Namespace) -> dict:
     """The `lithos.load` keywords that `_add_placement_options` parsed."""
-    return dict(tp=args.tp, devices_per_gpu=args.devices_per_gpu, pad_heads=args.pad_heads)
+    return dict(tp=args.tp, devices_per_gpu=args.devices_per_gpu, pad_heads=args.pad_heads, overlap=args.tp_overlap)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -62,6 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kernels=args.kernels,
         dtype=args.dtype,
         dequantize=args.dequantize,
+        kv_cache_dtype=args.kv_cache,
         **placement_options(args),
     )
     if args.raw:
@@ -139,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a bf16/f32 checkpoint to MXFP4 or MXFP8, with a quality report")
     quant_cli.add_arguments(q)
     q.set_defaults(func=quant_cli.main)
+
+    from lithos.custom_calls import tune
+
+    t = sub.add_parser("tune", help="choose the fused kernels' launch parameters by measurement (on a GPU)")
+    tune.add_arguments(t)
+    t.set_defaults(func=tune.main)
     return parser
 
 

@@ -67,7 +67,9 @@ def _finish_reason(token, generated, limit, next_position, max_len, stop_ids, fi
 
 # jit options shared by the one-device programs and their placed twins (`programs`).
 PREFILL_JIT = dict(static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
-DECODE_CHUNK_JIT = dict(static_argnames=("cfg", "chunk", "block", "greedy", "kernels"), donate_argnames=("state",))
+DECODE_CHUNK_JIT = dict(
+    static_argnames=("cfg", "chunk", "block", "greedy", "kernels", "placement"), donate_argnames=("state",)
+)
 
 
 @partial(jax.jit, **PREFILL_JIT)
@@ -121,16 +123,20 @@ def start_decoding(params, h, lengths, cache, limit, stop_ids, sampling, rng, cf
     return state, first, logits
 
 
-def decode_step(params, state: DecodeState, cfg, greedy: bool, kernels: str) -> tuple[DecodeState, jax.Array]:
-    """One token for every running row; finished rows stay as they are. Returns (state, tokens `[B]`, -1 where done)."""
+def decode_step(
+    params, state: DecodeState, cfg, greedy: bool, kernels: str, placement: Placement | None = None
+) -> tuple[DecodeState, jax.Array]:
+    """One token for every running row; finished rows stay as they are. Returns (state, tokens `[B]`, -1 where done).
+
+    `placement`: the one params and cache are split by, which the fused kernels need to run per device."""
     family = family_of(cfg)
     args = (params, state.last_token[:, None], state.position[:, None], state.cache, cfg)
     rng, key = jax.random.split(state.rng)
     if greedy:
-        token, cache = family.forward_argmax(*args, kernels=kernels)
+        token, cache = family.forward_argmax(*args, kernels=kernels, placement=placement)
         token = token[:, 0]
     else:
-        logits, cache = family.forward(*args, kernels=kernels)
+        logits, cache = family.forward(*args, kernels=kernels, placement=placement)
         token = sample(logits[:, 0], state.sampling, key, greedy)
     running = ~state.done
     generated = state.generated + running
@@ -149,7 +155,14 @@ def decode_step(params, state: DecodeState, cfg, greedy: bool, kernels: str) -> 
 
 @partial(jax.jit, **DECODE_CHUNK_JIT)
 def decode_chunk(
-    params, state: DecodeState, cfg, chunk: int, block: int, greedy: bool, kernels: str = "reference"
+    params,
+    state: DecodeState,
+    cfg,
+    chunk: int,
+    block: int,
+    greedy: bool,
+    kernels: str = "reference",
+    placement: Placement | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     """Up to `chunk` decode steps on the device, stopping early once every row is done.
 
@@ -163,7 +176,7 @@ def decode_chunk(
 
         def one(i, c):
             state, out = c
-            state, token = decode_step(params, state, cfg, greedy, kernels)
+            state, token = decode_step(params, state, cfg, greedy, kernels, placement)
             return state, jax.lax.dynamic_update_slice(out, token[:, None], (0, step + i))
 
         state, out = jax.lax.fori_loop(0, block, one, (state, out))
@@ -180,7 +193,8 @@ def decode_chunk(
 def programs(placement: Placement | None = None) -> tuple[Callable, Callable]:
     """`(prefill, decode_chunk)`: the programs above for one device, or, given a
     `lithos.placement.Placement`, the same functions jitted with its explicit in/out shardings
-    (params and KV cache split over the mesh, everything else replicated)."""
+    (params and KV cache split over the mesh, everything else replicated), decode_chunk with
+    `placement` bound."""
     if placement is None:
         return prefill, decode_chunk
     return _placed_programs(placement)
@@ -211,15 +225,15 @@ def _placed_programs(placement: Placement) -> tuple[Callable, Callable]:
         out_shardings=(state, rep, logits),
     )
     placed_decode_chunk = _jit_with_shardings(
-        decode_chunk, DECODE_CHUNK_JIT, in_shardings=(params, state), out_shardings=(state, rep)
+        decode_chunk, DECODE_CHUNK_JIT, in_shardings=(params, state), out_shardings=(state, rep), placement=placement
     )
     return placed_prefill, placed_decode_chunk
 
 
-def _jit_with_shardings(jitted, options: dict, in_shardings, out_shardings) -> Callable:
+def _jit_with_shardings(jitted, options: dict, in_shardings, out_shardings, **bound) -> Callable:
     """The function under `jitted`, jitted again with explicit shardings and called the same way
-    (`.lower` too). jax refuses keyword arguments once in_shardings are given, so the static
-    arguments, passed by keyword, are handed over by position."""
+    (`.lower` too), with the keyword arguments `bound` fixed. jax refuses keyword arguments once
+    in_shardings are given, so the static arguments, passed by keyword, are handed over by position."""
     fn = jitted.__wrapped__
     signature = inspect.signature(fn).parameters
     names = list(signature)
@@ -232,6 +246,7 @@ def _jit_with_shardings(jitted, options: dict, in_shardings, out_shardings) -> C
     )
 
     def positional(args: tuple, kwargs: dict) -> tuple:
+        kwargs = {**kwargs, **bound}
         rest = [kwargs.pop(n) if n in kwargs else signature[n].default for n in names[len(args) :]]
         if kwargs:
             raise TypeError(f"{fn.__name__}() got unexpected arguments {sorted(kwargs)}")

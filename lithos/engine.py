@@ -26,7 +26,7 @@ import numpy as np
 from lithos import decode
 from lithos.checkpoint import LoadedCheckpoint, load_checkpoint
 from lithos.errors import CacheFullError, LithosError
-from lithos.kv_cache import init_cache
+from lithos.kv_cache import cache_dtype, init_cache, is_fp8
 from lithos.placement import DeviceLayout, Placement, make_placement
 from lithos.sampling import SamplingParams
 
@@ -99,6 +99,7 @@ class Model:
         stream_every: int = 32,
         block: int = 4,
         placement: Placement | None = None,
+        kv_cache_dtype: str | None = None,
     ):
         if stream_every % block:
             raise LithosError(f"stream_every ({stream_every}) must be a multiple of block ({block})")
@@ -106,12 +107,27 @@ class Model:
             raise LithosError(f"max_len must be at least {MIN_PROMPT_BUCKET}, got {max_len}")
         from lithos.models import family_of
 
-        if placement is not None and kernels != "reference":
+        if placement is not None and kernels not in ("reference", "fused"):
             raise LithosError(
                 f"kernels={kernels!r} does not run split over tp={placement.tp} yet (its FFI calls would have "
-                "their inputs gathered): use kernels='reference' with tp > 1"
+                "their inputs gathered): use kernels='fused' or 'reference' with tp > 1"
+            )
+        if placement is not None and placement.overlap and kernels != "fused":
+            raise LithosError(
+                "overlap=True schedules the fused kernels' per-device reductions; the reference path is "
+                "partitioned by XLA: pass kernels='fused' (--kernels fused) or leave overlap off"
             )
         family_of(checkpoint.cfg).check_kernel_path(kernels, checkpoint.cfg)
+        # What the KV cache holds: the weights' dtype by default, or FP8 codes with per-head scales.
+        self.kv_cache_dtype = cache_dtype(kv_cache_dtype, checkpoint.params.embed.dtype)
+        if is_fp8(self.kv_cache_dtype):
+            if not hasattr(family_of(checkpoint.cfg), "CACHE_SCALE_AXES"):
+                raise LithosError(
+                    f"kv_cache_dtype='fp8' is not implemented for {checkpoint.cfg.architecture} yet: leave it at the "
+                    "model's dtype (--kv-cache model)"
+                )
+            if placement is not None:
+                placement = dataclasses.replace(placement, fp8_cache=True)
         if placement is not None:
             if placement.source_cfg != checkpoint.cfg:
                 raise LithosError("the placement was made for another model's config: make it from this checkpoint")
@@ -132,7 +148,10 @@ class Model:
 
     def __repr__(self) -> str:
         where = f"; {self.placement.describe()}" if self.placement is not None else ""
-        return f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels}{where})"
+        kv = "; KV cache fp8" if is_fp8(self.kv_cache_dtype) else ""
+        return (
+            f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels}{kv}{where})"
+        )
 
     # ---- prompts -> token ids ------------------------------------------------------------
 
@@ -187,7 +206,7 @@ class Model:
     def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0):
         batch = tokens.shape[0]
         cfg = self.cfg
-        dtype = self.params.embed.dtype
+        dtype = self.kv_cache_dtype
         if self.placement is None:
             cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype)
         else:
@@ -332,7 +351,9 @@ def load(
     tp: int = 1,
     devices_per_gpu: int = 1,
     pad_heads: bool = False,
+    overlap: bool = False,
     dequantize: bool = False,
+    kv_cache_dtype: str | None = None,
     **options,
 ) -> Model:
     """Load a model: a HF safetensors directory, a .gguf file, a lithos-converted directory, or
@@ -340,12 +361,20 @@ def load(
 
     `tp` > 1 splits it over that many logical devices (tensor parallelism, see lithos.placement);
     `devices_per_gpu` says how many logical devices each GPU shows (2 for MI355X in DPX mode);
-    `pad_heads` adds zero attention heads / FFN rows to a model whose heads do not split over tp.
+    `pad_heads` adds zero attention heads / FFN rows to a model whose heads do not split over tp;
+    `overlap` overlaps the fused path's per-layer reductions with its projections (a collective matmul,
+    see lithos.tensor_parallel).
     Packed weights (GGUF Q4/Q8, MXFP4, FP8) stay packed unless `dequantize` (see lithos.quant).
+    `kv_cache_dtype`: None (the weights' dtype), "fp8" (E4M3 codes with per-head scales: half the bytes
+    of a bf16 cache, see lithos.kv_cache) or a float dtype name.
     """
+    if overlap and tp == 1:
+        raise LithosError("overlap=True overlaps the reductions between tensor-parallel devices: pass tp > 1 (--tp)")
     checkpoint = load_checkpoint(path, dtype=dtype, dequantize=dequantize)
     placement = None
     if tp != 1:  # tp < 1 gets make_mesh's error
         layout = DeviceLayout(devices_per_gpu)
-        placement = make_placement(checkpoint.cfg, tp, layout, pad_heads=pad_heads)
-    return Model(checkpoint, max_len=max_len, kernels=kernels, placement=placement, **options)
+        placement = make_placement(checkpoint.cfg, tp, layout, pad_heads=pad_heads, overlap=overlap)
+    return Model(
+        checkpoint, max_len=max_len, kernels=kernels, placement=placement, kv_cache_dtype=kv_cache_dtype, **options
+    )

@@ -28,14 +28,15 @@ Logical devices per GPU are data (`DeviceLayout`): an MI355X in DPX mode shows j
 package, one per die, each with its own HBM; a tp group is laid over consecutive devices so that
 tp=2 there keeps the pair on one package.
 
-FFI kernels cannot be partitioned by XLA (it would gather their inputs): `Placement.shard_kernel`
-wraps a per-shard function in `jax.shard_map` with specs derived from the same logical axes.
+FFI kernels cannot be partitioned by XLA (it would gather their inputs): `Placement.shard_step`
+runs a whole decode step per device inside `jax.shard_map`, with specs derived from the same
+logical axes (the fused kernel path: each device runs the kernels on its local heads, FFN slice and
+vocabulary slice, and `lithos.tensor_parallel` combines the partial results with the same
+collectives as above); `Placement.shard_kernel` does the same for one op.
 
-Not here: overlapping the per-layer all-reduce with a matvec (collective matmul). At batch 1 the
-message is one hidden vector (8 KB for Llama-3-8B in bf16), so the all-reduce costs its latency,
-not its bandwidth; cutting it into chunks that overlap the matvec still leaves the last chunk's
-full latency exposed. The gain must come from a cheaper reduction (one-shot, or fused into the
-matvec kernel's epilogue), and only two or more GPUs can measure it: not measured yet.
+`overlap=True` schedules the per-layer reductions of that per-device step as a collective matmul
+(a ring reduce-scatter interleaved with chunks of the projection, then an all-gather; see
+`lithos.tensor_parallel`) instead of one all-reduce each.
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lithos.errors import LithosError
-from lithos.kv_cache import KVCache, init_cache
+from lithos.kv_cache import FP8, KVCache, init_cache, is_fp8
 from lithos.models import family_of
 from lithos.quant import format_name, is_quantized
-
-TP = "tp"
+from lithos.tensor_parallel import TP, TensorParallel
 
 # Logical axis -> mesh axis. `make_placement` may replicate an axis a model cannot split (vocab).
 TP_RULES: dict[str, str | None] = {
@@ -241,8 +241,11 @@ class Placement:
     """A model's layout over a mesh: rules, the head split, and the config its placed params follow.
 
     `cfg` is the config of the placed parameters (heads and FFN padded or KV heads repeated when
-    that was needed; identical to `source_cfg` otherwise): decode with it. Hashable, so jitted
-    programs can be cached per placement.
+    that was needed; identical to `source_cfg` otherwise): decode with it. `overlap` picks the
+    schedule of the per-layer reductions in a per-device step (`shard_step`): one all-reduce each,
+    or a collective matmul (lithos.tensor_parallel). `fp8_cache`: the KV cache holds FP8 codes plus
+    scales (lithos.kv_cache), which split by KV head like the cache. Hashable, so jitted programs
+    can be cached per placement.
     """
 
     mesh: Mesh
@@ -251,6 +254,8 @@ class Placement:
     source_cfg: Any
     heads: HeadSplit
     layout: DeviceLayout = DeviceLayout()
+    overlap: bool = False
+    fp8_cache: bool = False
 
     @property
     def tp(self) -> int:
@@ -300,8 +305,12 @@ class Placement:
         return family_of(self.cfg).params_from_flat(_flat_shardings(self))
 
     def cache_shardings(self) -> KVCache:
-        s = self.sharding(family_of(self.cfg).CACHE_AXES)
-        return KVCache(k=s, v=s)
+        family = family_of(self.cfg)
+        s = self.sharding(family.CACHE_AXES)
+        if not self.fp8_cache:
+            return KVCache(k=s, v=s)
+        scales = self.sharding(family.CACHE_SCALE_AXES)
+        return KVCache(k=s, v=s, k_scale=scales, v_scale=scales)
 
     def put_params(self, params: Any) -> Any:
         """Place a checkpoint's params (on any device, or host arrays): lay out their heads and FFN
@@ -313,8 +322,14 @@ class Placement:
 
     def init_cache(self, batch: int, max_len: int, dtype) -> KVCache:
         """An empty KV cache `[layers, batch, kv_heads, max_len, head_dim]`, allocated already split
-        (no device ever holds the whole of it)."""
-        return _cache_initializer(self, batch, max_len, jnp.dtype(dtype).name)()
+        (no device ever holds the whole of it). `dtype` "fp8" needs a placement made with `fp8_cache`."""
+        fp8 = is_fp8(dtype)
+        if fp8 != self.fp8_cache:
+            raise LithosError(
+                f"this placement lays out a {'FP8' if self.fp8_cache else 'float'} KV cache, not {dtype}: "
+                f"use dataclasses.replace(placement, fp8_cache={fp8})"
+            )
+        return _cache_initializer(self, batch, max_len, FP8 if fp8 else jnp.dtype(dtype).name)()
 
     # ---- custom calls --------------------------------------------------------------------
 
@@ -344,6 +359,32 @@ class Placement:
             check_vma=check_vma,
         )
 
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """What a per-device step needs to combine its partial results (see lithos.tensor_parallel)."""
+        return TensorParallel(self.axis, self.tp, dict(self.rules)["vocab"] is not None, self.overlap)
+
+    def shard_step(self, per_shard: Callable, logits: bool) -> Callable:
+        """A decode step run per device inside `jax.shard_map`, so XLA never gathers the inputs of the
+        FFI kernels it calls.
+
+        `per_shard(params, tokens, positions, cache) -> (out, cache)` sees this device's slices of
+        the params and of the KV cache (`local_cfg` describes them) and the replicated tokens and
+        positions `[batch, tokens]`; its `out` is either the greedy tokens `[batch, tokens]`, the
+        same on every device, or (`logits`) this device's logits `[batch, tokens, vocab / tp]`,
+        which leave split over the vocabulary.
+        """
+        specs = functools.partial(jax.tree_util.tree_map, lambda s: s.spec)
+        cache = specs(self.cache_shardings())
+        out = self.spec(("batch", "sequence", "vocab")) if logits else PartitionSpec()
+        return jax.shard_map(
+            per_shard,
+            mesh=self.mesh,
+            in_specs=(specs(self.param_shardings()), PartitionSpec(), PartitionSpec(), cache),
+            out_specs=(out, cache),
+            check_vma=False,  # jax cannot track which mesh axes an FFI call's outputs vary over
+        )
+
     def describe(self) -> str:
         c, s = self.cfg, self.source_cfg
         ids = [int(i) for i in self.mesh.device_ids.flat]
@@ -359,18 +400,9 @@ class Placement:
             parts.append(f"ffn {s.intermediate_size} padded to {c.intermediate_size}")
         if dict(self.rules)["vocab"] is None:
             parts.append(f"vocab {c.vocab_size} replicated (not divisible by {self.tp})")
+        if self.overlap:
+            parts.append("reductions overlapped with the projections (collective matmul)")
         return "; ".join(parts)
-
-
-def argmax_across_shards(best: jax.Array, token: jax.Array, axis: str = TP) -> jax.Array:
-    """Inside a per-shard function over a vocab-split LM head: the greedy token from each shard's
-    best logit `best` `[...]` and its global id `token` `[...]` (int32). Gathers the tp pairs
-    (two all-gathers of `[..., tp]`, not the logits) and keeps the highest logit, the lowest id on
-    a tie, as `jnp.argmax` over the whole vocabulary does."""
-    bests = jax.lax.all_gather(best, axis, axis=-1, tiled=False)
-    tokens = jax.lax.all_gather(token, axis, axis=-1, tiled=False)
-    top = jnp.max(bests, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(bests == top, tokens, jnp.iinfo(tokens.dtype).max), axis=-1)
 
 
 def _flat_shardings(placement: Placement) -> dict[str, NamedSharding]:
@@ -451,7 +483,8 @@ def _lookup(params: Any, name: str) -> Any:
 @functools.cache
 def _cache_initializer(placement: Placement, batch: int, max_len: int, dtype: str) -> Callable[[], KVCache]:
     c = placement.cfg
-    make = functools.partial(init_cache, c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, jnp.dtype(dtype))
+    dtype = dtype if is_fp8(dtype) else jnp.dtype(dtype)
+    make = functools.partial(init_cache, c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype)
     return jax.jit(make, out_shardings=placement.cache_shardings())
 
 
@@ -472,9 +505,11 @@ def make_placement(
     layout: DeviceLayout = DeviceLayout(),
     pad_heads: bool = False,
     devices: Sequence[Any] | None = None,
+    overlap: bool = False,
 ) -> Placement:
     """The placement of a model with config `cfg` over `tp` logical devices (the first `tp` of
-    `devices`, default `jax.devices()`).
+    `devices`, default `jax.devices()`); `overlap` schedules the per-device step's reductions as a
+    collective matmul (lithos.tensor_parallel).
 
     Raises LithosError, naming the fix, when tp does not fit the machine or the model's heads or
     FFN do not split over tp (unless `pad_heads`, which adds zero heads and FFN rows instead).
@@ -498,12 +533,17 @@ def make_placement(
                 f"{_clean_tp_values(cfg, num_devices)}, or pass pad_heads=True (--pad-heads) to pad it with zeros"
             )
         ffn = -(-ffn // tp) * tp
+    if overlap and cfg.hidden_size % tp:
+        raise LithosError(
+            f"overlap=True cuts the hidden state ({cfg.hidden_size}) into tp={tp} chunks, which does not divide it: "
+            "leave overlap off (--tp-overlap) or choose a tp that divides the hidden size"
+        )
     rules = dict(TP_RULES)
     if cfg.vocab_size % tp:
         # Padding the vocabulary would add logits the sampler must mask; replicating costs only the
         # LM head's memory on each device.
         rules["vocab"] = None
-    return Placement(mesh, tuple(rules.items()), placed_config(cfg, heads, ffn), cfg, heads, layout)
+    return Placement(mesh, tuple(rules.items()), placed_config(cfg, heads, ffn), cfg, heads, layout, overlap=overlap)
 
 
 # --------------------------------------------------------------------------------------------

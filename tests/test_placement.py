@@ -132,3 +132,36 @@ def test_collectives_are_read_per_computation():
         ("all-gather", "main.19_spmd", 4),
     ]
     assert found[0].op_name == "jit(step)/dot"
+
+
+ON_GPUS = jax.default_backend() in ("gpu", "cuda", "rocm") and jax.device_count() >= 2
+
+
+@pytest.mark.skipif(not ON_GPUS, reason="needs two GPUs: the FFI kernels per device, in bf16")
+@pytest.mark.parametrize("overlap", [False, True], ids=["all-reduce", "overlapped"])
+def test_fused_kernels_per_gpu_decode_as_one_gpu(hf_checkpoint, overlap):
+    """The FFI kernels inside shard_map on two GPUs: the greedy tokens of one GPU, and the compiled step
+    holds only the reductions of partial sums (no weight gathered)."""
+    import lithos
+    from lithos import decode
+    from lithos.sampling import SamplingParams
+
+    path = hf_checkpoint("llama_hd64", tied=False)
+    options = dict(dtype="bfloat16", max_len=128, kernels="fused")
+    one = lithos.load(path, **options)
+    split = lithos.load(path, tp=2, overlap=overlap, **options)
+    for prompt in ("hello", "the quick brown fox jumps"):
+        expected = one.generate(prompt, raw=True, max_new_tokens=24).token_ids
+        assert split.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected
+
+    ids = split.prompt_ids("hello", raw=True)
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, : len(ids)] = ids
+    one_row = dict(lengths=np.array([len(ids)], np.int32), limits=np.array([4], np.int32))
+    state, _ = split._prefill(tokens, **one_row, stop=np.array([-1], np.int32), sp=SamplingParams.make(), greedy=True)
+    _, program = decode.programs(split.placement)
+    lowered = program.lower(split.params, state, cfg=split.cfg, chunk=8, block=4, greedy=True, kernels="fused")
+    found = collectives(lowered.compile().as_text())
+    assert {c.kind for c in found} <= {"all-reduce", "all-gather", "collective-permute"}, found
+    hidden = split.cfg.hidden_size
+    assert all(c.elements <= hidden for c in found), found  # hidden states and (logit, id) pairs, never a weight

@@ -1,7 +1,8 @@
 """Tensor parallelism on 2, 4 and 8 CPU devices: the same greedy tokens and (within float
 tolerance) the same logits as one device, for tiny random models and SmolLM2; the collectives of
-the compiled decode program counted; kernels run per shard inside shard_map; impossible splits
-refused with errors that say what to do.
+the compiled decode program counted; the fused kernel path run per device inside shard_map (on a
+CPU the kernels' jax.numpy twins run there, in the structure a GPU runs), with its reductions plain
+or overlapped; impossible splits refused with errors that say what to do.
 
 jax fixes its device count when it starts, and the rest of the suite runs on one device. So when
 this file is collected in a process with fewer than 8 devices, it holds one test that runs the
@@ -11,6 +12,7 @@ started with 8 or more devices runs the tests directly).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,24 +43,22 @@ if jax.device_count() < DEVICES:
         assert run.returncode == 0, f"sharded suite failed:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
 
 else:
+    from functools import partial
+
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from lithos import cli, decode
+    import lithos
+    from lithos import bench, cli, decode
     from lithos.checkpoint import load_checkpoint
     from lithos.engine import MIN_PROMPT_BUCKET, Model, _bucket
     from lithos.errors import LithosError
     from lithos.kv_cache import init_cache
     from lithos.models import llama
-    from lithos.placement import (
-        DeviceLayout,
-        argmax_across_shards,
-        collectives,
-        make_mesh,
-        make_placement,
-    )
+    from lithos.placement import DeviceLayout, collectives, make_mesh, make_placement
     from lithos.sampling import SamplingParams
+    from lithos.tensor_parallel import argmax_across_shards
 
     def prefill(model: Model, ids: list[int]):
         """The model's own prefill program (compiled by generate, so a cache hit) on one prompt, with the
@@ -89,7 +89,13 @@ else:
     def decode_collectives(model: Model, state) -> list:
         _, program = decode.programs(model.placement)
         lowered = program.lower(
-            model.params, state, cfg=model.cfg, chunk=model.stream_every, block=model.block, greedy=True
+            model.params,
+            state,
+            cfg=model.cfg,
+            chunk=model.stream_every,
+            block=model.block,
+            greedy=True,
+            kernels=model.kernels,
         )
         return collectives(lowered.compile().as_text())
 
@@ -236,6 +242,114 @@ else:
         found = collectives(greedy.lower(h, head_placed).compile().as_text())
         assert sorted((c.kind, c.elements) for c in found) == [("all-gather", 3 * 8)] * 2
 
+    # ---- the fused kernel path, per device inside shard_map -------------------------------------
+
+    def assert_per_device_collectives(found: list, hidden: int, tp: int, vocab_split: bool, overlap: bool) -> None:
+        """The fused step run per device (batch 1, one token): in the body of the loop over layers, the
+        two reductions of the hidden state (plain: two all-reduces of `[1, hidden]`; overlapped: per
+        reduction tp - 1 ring hops of `[1, hidden / tp]` and one all-gather of `[1, hidden]`); in the
+        step's body, when the vocabulary is split, the embedding lookup's all-reduce of one row and
+        the greedy token's two all-gathers of `[1, tp]`. Nothing else: no weight is ever gathered."""
+        per_computation: dict[str, Counter] = {}
+        for c in found:
+            per_computation.setdefault(c.computation, Counter())[(c.kind, c.elements)] += 1
+        if overlap:
+            layer = Counter({("collective-permute", hidden // tp): 2 * (tp - 1), ("all-gather", hidden): 2})
+        else:
+            layer = Counter({("all-reduce", hidden): 2})
+        step = Counter({("all-reduce", hidden): 1, ("all-gather", tp): 2}) if vocab_split else Counter()
+        expected = [layer] + ([step] if step else [])
+        assert sorted(map(sorted, per_computation.values())) == sorted(map(sorted, expected)), found
+
+    FUSED_PROMPT = "the quick brown fox"
+
+    @pytest.fixture(scope="module")
+    def fused_one(hf_checkpoint):
+        """A tiny random Llama the fused kernels take (head_dim 64; 2 heads, 1 KV head, vocab 260) and its
+        greedy tokens on one device through the fused path."""
+        ckpt = load_checkpoint(hf_checkpoint("llama_hd64"), dtype="float32", use_cache=False)
+        one = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused")
+        tokens = one.generate(FUSED_PROMPT, raw=True, max_new_tokens=12).token_ids
+        assert len(set(tokens)) > 3, tokens  # varied tokens, so a wrong split shows
+        return ckpt, one, tokens
+
+    FUSED = [  # (tp, pad_heads, overlap): the layout each one exercises
+        (2, False, False),  # the KV head on both devices, one query head each; vocab split
+        (2, False, True),
+        (4, True, True),  # zero query heads added; vocab split 4 ways; three ring hops per reduction
+        (8, True, True),  # vocab 260 replicated: the head runs whole on every device, no gathers
+    ]
+
+    @pytest.mark.parametrize("tp, pad_heads, overlap", FUSED)
+    def test_fused_path_decodes_the_same_per_device(fused_one, tp, pad_heads, overlap):
+        ckpt, one, expected = fused_one
+        placement = make_placement(ckpt.cfg, tp, pad_heads=pad_heads, overlap=overlap)
+        split = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused", placement=placement)
+        assert split.generate(FUSED_PROMPT, raw=True, max_new_tokens=12).token_ids == expected
+        state, _ = prefill(split, split.prompt_ids(FUSED_PROMPT, raw=True))
+        vocab_split = ckpt.cfg.vocab_size % tp == 0
+        found = decode_collectives(split, state)
+        assert_per_device_collectives(found, split.cfg.hidden_size, tp, vocab_split, overlap)
+        if (tp, overlap) == (2, True):  # sampling reads the logits split over the vocabulary
+            sampling = dict(raw=True, max_new_tokens=10, temperature=0.9, top_k=40, seed=3)
+            assert split.generate("hello", **sampling).token_ids == one.generate("hello", **sampling).token_ids
+
+    def test_fused_step_with_split_kv_heads_matches_one_device():
+        """8 heads over 4 KV heads at tp=4, reductions overlapped: each device holds a KV head of its
+        own (none repeated). The per-device logits and greedy token of a step after a 6-token prefill
+        match one device's."""
+        tp, overlap = 4, True
+        cfg = llama.config_from_hf(
+            dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=128, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, intermediate_size=256, vocab_size=512)
+        )  # fmt: skip
+        rng = np.random.default_rng(2)
+        params = llama.params_from_flat(
+            {name: rng.normal(size=shape).astype(np.float32) / 8 for name, shape in llama.param_shapes(cfg).items()}
+        )
+        tokens, positions = jnp.array([[5, 17, 3, 60, 22, 9, 301]]), jnp.arange(7)[None]
+
+        def step(params, cache, cfg, placement):
+            _, cache = jax.jit(partial(llama.forward, cfg=cfg))(params, tokens[:, :6], positions[:, :6], cache)
+            fused = dict(cfg=cfg, kernels="fused", placement=placement)
+            logits, _ = jax.jit(partial(llama.forward, **fused))(params, tokens[:, 6:], positions[:, 6:], cache)
+            argmax = jax.jit(partial(llama.forward_argmax, **fused))
+            token, _ = argmax(params, tokens[:, 6:], positions[:, 6:], cache)
+            hlo = argmax.lower(params, tokens[:, 6:], positions[:, 6:], cache).compile().as_text()
+            return np.asarray(logits), np.asarray(token), collectives(hlo)
+
+        one_cache = init_cache(2, 1, 4, 16, 64, jnp.float32)
+        logits_one, token_one, _ = step(jax.tree_util.tree_map(jnp.asarray, params), one_cache, cfg, None)
+        placement = make_placement(cfg, tp, overlap=overlap)
+        assert placement.heads.identity and placement.local_cfg.num_kv_heads == 4 // tp
+        placed = placement.put_params(params)
+        logits, token, found = step(placed, placement.init_cache(1, 16, jnp.float32), placement.cfg, placement)
+        np.testing.assert_allclose(logits, logits_one, rtol=1e-5, atol=1e-5)
+        assert token.tolist() == token_one.tolist() == [[int(np.argmax(logits_one[0, 0]))]]
+        assert_per_device_collectives(found, cfg.hidden_size, tp, vocab_split=True, overlap=overlap)
+
+    def test_bench_times_the_overlapped_reduction_beside_the_plain_one(tmp_path, monkeypatch):
+        """`lithos bench --tp 2 --tp-overlap` on a tiny shape: fused and fused+overlap rows, side by side."""
+        models = tmp_path / "configs" / "models"
+        models.mkdir(parents=True)
+        (tmp_path / "configs" / "hardware").mkdir()
+        shape = dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=512)  # fmt: skip
+        (models / "tiny.json").write_text(json.dumps(shape))
+        argv = ["bench", "--shape", "tiny", "--tp", "2", "--tp-overlap", "--kernels", "fused",
+                "--context", "32", "--steps", "16", "--runs", "8", "--bandwidth-bytes", str(1 << 22),
+                "--out", str(tmp_path / "out")]  # fmt: skip
+        monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
+        result = bench.run(cli.build_parser().parse_args(argv), argv[1:])
+        rows = result["rows"]
+        assert [(r["model"], r["kernels"], r["tp"]) for r in rows] == [
+            ("tiny-tp2", "fused", 2),
+            ("tiny-tp2", "fused+overlap", 2),
+        ]
+        assert all(r["step_ms"] > 0 for r in rows)
+        with pytest.raises(LithosError, match="--tp-overlap .* --tp 2"):
+            bench.run(cli.build_parser().parse_args(argv[:3] + ["--tp-overlap", "--kernels", "fused"]))
+
     # ---- errors ------------------------------------------------------------------------------
 
     def smollm2_shape(**overrides) -> llama.Config:
@@ -265,10 +379,18 @@ else:
         assert [d.id for d in placement.mesh.devices.flat] == [0, 1]  # GPU 0's two dies
         assert "2 logical devices per GPU" in placement.describe()
 
-    def test_fused_kernels_are_refused_until_they_run_per_shard(tiny):
+    def test_overlap_is_refused_where_it_means_nothing(tiny, hf_checkpoint, capsys):
         ckpt = tiny[0]
-        with pytest.raises(LithosError, match="kernels='fused' does not run split over tp=2.*kernels='reference'"):
-            Model(ckpt, kernels="fused", placement=make_placement(ckpt.cfg, 2))
+        with pytest.raises(LithosError, match="overlap=True schedules the fused kernels.*kernels='fused'"):
+            Model(ckpt, placement=make_placement(ckpt.cfg, 2, overlap=True))
+        with pytest.raises(LithosError, match="overlap=True .* pass tp > 1"):
+            lithos.load(hf_checkpoint("llama_hd64"), overlap=True)
+        with pytest.raises(LithosError, match=r"hidden state \(580\) into tp=8 chunks.*--tp-overlap"):
+            make_placement(smollm2_shape(hidden_size=580), 8, pad_heads=True, overlap=True)
+        path = hf_checkpoint("llama_hd64")
+        argv = ["generate", "hi", "--raw", "--model", str(path), "--dtype", "float32", "--tp", "2", "--tp-overlap"]
+        assert cli.main(argv) == 2  # the reference path (the default) has no overlapped schedule
+        assert capsys.readouterr().err.startswith("lithos: error: overlap=True schedules the fused kernels")
 
     def test_cli_tp_error_is_one_line(hf_checkpoint, capsys):
         path = hf_checkpoint("qwen3", tied=False)

@@ -289,12 +289,12 @@ def test_fp8_kv_cache_reference():
     head_scale = np.array([1.0, 10.0, 0.1], np.float32)[None, None, :, None, None]  # heads of different sizes
     x = RNG.standard_normal((2, 1, 3, 40, 16)).astype(np.float32) * head_scale
     scales = kv.kv_scales(jnp.asarray(x))
-    assert scales.shape == (2, 3)
+    assert scales.shape == (2, 1, 3)  # [layers, batch, kv_heads]
     codes = kv.quantize_kv(jnp.asarray(x), scales)
     assert codes.dtype == jnp.uint8 and codes.shape == x.shape
-    expected = to_f32(np_e4m3(np.asarray(codes)) * np.asarray(scales, np.float64)[:, None, :, None, None])
+    expected = to_f32(np_e4m3(np.asarray(codes)) * np.asarray(scales, np.float64)[..., None, None])
     got = kv.dequantize_kv(codes, scales)
     assert_bits_equal(got, expected)
     # Relative error of one E4M3 rounding (3 mantissa bits), never worse than the subnormal step.
-    bound = np.maximum(np.abs(x) * 2.0**-4, np.asarray(scales)[:, None, :, None, None] * 2.0**-10)
+    bound = np.maximum(np.abs(x) * 2.0**-4, np.asarray(scales)[..., None, None] * 2.0**-10)
     assert (np.abs(np.asarray(got) - x) <= bound).all()

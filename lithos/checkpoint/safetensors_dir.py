@@ -179,7 +179,13 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any]]:
     arch = (hf_config.get("architectures") or ["(none given)"])[0]
     family = family_for_architecture(arch)
     cfg = family.config_from_hf(hf_config)
-    tensors = pack_quantized(_read_tensors(safetensors_files(path)), dequantize)
+    raw = _read_tensors(safetensors_files(path))
+    tensors = pack_quantized(raw, dequantize)
+    from lithos.checkpoint import hf_moe  # it reads this module's name tables
+
+    if arch in hf_moe.CONVERTERS:
+        mxfp4_names = {n[: -len(MXFP4_SUFFIXES[0])] for n in raw if n.endswith(MXFP4_SUFFIXES[0])}
+        return cfg, hf_moe.CONVERTERS[arch](tensors, cfg, path, mxfp4_names)
 
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}

@@ -4,12 +4,16 @@ its reference twin.
 The kernel splits the cache along its length (flash-decoding): partial softmax per split, then a
 combine. It reads, per KV head, only the keys some query can see, positions being device data, so
 the same compiled step serves a 1K context and a 1M one.
+
+The cache is bf16, or FP8 E4M3 codes (u8) with per-(layer, KV head) scales `[layers, 1, kv_heads]`
+f32 (lithos.kv_cache); the reference dequantises those exactly (lithos.quant.kv.dequantize_kv).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +22,31 @@ import numpy as np
 from lithos.custom_calls.dispatch import (
     at_layer,
     call_kernel,
+    check_cache_scales,
     check_tokens,
     dispatch,
     layer_index,
     require_bf16,
     stacked,
 )
+from lithos.custom_calls.launch import launch_attributes, length_bucket
 from lithos.custom_calls.numerics import HIGHEST, f32
 from lithos.errors import LithosError
+from lithos.quant.kv import dequantize_kv
 
 # Rows of the kernel's scratch: it cuts the cache into at most this many splits per KV head.
 MAX_SPLITS = 64
 
 
-def _reference(q, k_cache, v_cache, positions, layer, *, window):
-    keys = f32(at_layer(k_cache, layer)[0])  # [kv_heads, max_len, head_dim], batch 0
-    values = f32(at_layer(v_cache, layer)[0])
+def _cache_layer(cache, scale, layer):
+    """One layer of the cache, batch 0, in f32 `[kv_heads, max_len, head_dim]`; FP8 codes dequantised."""
+    values = at_layer(cache, layer)[0]
+    return f32(values) if scale is None else dequantize_kv(values, at_layer(scale, layer)[0])
+
+
+def _reference(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window):
+    keys = _cache_layer(k_cache, k_scale, layer)  # [kv_heads, max_len, head_dim]
+    values = _cache_layer(v_cache, v_scale, layer)
     tokens, heads, head_dim = q.shape
     kv_heads, max_len = keys.shape[:2]
     qg = f32(q).reshape(tokens, kv_heads, heads // kv_heads, head_dim)
@@ -50,25 +63,31 @@ def _reference(q, k_cache, v_cache, positions, layer, *, window):
     return out.reshape(tokens, heads, head_dim).astype(q.dtype)
 
 
-def _kernel(q, k_cache, v_cache, positions, layer, *, window):
+def _kernel(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window, launch):
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     rows = tokens * (heads // kv_heads)
+    dims = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "cache": length_bucket(k_cache.shape[3])}
+    attrs = launch_attributes("decode_attention", dims, tokens, launch)
+    splits = max(MAX_SPLITS, int(attrs["splits"]))  # a tuned split count gets scratch rows for all its splits
     out_types = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((MAX_SPLITS, kv_heads, rows, head_dim), jnp.float32),  # scratch
-        jax.ShapeDtypeStruct((MAX_SPLITS, kv_heads, rows), jnp.float32),  # scratch
+        jax.ShapeDtypeStruct((splits, kv_heads, rows, head_dim), jnp.float32),  # scratch
+        jax.ShapeDtypeStruct((splits, kv_heads, rows), jnp.float32),  # scratch
     ]
+    fp8 = k_scale is not None
     out, _, _ = call_kernel(
         "attention",
-        "LithosDecodeAttention",
+        "LithosDecodeAttentionFp8" if fp8 else "LithosDecodeAttention",
         out_types,
         q,
         k_cache,
         v_cache,
+        *((k_scale, v_scale) if fp8 else ()),
         positions,
         layer,
         window=np.int64(window),
+        **attrs,
     )
     return out
 
@@ -82,13 +101,19 @@ def decode_attention(
     layer: int | jax.Array | None = None,
     sliding_window: int | None = None,
     path: str = "auto",
+    launch: Mapping[str, int] | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of queries q `[tokens, heads, head_dim]` at `positions` `[tokens]` (int32) over one
     layer of the cache: k_cache, v_cache `[layers, 1, kv_heads, max_len, head_dim]` with `layer`, or
     `[1, kv_heads, max_len, head_dim]`. A query at position p sees keys at positions <= p (and
-    > p - sliding_window). Returns `[tokens, heads, head_dim]` in q's dtype."""
+    > p - sliding_window). Returns `[tokens, heads, head_dim]` in q's dtype. `launch` fixes the split
+    plan's parameters (see launch.py); by default the tuning table's. An FP8 cache (u8 codes) comes with
+    `k_scale`, `v_scale` `[layers, 1, kv_heads]` (or `[1, kv_heads]`) f32."""
     k_cache = stacked("k_cache", k_cache, 4, layer)
     v_cache = stacked("v_cache", v_cache, 4, layer)
+    k_scale, v_scale = check_cache_scales("decode_attention", k_cache, k_scale, v_scale, layer)
     if q.ndim != 3 or k_cache.shape != v_cache.shape or q.shape[2] != k_cache.shape[4]:
         raise LithosError(f"decode_attention: q {list(q.shape)} does not fit caches {list(k_cache.shape)}")
     if q.shape[1] % k_cache.shape[2] != 0:
@@ -101,7 +126,9 @@ def decode_attention(
 
     def check():
         check_tokens("decode_attention", q.shape[0])
-        require_bf16("decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+        require_bf16("decode_attention", q=q)
+        if k_scale is None:
+            require_bf16("decode_attention", k_cache=k_cache, v_cache=v_cache)
         if k_cache.shape[1] != 1:
             raise LithosError(
                 f"decode_attention: the fused kernels decode batch 1, the cache has batch {k_cache.shape[1]}"
@@ -112,11 +139,13 @@ def decode_attention(
     return dispatch(
         path,
         functools.partial(_reference, window=window),
-        functools.partial(_kernel, window=window),
+        functools.partial(_kernel, window=window, launch=launch),
         q,
         k_cache,
         v_cache,
         positions.astype(jnp.int32),
         layer_index(layer),
+        k_scale,
+        v_scale,
         check=check,
     )

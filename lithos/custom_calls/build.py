@@ -39,9 +39,18 @@ CSRC = Path(__file__).parent / "csrc"
 # own name as an XLA custom-call target.
 KERNELS: dict[str, tuple[str, ...]] = {
     "matvec": ("LithosMatvec", "LithosGateUpSilu"),
-    "attention": ("LithosDecodeAttention",),
-    "qkv_rope": ("LithosQkvRopeAppend",),
+    "attention": ("LithosDecodeAttention", "LithosDecodeAttentionFp8"),
+    "qkv_rope": ("LithosQkvRopeAppend", "LithosQkvRopeAppendFp8"),
     "lm_head": ("LithosLmHeadArgmax",),
+    "megakernel": ("LithosMegakernel",),
+    # One source per packed weight format (csrc/matvec_packed.h), built in parallel and only when used.
+    **{
+        f"matvec_packed_{fmt}": tuple(
+            f"{op}_{fmt}" for op in ("LithosPackedMatvec", "LithosPackedGateUpSilu", "LithosPackedQkvRopeAppend")
+        )
+        for fmt in ("mxfp4", "mxfp8", "fp8_block128", "q8_0", "q4_0", "q4_1")
+    },
+    "expert_matvec": ("LithosExpertMatvec",),
 }
 
 PLATFORMS = ("cuda", "rocm")

@@ -47,8 +47,11 @@ def dispatch(
         check()
         return kernel(*args)
     if path == "auto":
-        if _gpu_platform() is not None:
-            check()
+        if _gpu_platform() is None:
+            # No GPU backend: the kernel branch could never run, and tracing it would hold the
+            # reference path to the kernel's limits (dtypes, sizes).
+            return reference(*args)
+        check()
         return jax.lax.platform_dependent(*args, cuda=kernel, rocm=kernel, default=reference)
     raise LithosError(f"unknown kernel path {path!r}; choose one of {', '.join(PATHS)}")
 
@@ -117,3 +120,24 @@ def check_tokens(op: str, tokens: int, limit: int = 16) -> None:
             f"{op}: the fused kernels take 1..{limit} query positions (a decode step or k+1 to verify), got "
             f"{tokens}; run prefill with kernels='reference'"
         )
+
+
+def check_cache_scales(
+    op: str, k_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None, layer
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """An FP8 KV cache (lithos.kv_cache) travels as u8 codes `[layers, 1, kv_heads, max_len, head_dim]` with
+    f32 scales `[layers, 1, kv_heads]`; a float cache without scales. Returns the scales stacked like the cache."""
+    if (k_scale is None) != (v_scale is None):
+        raise LithosError(f"{op}: pass both k_scale and v_scale (an FP8 cache) or neither (a float cache)")
+    if k_scale is None:
+        if k_cache.dtype == jnp.uint8:
+            raise LithosError(f"{op}: the cache holds FP8 codes (u8): pass its k_scale and v_scale")
+        return None, None
+    k_scale, v_scale = stacked("k_scale", k_scale, 2, layer), stacked("v_scale", v_scale, 2, layer)
+    want = tuple(k_cache.shape[:3])
+    if k_cache.dtype != jnp.uint8 or k_scale.shape != want or v_scale.shape != want:
+        raise LithosError(
+            f"{op}: an FP8 cache is u8 codes with f32 scales {list(want)}; got a {k_cache.dtype} cache and scales "
+            f"{list(k_scale.shape)}, {list(v_scale.shape)} (make it with lithos.kv_cache.init_cache(..., 'fp8'))"
+        )
+    return k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)

@@ -11,6 +11,7 @@ every weight byte once for all tokens and accumulate in float32.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ from lithos.custom_calls.dispatch import (
     require_bf16,
     stacked,
 )
+from lithos.custom_calls.launch import launch_attributes
 from lithos.custom_calls.numerics import f32, project, rms_normalize
 from lithos.errors import LithosError
 
@@ -36,11 +38,12 @@ def _matvec_reference(x, w, layer, norm_weight, residual, *, eps):
     return y.astype(x.dtype)
 
 
-def _matvec_kernel(x, w, layer, norm_weight, residual, *, eps):
+def _matvec_kernel(x, w, layer, norm_weight, residual, *, eps, launch):
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
     norm = absent() if norm_weight is None else norm_weight
     res = absent() if residual is None else residual
-    (y,) = call_kernel("matvec", "LithosMatvec", [out], x, w, layer, norm, res, eps=np.float32(eps))
+    attrs = launch_attributes("matvec", {"in": w.shape[2], "out": w.shape[1]}, x.shape[0], launch)
+    (y,) = call_kernel("matvec", "LithosMatvec", [out], x, w, layer, norm, res, eps=np.float32(eps), **attrs)
     return y
 
 
@@ -51,10 +54,13 @@ def _gate_up_reference(x, w_gate, w_up, layer, norm_weight, *, eps):
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
-def _gate_up_kernel(x, w_gate, w_up, layer, norm_weight, *, eps):
+def _gate_up_kernel(x, w_gate, w_up, layer, norm_weight, *, eps, launch):
     out = jax.ShapeDtypeStruct((x.shape[0], w_gate.shape[1]), x.dtype)
     norm = absent() if norm_weight is None else norm_weight
-    (y,) = call_kernel("matvec", "LithosGateUpSilu", [out], x, w_gate, w_up, layer, norm, eps=np.float32(eps))
+    attrs = launch_attributes("gate_up_silu", {"in": w_gate.shape[2], "out": w_gate.shape[1]}, x.shape[0], launch)
+    (y,) = call_kernel(
+        "matvec", "LithosGateUpSilu", [out], x, w_gate, w_up, layer, norm, eps=np.float32(eps), **attrs
+    )
     return y
 
 
@@ -76,9 +82,11 @@ def matvec(
     residual: jax.Array | None = None,
     eps: float = 1e-5,
     path: str = "auto",
+    launch: Mapping[str, int] | None = None,
 ) -> jax.Array:
     """`residual + RMSNorm?(x) @ w.T`: x `[tokens, in]`, w `[out, in]` or `[layers, out, in]`,
-    norm_weight `[in]` or `[layers, in]`, residual `[tokens, out]`; returns `[tokens, out]` in x's dtype."""
+    norm_weight `[in]` or `[layers, in]`, residual `[tokens, out]`; returns `[tokens, out]` in x's dtype.
+    `launch` fixes the kernel's launch parameters (see launch.py); by default the tuning table's."""
     w = stacked("w", w, 2, layer)
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
     _check_input("matvec", x, w, norm_weight)
@@ -94,7 +102,7 @@ def matvec(
     return dispatch(
         path,
         functools.partial(_matvec_reference, eps=eps),
-        functools.partial(_matvec_kernel, eps=eps),
+        functools.partial(_matvec_kernel, eps=eps, launch=launch),
         x,
         w,
         layer_index(layer),
@@ -113,9 +121,10 @@ def gate_up_silu(
     norm_weight: jax.Array | None = None,
     eps: float = 1e-5,
     path: str = "auto",
+    launch: Mapping[str, int] | None = None,
 ) -> jax.Array:
     """`silu(xn @ w_gate.T) * (xn @ w_up.T)`, xn = RMSNorm?(x): x `[tokens, hidden]`, w_gate and w_up
-    `[ffn, hidden]` or `[layers, ffn, hidden]`; returns `[tokens, ffn]` in x's dtype."""
+    `[ffn, hidden]` or `[layers, ffn, hidden]`; returns `[tokens, ffn]` in x's dtype. `launch` as in matvec."""
     w_gate = stacked("w_gate", w_gate, 2, layer)
     w_up = stacked("w_up", w_up, 2, layer)
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
@@ -130,7 +139,7 @@ def gate_up_silu(
     return dispatch(
         path,
         functools.partial(_gate_up_reference, eps=eps),
-        functools.partial(_gate_up_kernel, eps=eps),
+        functools.partial(_gate_up_kernel, eps=eps, launch=launch),
         x,
         w_gate,
         w_up,

@@ -2,12 +2,15 @@
 RMSNorm -> Q, K, V projections -> rotary positions on Q and K -> K and V written into the cache.
 
 The caches are updated in place: the kernel's cache outputs alias its cache inputs, so under `jit`
-with the caches donated (or carried through a `scan`/`while_loop`) no copy is made.
+with the caches donated (or carried through a `scan`/`while_loop`) no copy is made. An FP8 cache
+(lithos.kv_cache: u8 codes with scales `[layers, 1, kv_heads]`) gets the codes of K / scale and
+V / scale, the scales being read, never changed (prefill set them).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -15,17 +18,28 @@ import numpy as np
 from lithos.custom_calls.dispatch import (
     at_layer,
     call_kernel,
+    check_cache_scales,
     check_tokens,
     dispatch,
     layer_index,
     require_bf16,
     stacked,
 )
+from lithos.custom_calls.launch import launch_attributes
 from lithos.custom_calls.numerics import f32, project, rms_normalize, rotate
 from lithos.errors import LithosError
+from lithos.quant.kv import quantize_kv
 
 
-def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+def _stored(new, cache, scale, layer):
+    """New keys or values `[tokens, kv_heads, head_dim]` (f32) as the cache stores them: rounded once to its
+    dtype, or E4M3 codes of new / scale for an FP8 cache."""
+    if scale is None:
+        return new.astype(cache.dtype)
+    return quantize_kv(new.swapaxes(0, 1), at_layer(scale, layer)[0]).swapaxes(0, 1)
+
+
+def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps):
     tokens = h.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
     x = rms_normalize(h, at_layer(norm_weight, layer), eps)
@@ -36,13 +50,15 @@ def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, 
     k = rotate(k, positions, inv_freq)
     # A layer index into a cache with one layer (shared) is 0; positions past max_len are dropped.
     cache_layer = layer if k_cache.shape[0] > 1 else 0
-    k_cache = k_cache.at[cache_layer, 0, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[cache_layer, 0, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[cache_layer, 0, :, positions].set(_stored(k, k_cache, k_scale, layer), mode="drop")
+    v_cache = v_cache.at[cache_layer, 0, :, positions].set(_stored(v, v_cache, v_scale, layer), mode="drop")
     return q.astype(h.dtype), k_cache, v_cache
 
 
-def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, launch):
     head_dim = k_cache.shape[4]
+    dims = {"hidden": h.shape[1], "heads": wq.shape[1] // head_dim, "kv_heads": k_cache.shape[2], "head_dim": head_dim}
+    attrs = launch_attributes("qkv_rope_append", dims, h.shape[0], launch)
     q_type = jax.ShapeDtypeStruct((h.shape[0], wq.shape[1] // head_dim, head_dim), h.dtype)
     out_types = [
         q_type,
@@ -52,7 +68,7 @@ def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_c
     return tuple(
         call_kernel(
             "qkv_rope",
-            "LithosQkvRopeAppend",
+            "LithosQkvRopeAppend" if k_scale is None else "LithosQkvRopeAppendFp8",
             out_types,
             h,
             norm_weight,
@@ -64,8 +80,10 @@ def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_c
             layer,
             k_cache,
             v_cache,
+            *(() if k_scale is None else (k_scale, v_scale)),
             aliases={8: 1, 9: 2},
             eps=np.float32(eps),
+            **attrs,
         )
     )
 
@@ -84,15 +102,21 @@ def qkv_rope_append(
     layer: int | jax.Array | None = None,
     eps: float = 1e-5,
     path: str = "auto",
+    launch: Mapping[str, int] | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries for `h` `[tokens, hidden]` at `positions` `[tokens]` (int32), with K and V written into
     the caches. Weights `[out, hidden]` or stacked `[layers, out, hidden]` (norm `[hidden]` or
     `[layers, hidden]`); caches `[layers, 1, kv_heads, max_len, head_dim]`; inv_freq `[head_dim/2]`
-    float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`, k_cache, v_cache)."""
+    float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`, k_cache, v_cache).
+    `launch` fixes the kernel's launch parameters (see launch.py); by default the tuning table's. An FP8
+    cache (u8 codes) comes with `k_scale`, `v_scale` `[layers, 1, kv_heads]` f32, set (> 0) beforehand."""
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
     wq, wk, wv = (stacked(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
     k_cache = stacked("k_cache", k_cache, 4, layer)
     v_cache = stacked("v_cache", v_cache, 4, layer)
+    k_scale, v_scale = check_cache_scales("qkv_rope_append", k_cache, k_scale, v_scale, layer)
     head_dim, kv_heads = k_cache.shape[4], k_cache.shape[2]
     if h.ndim != 2 or wq.shape[2] != h.shape[1] or wq.shape[1] % head_dim != 0:
         raise LithosError(
@@ -116,16 +140,16 @@ def qkv_rope_append(
             wq=wq,
             wk=wk,
             wv=wv,
-            k_cache=k_cache,
-            v_cache=v_cache,
         )
+        if k_scale is None:
+            require_bf16("qkv_rope_append", k_cache=k_cache, v_cache=v_cache)
         if k_cache.shape[1] != 1 or head_dim % 4 != 0:
             raise LithosError("qkv_rope_append: the fused kernel takes batch 1 and head_dim a multiple of 4")
 
     return dispatch(
         path,
         functools.partial(_reference, eps=eps),
-        functools.partial(_kernel, eps=eps),
+        functools.partial(_kernel, eps=eps, launch=launch),
         h,
         norm_weight,
         wq,
@@ -136,5 +160,7 @@ def qkv_rope_append(
         layer_index(layer),
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         check=check,
     )

@@ -89,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
         kernels=args.kernels,
         dtype=args.dtype,
         dequantize=args.dequantize,
+        kv_cache_dtype=args.kv_cache,
         **placement_options(args),
     )
     run_options = dict(

@@ -6,9 +6,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from lithos.errors import UnsupportedModelError
-from lithos.models import llama
+from lithos.models import gpt_oss, llama, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {arch: llama for arch in llama.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {
+    arch: family for family in (llama, gpt_oss, qwen3_moe) for arch in family.ARCHITECTURES
+}
 GGUF_FAMILIES: dict[str, ModuleType] = {arch: llama for arch in llama.GGUF_ARCHITECTURES}
 
 

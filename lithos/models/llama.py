@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 
 from lithos.errors import UnsupportedModelError
-from lithos.kv_cache import KVCache, append
+from lithos.kv_cache import KVCache, append, attention_inputs
 from lithos.quant import QuantizedArray, dequantize
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +309,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers.b_down": ("layers", "embed"),
 }
 CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k and .v
+CACHE_SCALE_AXES = ("layers", "batch", "kv_heads")  # KVCache.k_scale and .v_scale (an FP8 cache)
 
 
 def params_from_flat(flat: dict[str, Any]) -> Params:
@@ -346,7 +347,7 @@ def init_params(cfg: Config, key: jax.Array, dtype=jnp.bfloat16) -> Params:
 # "reference": plain jax.numpy, any backend, any batch. "fused": FFI kernels (lithos/custom_calls)
 # on CUDA/ROCm and their jax.numpy twins elsewhere; batch 1, 1..16 new tokens per call (decode and
 # speculative verification; prefill always takes the reference path).
-KERNEL_PATHS = ("reference", "fused")
+KERNEL_PATHS = ("reference", "fused", "megakernel")  # megakernel: one launch per step
 FUSED_HEAD_DIMS = (64, 128, 256)  # the attention kernel's instantiations
 
 
@@ -354,7 +355,7 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
     """Raise a clear error if `kernels` is unknown or cannot run this model."""
     if kernels not in KERNEL_PATHS:
         raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
-    if kernels == "fused" and cfg is not None:
+    if kernels in ("fused", "megakernel") and cfg is not None:
         missing = [
             name
             for name, present in (
@@ -369,7 +370,8 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
             missing.append(f"head_dim {cfg.head_dim} (kernels exist for {', '.join(map(str, FUSED_HEAD_DIMS))})")
         if missing:
             raise UnsupportedModelError(
-                f"the fused kernels do not implement {', '.join(missing)} ({cfg.architecture}); use kernels='reference'"
+                f"the {kernels} kernels do not implement {', '.join(missing)} ({cfg.architecture}); "
+                "use kernels='reference'"
             )
 
 
@@ -394,11 +396,13 @@ def rope_inv_freq(cfg: Config) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate `x` `[batch, tokens, heads, head_dim]` by `positions` `[batch, tokens]` (rotate-half form)."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """Rotate `x` `[batch, tokens, heads, head_dim]` by `positions` `[batch, tokens]` (rotate-half form).
+
+    `scale` multiplies cos and sin (YaRN's attention factor, as transformers applies it)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :] * scale
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :] * scale
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
@@ -431,6 +435,10 @@ def attention(
     v_cache: jax.Array,
     positions: jax.Array,
     cfg: Config,
+    sinks: jax.Array | None = None,
+    window: int | jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention of new queries over one layer's cache plus the new tokens themselves.
 
@@ -439,7 +447,15 @@ def attention(
     `positions[:, 0]` (entries past it are stale and never read); positions: `[batch, tokens]`,
     consecutive per row. Token t sees the cache below the start and new tokens t' <= t (within the
     sliding window, if any). Returns `[batch, tokens, heads*head_dim]`.
+
+    `sinks` `[heads]` (GPT-OSS): a per-head logit that joins every softmax and takes its share of the
+    probability without adding a value. `window`: this layer's sliding window, overriding
+    `cfg.sliding_window` (a traced scalar lets one scan mix windowed and full layers).
+    `k_scale`, `v_scale` `[batch, kv_heads]`: the caches hold FP8 codes (lithos.kv_cache), read as stored.
     """
+    if k_scale is not None:
+        layer_cache = KVCache(k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
+        k_cache, v_cache, k_new, v_new = attention_inputs(layer_cache, k_new, v_new)
     B, T, H, D = q.shape
     G = H // cfg.num_kv_heads
     qg = q.reshape(B, T, cfg.num_kv_heads, G, D) / jnp.asarray(math.sqrt(D), q.dtype)
@@ -450,14 +466,20 @@ def attention(
     query_pos = positions[:, :, None]  # [B, T, 1]
     see_cache = cache_pos < positions[:, :1, None]
     see_new = positions[:, None, :] <= query_pos  # [B, T, T]
-    if cfg.sliding_window is not None:
-        see_cache &= cache_pos > query_pos - cfg.sliding_window
-        see_new &= positions[:, None, :] > query_pos - cfg.sliding_window
+    window = cfg.sliding_window if window is None else window
+    if window is not None:
+        see_cache &= cache_pos > query_pos - window
+        see_new &= positions[:, None, :] > query_pos - window
     scores = jnp.concatenate(
         [jnp.where(see_cache[:, None, None], s_cache, -jnp.inf), jnp.where(see_new[:, None, None], s_new, -jnp.inf)],
         axis=-1,
     )
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(1, cfg.num_kv_heads, G, 1, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     S = k_cache.shape[2]
     out = jnp.einsum(
         "bkgts,bksd->btkgd", probs[..., :S].astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32
@@ -465,23 +487,51 @@ def attention(
     return out.reshape(B, T, H * D).astype(q.dtype)
 
 
-def _layer(cfg: Config, inv_freq, positions, h, layer):
-    """One decoder layer. Reads this layer's cache; returns the new keys/values for the caller to store."""
-    p, k_cache, v_cache = layer
-    B, T, _ = h.shape
+def attention_block(
+    cfg,
+    inv_freq,
+    positions,
+    x,
+    p,
+    k_cache,
+    v_cache,
+    rope_scale: float = 1.0,
+    sinks=None,
+    window=None,
+    k_scale=None,
+    v_scale=None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Q/K/V projections (with biases and per-head Q/K norms where `p` has them), RoPE, attention over
+    the cache and the new tokens, output projection. Shared by every family whose layer params carry
+    llama's attention fields (wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm).
 
-    x = rms_norm(h, p.attn_norm, cfg.rms_norm_eps)
+    x: normed input `[batch, tokens, hidden]`. Returns the attention output `[batch, tokens, hidden]`
+    (to add to the residual) and the new keys/values `[batch, tokens, kv_heads, head_dim]` each.
+    """
+    B, T, _ = x.shape
     q = linear(x, p.wq, p.bq).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(x, p.wk, p.bk).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, p.wv, p.bv).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, rope_scale)
+    k = apply_rope(k, positions, inv_freq, rope_scale)
+    attn = attention(
+        q, k, v, k_cache, v_cache, positions, cfg, sinks=sinks, window=window, k_scale=k_scale, v_scale=v_scale
+    )
+    return linear(attn, p.wo, p.bo), (k, v)
 
-    attn = attention(q, k, v, k_cache, v_cache, positions, cfg)
-    h = h + linear(attn, p.wo, p.bo)
+
+def _layer(cfg: Config, inv_freq, positions, h, layer):
+    """One decoder layer. `layer` = (its params, its cache: `kv_cache.layer_of`). Reads the cache; returns
+    the new keys/values for the caller to store."""
+    p, kv = layer
+
+    x = rms_norm(h, p.attn_norm, cfg.rms_norm_eps)
+    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    attn, (k, v) = attention_block(cfg, inv_freq, positions, x, p, kv.k, kv.v, **scales)
+    h = h + attn
 
     x = rms_norm(h, p.mlp_norm, cfg.rms_norm_eps)
     gated = jax.nn.silu(linear(x, p.w_gate, p.b_gate)) * linear(x, p.w_up, p.b_up)
@@ -498,17 +548,23 @@ def _reference_decoder(params: Params, tokens, positions, cache: KVCache, cfg: C
 
     # The layers only read the cache; all layers' new entries are stored in one scatter afterwards,
     # which XLA does in place on the donated buffer.
-    h, (k_new, v_new) = jax.lax.scan(body, h, (params.layers, cache.k, cache.v))
+    h, (k_new, v_new) = jax.lax.scan(body, h, (params.layers, cache))
     return h, append(cache, positions, k_new, v_new)
 
 
-def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config):
+def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, tp=None):
     """The decoder as five fused calls per layer (see lithos/custom_calls/NOTES.md), batch 1.
 
     Each kernel takes the stacked weights and the layer index, so nothing is sliced out; the K/V
     kernel writes the new entries into the cache in place (aliased buffers carried by the loop).
+    With `tp` (a lithos.tensor_parallel.TensorParallel, inside shard_map) the params and cache are
+    this device's slices and `cfg` describes them; the embedding lookup and the two projections
+    into the residual stream combine their partial results across devices.
     """
-    from lithos.custom_calls import decode_attention, gate_up_silu, matvec, qkv_rope_append
+    from lithos.custom_calls import decode_attention
+
+    # Each takes bf16 or packed (lithos.quant) weights: bf16 goes to the bf16 kernels.
+    from lithos.custom_calls.packed_matvec import packed_gate_up_silu, packed_matvec, packed_qkv_rope_append
 
     if tokens.shape[0] != 1:
         raise UnsupportedModelError(
@@ -516,30 +572,40 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
         )
     layer_weights = {f.name: getattr(params.layers, f.name) for f in dataclasses.fields(params.layers)}
     packed = [name for name, w in layer_weights.items() if isinstance(w, QuantizedArray)]
-    if packed or isinstance(params.embed, QuantizedArray) or isinstance(params.lm_head, QuantizedArray):
+    if packed and (tp is not None or cache.k_scale is not None):
         raise UnsupportedModelError(
-            f"the fused kernels do not read packed weights yet ({', '.join(packed) or 'embed'} are lithos.quant "
-            "formats): load with dequantize=True (--dequantize) or use kernels='reference'"
+            f"the fused kernels read packed weights ({', '.join(packed)}) on one device with a bf16 cache only, "
+            "not with tensor parallelism or an FP8 cache: load with dequantize=True (--dequantize) or use "
+            "kernels='reference'"
         )
     L, eps = params.layers, cfg.rms_norm_eps
     pos = positions[0].astype(jnp.int32)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     n_tokens = tokens.shape[1]
+    if tp is None:
+
+        def project_residual(x, w, i, residual):
+            return packed_matvec(x, w, layer=i, residual=residual)
+
+    else:
+        project_residual = tp.project_residual
 
     def layer(i, carry):
         h, k_cache, v_cache = carry
-        q, k_cache, v_cache = qkv_rope_append(
-            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps
+        # An FP8 cache's scales were set by prefill (reference path) and are only read here.
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        q, k_cache, v_cache = packed_qkv_rope_append(
+            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps, **scales
         )
-        attn = decode_attention(q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window)
-        h = matvec(attn.reshape(n_tokens, cfg.q_size), L.wo, layer=i, residual=h)
-        gated = gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=eps)
-        h = matvec(gated, L.w_down, layer=i, residual=h)
+        attn = decode_attention(q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window, **scales)
+        h = project_residual(attn.reshape(n_tokens, cfg.q_size), L.wo, i, h)
+        gated = packed_gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=eps)
+        h = project_residual(gated, L.w_down, i, h)
         return h, k_cache, v_cache
 
-    h = params.embed[tokens[0]]
+    h = params.embed[tokens[0]] if tp is None else tp.embed_rows(params.embed, tokens[0])
     h, k, v = jax.lax.fori_loop(0, cfg.num_layers, layer, (h, cache.k, cache.v))
-    return h[None], KVCache(k=k, v=v)
+    return h[None], cache.replace(k=k, v=v)
 
 
 def decoder(
@@ -558,6 +624,9 @@ def decoder(
     check_kernel_path(kernels, cfg)
     if kernels == "fused":
         return _fused_decoder(params, tokens, positions, cache, cfg)
+    if kernels == "megakernel":
+        out, cache = _megakernel_step(params, tokens, positions, cache, cfg, head=None)
+        return out.h[None], cache
     return _reference_decoder(params, tokens, positions, cache, cfg)
 
 
@@ -588,13 +657,86 @@ def lm_logits(params: Params, h: jax.Array) -> jax.Array:
 
 
 def _fused_head(params: Params, h: jax.Array, cfg: Config, with_logits: bool):
-    """Final norm + LM head + argmax in one kernel, for `h` `[1, tokens, hidden]` before the norm."""
-    from lithos.custom_calls import lm_head_argmax
+    """Final norm + LM head + argmax in one kernel (a packed head: packed matvec + argmax), for `h`
+    `[1, tokens, hidden]` before the norm."""
+    from lithos.custom_calls.packed_matvec import packed_lm_head_argmax
 
-    out = lm_head_argmax(
+    out = packed_lm_head_argmax(
         h[0], lm_head(params), norm_weight=params.final_norm, eps=cfg.rms_norm_eps, with_logits=with_logits
     )
     return jax.tree_util.tree_map(lambda a: a[None], out)
+
+
+def _megakernel_step(params: Params, tokens, positions, cache: KVCache, cfg: Config, head: str | None):
+    """The whole step (every layer, and with `head` the final norm, LM head and greedy token) in one
+    persistent kernel launch (lithos/custom_calls/megakernel), batch 1. Returns its StepOutputs and
+    the cache, updated in place."""
+    from lithos.custom_calls.megakernel import StepWeights, decode_step
+
+    check_kernel_path("megakernel", cfg)
+    if tokens.shape[0] != 1:
+        raise UnsupportedModelError(
+            f"the megakernel decodes one sequence, got a batch of {tokens.shape[0]}: use kernels='reference'"
+        )
+    L = params.layers
+    weights = StepWeights(
+        L.attn_norm, L.wq, L.wk, L.wv, L.wo, L.mlp_norm, L.w_gate, L.w_up, L.w_down, params.final_norm, lm_head(params)
+    )
+    if any(isinstance(w, QuantizedArray) for w in (*weights, params.embed)):
+        raise UnsupportedModelError(
+            "the megakernel reads bf16 weights, not lithos.quant packed formats: load with dequantize=True "
+            "(--dequantize) or use kernels='reference'"
+        )
+    if cache.quantized:
+        raise UnsupportedModelError(
+            "the megakernel reads a bf16 KV cache, not FP8: load with kv_cache_dtype='model' or use kernels='fused'"
+        )
+    out = decode_step(
+        weights,
+        params.embed[tokens[0]],
+        positions[0],
+        jnp.asarray(rope_inv_freq(cfg)),
+        cache.k,
+        cache.v,
+        eps=cfg.rms_norm_eps,
+        window=cfg.sliding_window,
+        head=head,
+    )
+    return out, cache.replace(k=out.k_cache, v=out.v_cache)
+
+
+def head_logits(params, h: jax.Array, cfg, kernels: str = "reference") -> jax.Array:
+    """Final norm + LM head: logits `[batch, tokens, vocab]` (float32) from the decoder's output `h`
+    `[batch, tokens, hidden]`. Any family whose params have `embed`, `lm_head` and `final_norm`."""
+    if kernels in ("fused", "megakernel"):  # the megakernel's own head runs inside its step
+        _, logits = _fused_head(params, h, cfg, with_logits=True)
+        return logits
+    return lm_logits(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps))
+
+
+def head_argmax(params, h: jax.Array, cfg, kernels: str = "reference") -> jax.Array:
+    """Greedy tokens `[batch, tokens]` (int32) from the decoder's output; the fused path never
+    materialises the logits."""
+    if kernels in ("fused", "megakernel"):
+        return _fused_head(params, h, cfg, with_logits=False)
+    return jnp.argmax(head_logits(params, h, cfg), axis=-1).astype(jnp.int32)
+
+
+def _fused_per_device(params: Params, tokens, positions, cache: KVCache, cfg: Config, placement, logits: bool):
+    """The fused step split over `placement`'s devices (lithos.placement): each device runs the kernels
+    on its own heads, FFN slice and vocabulary slice inside shard_map, so XLA never gathers a kernel's
+    inputs. Returns logits split over the vocabulary `[1, tokens, vocab]`, or the greedy tokens."""
+    check_kernel_path("fused", cfg)
+    if cfg != placement.cfg:
+        raise UnsupportedModelError("the params were placed for another config: decode with placement.cfg")
+    local_cfg, tp = placement.local_cfg, placement.tensor_parallel
+
+    def per_device(params, tokens, positions, cache):
+        h, cache = _fused_decoder(params, tokens, positions, cache, local_cfg, tp)
+        head = tp.head_logits if logits else tp.head_tokens
+        return head(h[0], lm_head(params), params.final_norm, local_cfg.rms_norm_eps)[None], cache
+
+    return placement.shard_step(per_device, logits)(params, tokens, positions, cache)
 
 
 def forward(
@@ -604,16 +746,21 @@ def forward(
     cache: KVCache,
     cfg: Config,
     kernels: str = "reference",
+    placement: Any = None,
 ) -> tuple[jax.Array, KVCache]:
     """Logits `[batch, tokens, vocab]` (float32) for `tokens` at `positions`, and the updated cache.
 
-    Serves prefill (many tokens), decode (one) and speculative verification (k+1) alike.
+    Serves prefill (many tokens), decode (one) and speculative verification (k+1) alike. With a
+    `placement` (lithos.placement) the fused path runs per device inside shard_map; the reference
+    path needs none (XLA partitions it from the arrays' shardings).
     """
+    if kernels == "fused" and placement is not None:
+        return _fused_per_device(params, tokens, positions, cache, cfg, placement, logits=True)
+    if kernels == "megakernel":
+        out, cache = _megakernel_step(params, tokens, positions, cache, cfg, head="logits")
+        return out.logits[None], cache
     h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
-    if kernels == "fused":
-        _, logits = _fused_head(params, h, cfg, with_logits=True)
-        return logits, cache
-    return lm_logits(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps)), cache
+    return head_logits(params, h, cfg, kernels), cache
 
 
 def forward_argmax(
@@ -623,11 +770,14 @@ def forward_argmax(
     cache: KVCache,
     cfg: Config,
     kernels: str = "reference",
+    placement: Any = None,
 ) -> tuple[jax.Array, KVCache]:
     """Greedy next tokens `[batch, tokens]` (int32) and the updated cache; the fused path never
-    materialises the logits."""
+    materialises the logits. `placement` as in `forward`."""
+    if kernels == "fused" and placement is not None:
+        return _fused_per_device(params, tokens, positions, cache, cfg, placement, logits=False)
+    if kernels == "megakernel":
+        out, cache = _megakernel_step(params, tokens, positions, cache, cfg, head="argmax")
+        return out.tokens[None], cache
     h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
-    if kernels == "fused":
-        return _fused_head(params, h, cfg, with_logits=False), cache
-    logits = lm_logits(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps))
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    return head_argmax(params, h, cfg, kernels), cache

@@ -169,9 +169,7 @@ class SpecProgram:
     def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0) -> tuple[SpecState, jax.Array]:
         model, cfg, s = self.model, self.model.cfg, self.speculator
         batch = tokens.shape[0]
-        cache = init_cache(
-            cfg.num_layers, batch, cfg.num_kv_heads, model.max_len, cfg.head_dim, model.params.embed.dtype
-        )
+        cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, model.max_len, cfg.head_dim, model.kv_cache_dtype)
         return spec_prefill(
             model.params,
             s.draft_params,

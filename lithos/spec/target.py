@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from lithos.errors import UnsupportedModelError
-from lithos.kv_cache import KVCache
+from lithos.kv_cache import KVCache, append, layer_of
 from lithos.models import family_of, llama
 
 
@@ -33,16 +33,9 @@ def check_llama_family(cfg, what: str) -> None:
 def store_layers(cache: KVCache, positions: jax.Array, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     """Store keys/values `[n, B, T, kv_heads, head_dim]` of the first `n` layers at `positions` `[B, T]`.
 
-    Positions past the cache end are dropped, as `kv_cache.append` drops them.
+    Positions past the cache end are dropped; an FP8 cache quantises them (`kv_cache.append` does both).
     """
-    n = k_new.shape[0]
-    batch = jnp.arange(positions.shape[0])[:, None]
-
-    def put(buf, new):
-        update = new.transpose(1, 2, 0, 3, 4).astype(buf.dtype)  # [B, T, n, kv_heads, head_dim]
-        return buf.at[:n, batch, :, positions].set(update, mode="drop")
-
-    return KVCache(k=put(cache.k, k_new), v=put(cache.v, v_new))
+    return append(cache, positions, k_new, v_new)
 
 
 def run_layers(
@@ -77,11 +70,11 @@ def run_layers(
         for slot, layer_index in enumerate(features):
             captured = captured.at[slot].set(jnp.where(i == layer_index, h, captured[slot]))
         layer = jax.tree_util.tree_map(lambda w: w[i], params.layers)
-        h, (k, v) = llama._layer(cfg, inv_freq, positions, h, (layer, cache.k[i], cache.v[i]))
+        h, (k, v) = llama._layer(cfg, inv_freq, positions, h, (layer, layer_of(cache, i)))
         return h, k_all.at[i].set(k), v_all.at[i].set(v), captured
 
-    k_all = jnp.zeros(kv_shape, cache.k.dtype)
-    v_all = jnp.zeros(kv_shape, cache.v.dtype)
+    k_all = jnp.zeros(kv_shape, h.dtype)  # as computed; `store_layers` converts them to the cache's format
+    v_all = jnp.zeros(kv_shape, h.dtype)
     h, k_all, v_all, captured = jax.lax.fori_loop(0, stop, body, (h, k_all, v_all, captured))
     for slot, layer_index in enumerate(features):
         if layer_index == stop:  # the output of the last layer run

@@ -10,11 +10,17 @@
 // Lanes: a key's head_dim elements are spread over head_dim / 8 lanes (16 bytes each), so a warp
 // reads several consecutive keys with fully coalesced loads and a score needs log2(head_dim / 8)
 // shuffles. A query at position p sees keys at positions <= p (and > p - window when windowed).
+//
+// The cache is bf16, or FP8 E4M3 codes with one scale per (layer, KV head) (lithos/kv_cache.py):
+// then a lane reads 8 bytes per key, twice the keys per loop step keep the same bytes in flight,
+// and the scales and fp8.h's 2^-120 are folded into the query and the output (see CacheRead).
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "ffi_util.h"
+#include "fp8.h"
 #include "portable.h"
 
 namespace lithos {
@@ -30,14 +36,17 @@ constexpr double kLog2e = 1.4426950408889634;
 
 struct AttnArgs {
   const bf16_t* q;           // [tokens, heads, head_dim]
-  const bf16_t* k_cache;     // [layers, 1, kv_heads, max_len, head_dim]
-  const bf16_t* v_cache;
+  const void* k_cache;       // [layers, 1, kv_heads, max_len, head_dim]: bf16_t, or uint8_t E4M3 codes
+  const void* v_cache;
+  const float* k_scale;      // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
+  const float* v_scale;
   const int32_t* positions;  // [tokens]
   const int32_t* layer;      // [] device scalar
   float* split_out;          // [max_splits, kv_heads, rows, head_dim]: normalised partial outputs
   float* split_lse;          // [max_splits, kv_heads, rows]: their log2-sum-exp2
   bf16_t* out;               // [tokens, heads, head_dim]
   int tokens, heads, kv_heads, max_len, window, max_splits;
+  int min_split_keys;        // a split covers at least this many keys (kMinKeysPerSplit unless tuned)
   float scale_log2;          // log2(e) / sqrt(head_dim): scores live in the exp2 domain
 };
 
@@ -67,7 +76,7 @@ __device__ SplitPlan plan_splits(const AttnArgs& a) {
   plan.end = min(highest + 1, a.max_len);
   plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
   const int keys = max(plan.end - plan.begin, 0);
-  plan.splits = max(1, min(a.max_splits, (keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
+  plan.splits = max(1, min(a.max_splits, (keys + a.min_split_keys - 1) / a.min_split_keys));
   plan.split_len = (keys + plan.splits - 1) / plan.splits;
   return plan;
 }
@@ -90,8 +99,34 @@ __device__ __forceinline__ void merge(Softmax& s, float other_max, float other_s
   s.max = new_max;
 }
 
-template <int HEAD_DIM>
+// How the split kernel reads a cache element type: 8 consecutive elements per lane and load, and the
+// factors that turn what it reads into true values (bf16: none).
+template <typename Cache>
+struct CacheRead {
+  using Vec = Bf16Vec<8>;
+  static constexpr int kStepKeys = kKeysPerStep;
+  static constexpr float kQueryFold = 1.0f, kScoreFold = 1.0f, kValueFold = 1.0f, kOutFold = 1.0f;
+  static __device__ __forceinline__ Vec load(const bf16_t* p) { return load_streaming<8>(p); }
+  static __device__ __forceinline__ Vec zero() { return Vec{{0u, 0u, 0u, 0u}}; }
+};
+
+// E4M3 elements read as value * 2^-120 (fp8.h). The 2^120 is split 64 + 56 so that neither the
+// pre-scaled query nor any product q * k or p * v leaves the normal f32 range: scores are
+// (q * scale * 2^64) . k_raw * 2^56, and the output sum(p * 2^64 * v_raw) / sum(p) * scale * 2^56.
+template <>
+struct CacheRead<uint8_t> {
+  using Vec = E4m3Vec8;
+  static constexpr int kStepKeys = 8;  // 8-byte loads: twice the keys for the same bytes in flight
+  static constexpr float kQueryFold = 0x1p64f, kScoreFold = 0x1p56f, kValueFold = 0x1p64f, kOutFold = 0x1p56f;
+  static_assert(64 + 56 == kE4m3RawExp, "the folds must undo e4m3_raw's 2^-120");
+  static __device__ __forceinline__ Vec load(const uint8_t* p) { return load_e4m3_streaming(p); }
+  static __device__ __forceinline__ Vec zero() { return Vec{{0u, 0u}}; }
+};
+
+template <int HEAD_DIM, typename Cache>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
+  using Read = CacheRead<Cache>;
+  constexpr int kSteps = Read::kStepKeys;
   constexpr int kLanesPerKey = HEAD_DIM / 8;
   constexpr int kKeysPerWarp = WARP_SIZE / kLanesPerKey;
   static_assert(kLanesPerKey <= WARP_SIZE, "head_dim too large for one warp");
@@ -114,6 +149,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   const int dim0 = (lane_id() % kLanesPerKey) * 8;
 
   // This lane's slice of each query row, pre-scaled, and the key window each row sees.
+  const size_t scale_at = static_cast<size_t>(*a.layer) * a.kv_heads + kv_head;
+  const float q_scale = a.scale_log2 * (a.k_scale ? a.k_scale[scale_at] * Read::kQueryFold : 1.0f);
+  const float out_scale = a.v_scale ? a.v_scale[scale_at] * Read::kOutFold : 1.0f;
   float q[kQueryRowsPerWarp][8];
   int see_from[kQueryRowsPerWarp], see_to[kQueryRowsPerWarp];
   Softmax state[kQueryRowsPerWarp];
@@ -125,7 +163,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
     const int head = kv_head * group + (valid ? row % group : 0);
     const Bf16Vec<8> qv = load_cached<8>(a.q + (static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + dim0);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[j][e] = qv[e] * a.scale_log2;
+    for (int e = 0; e < 8; ++e) q[j][e] = qv[e] * q_scale;
     see_to[j] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
     see_from[j] = a.window > 0 ? see_to[j] - a.window + 1 : 0;
     state[j].max = -INFINITY;
@@ -135,35 +173,35 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   }
 
   const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.max_len * HEAD_DIM;
-  const bf16_t* keys = a.k_cache + head_offset + dim0;
-  const bf16_t* values = a.v_cache + head_offset + dim0;
+  const Cache* keys = static_cast<const Cache*>(a.k_cache) + head_offset + dim0;
+  const Cache* values = static_cast<const Cache*>(a.v_cache) + head_offset + dim0;
   const int key_stride = k_warps * kKeysPerWarp;  // between a lane's consecutive keys
 
   // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
-  for (int base = key_begin + warp_k * kKeysPerWarp; base < key_end; base += key_stride * kKeysPerStep) {
-    int key[kKeysPerStep];
-    Bf16Vec<8> k[kKeysPerStep], v[kKeysPerStep];
+  for (int base = key_begin + warp_k * kKeysPerWarp; base < key_end; base += key_stride * kSteps) {
+    int key[kSteps];
+    typename Read::Vec k[kSteps], v[kSteps];
 #pragma unroll
-    for (int u = 0; u < kKeysPerStep; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       key[u] = base + key_lane + u * key_stride;
       if (key[u] < key_end) {
-        k[u] = load_streaming<8>(keys + static_cast<size_t>(key[u]) * HEAD_DIM);
-        v[u] = load_streaming<8>(values + static_cast<size_t>(key[u]) * HEAD_DIM);
+        k[u] = Read::load(keys + static_cast<size_t>(key[u]) * HEAD_DIM);
+        v[u] = Read::load(values + static_cast<size_t>(key[u]) * HEAD_DIM);
       } else {
-        k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+        k[u] = Read::zero();
         v[u] = k[u];
       }
     }
 #pragma unroll
     for (int j = 0; j < kQueryRowsPerWarp; ++j) {
-      float score[kKeysPerStep];
+      float score[kSteps];
       float step_max = -INFINITY;
 #pragma unroll
-      for (int u = 0; u < kKeysPerStep; ++u) {
+      for (int u = 0; u < kSteps; ++u) {
         float dot = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
-        dot = group_sum<kLanesPerKey>(dot);
+        dot = group_sum<kLanesPerKey>(dot) * Read::kScoreFold;
         const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
         score[u] = visible ? dot : -INFINITY;
         step_max = fmaxf(step_max, score[u]);
@@ -176,11 +214,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
 #pragma unroll
         for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
 #pragma unroll
-        for (int u = 0; u < kKeysPerStep; ++u) {
+        for (int u = 0; u < kSteps; ++u) {
           const float p = exp2f(score[u] - new_max);
           s.sum += p;
+          const float p_value = p * Read::kValueFold;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p, v[u][e], s.acc[e]);
+          for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p_value, v[u][e], s.acc[e]);
         }
         s.max = new_max;
       }
@@ -233,7 +272,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
         acc += shared_acc[w][j][d] * weight;
       }
     }
-    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum : 0.0f;
+    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum * out_scale : 0.0f;
     if (d == 0) a.split_lse[split_base + row] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
   }
 }
@@ -264,22 +303,31 @@ __global__ void __launch_bounds__(HEAD_DIM) attention_combine_kernel(AttnArgs a)
   a.out[(static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + d] = float_to_bf16(sum > 0.0f ? acc / sum : 0.0f);
 }
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, typename Cache>
 ffi::Error launch_attention(gpuStream_t stream, const AttnArgs& a) {
   const int rows = query_rows(a);
   const int rows_per_block = query_warps(rows) * kQueryRowsPerWarp;
   const dim3 split_grid((rows + rows_per_block - 1) / rows_per_block, a.max_splits, a.kv_heads);
-  attention_split_kernel<HEAD_DIM><<<split_grid, kAttnThreads, 0, stream>>>(a);
+  attention_split_kernel<HEAD_DIM, Cache><<<split_grid, kAttnThreads, 0, stream>>>(a);
   if (ffi::Error err = launch_status("decode_attention (splits)"); err.failure()) return err;
   attention_combine_kernel<HEAD_DIM><<<a.tokens * a.heads, HEAD_DIM, 0, stream>>>(a);
   return launch_status("decode_attention (combine)");
 }
 
-ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k_cache,
-                                 ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> positions,
+// The cache is bf16 (CacheType BF16, no scales) or E4M3 codes (U8) with scales [layers, 1, kv_heads].
+template <ffi::DataType CacheType>
+ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<CacheType> k_cache,
+                                 ffi::Buffer<CacheType> v_cache, const ffi::Buffer<ffi::F32>* k_scale,
+                                 const ffi::Buffer<ffi::F32>* v_scale, ffi::Buffer<ffi::S32> positions,
                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                  ffi::Result<ffi::Buffer<ffi::F32>> split_out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
+                                 int64_t split_keys) {
+  // Launch parameters from `lithos tune`'s table; 0 = the heuristic below.
+  if (splits < 0 || splits > 4096 || split_keys < 0 || split_keys > (int64_t{1} << 20))
+    return invalid("decode_attention: launch parameters splits=" + std::to_string(splits) + ", split_keys=" +
+                   std::to_string(split_keys) + " are out of range (splits 0..4096, split_keys 0..2^20; 0 = "
+                   "heuristic): fix or delete the tuning table entry");
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || v_cache.dimensions().size() != 5 ||
@@ -296,10 +344,17 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
   if (qd[0] < 1 || qd[0] > kMaxTokens)
     return invalid("decode_attention: 1.." + std::to_string(kMaxTokens) + " query positions, got " +
                    std::to_string(qd[0]));
+  using Cache = std::conditional_t<CacheType == ffi::U8, uint8_t, bf16_t>;
+  const size_t scale_count = static_cast<size_t>(cd[0]) * cd[1] * cd[2];
+  if (k_scale && (k_scale->element_count() != scale_count || v_scale->element_count() != scale_count))
+    return invalid("decode_attention: an FP8 cache " + shape_string(cd) + " needs k/v scales [layers, 1, kv_heads], "
+                   "got " + shape_string(k_scale->dimensions()) + " and " + shape_string(v_scale->dimensions()));
   AttnArgs a{};
   a.q = q.typed_data();
   a.k_cache = k_cache.typed_data();
   a.v_cache = v_cache.typed_data();
+  a.k_scale = k_scale ? k_scale->typed_data() : nullptr;
+  a.v_scale = v_scale ? v_scale->typed_data() : nullptr;
   a.positions = positions.typed_data();
   a.layer = layer.typed_data();
   a.split_out = split_out->typed_data();
@@ -322,19 +377,41 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
     return invalid("decode_attention: scratch must be [splits, kv_heads, rows(, head_dim)]");
   const int wanted = (compute_unit_count() * kSplitBlocksPerUnit + a.kv_heads * row_blocks - 1) /
                      (a.kv_heads * row_blocks);
-  const int by_length = (a.max_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
-  a.max_splits = std::max(1, std::min({wanted, capacity, by_length}));
+  a.min_split_keys = split_keys > 0 ? static_cast<int>(split_keys) : kMinKeysPerSplit;
+  const int by_length = (a.max_len + a.min_split_keys - 1) / a.min_split_keys;
+  a.max_splits = std::max(1, std::min({splits > 0 ? static_cast<int>(splits) : wanted, capacity, by_length}));
 
   if (!aligned16(a.q) || !aligned16(a.k_cache) || !aligned16(a.v_cache))
     return invalid("decode_attention: q and the caches must be 16-byte aligned");
   switch (head_dim) {
-    case 64: return launch_attention<64>(stream, a);
-    case 128: return launch_attention<128>(stream, a);
-    case 256: return launch_attention<256>(stream, a);
+    case 64: return launch_attention<64, Cache>(stream, a);
+    case 128: return launch_attention<128, Cache>(stream, a);
+    case 256: return launch_attention<256, Cache>(stream, a);
     default:
       return invalid("decode_attention: head_dim " + std::to_string(head_dim) +
                      " has no fused kernel (64, 128, 256); use kernels='reference'");
   }
+}
+
+ffi::Error decode_attention_bf16(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k_cache,
+                                 ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> positions,
+                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
+                                 int64_t split_keys) {
+  return decode_attention_impl(stream, q, k_cache, v_cache, nullptr, nullptr, positions, layer, out, split_out,
+                               split_lse, window, splits, split_keys);
+}
+
+ffi::Error decode_attention_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::U8> k_cache,
+                                ffi::Buffer<ffi::U8> v_cache, ffi::Buffer<ffi::F32> k_scale,
+                                ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> positions,
+                                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> split_out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
+                                int64_t split_keys) {
+  return decode_attention_impl(stream, q, k_cache, v_cache, &k_scale, &v_scale, positions, layer, out, split_out,
+                               split_lse, window, splits, split_keys);
 }
 
 }  // namespace
@@ -342,7 +419,7 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttention, lithos::decode_attention_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttention, lithos::decode_attention_bf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // q
@@ -353,5 +430,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttention, lithos::decode_attention_im
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split outputs
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split log-sum-exp
-                                  .Attr<int64_t>("window"),
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("splits")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("split_keys"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// The same with an FP8 E4M3 cache (u8 codes) and its scales [layers, 1, kv_heads] f32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttentionFp8, lithos::decode_attention_fp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // k cache: E4M3 codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // v cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split outputs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split log-sum-exp
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("splits")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("split_keys"),
                               {ffi::Traits::kCmdBufferCompatible});

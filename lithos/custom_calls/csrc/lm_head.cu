@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kMatvecThreads) lm_head_kernel(LmHeadArgs a) {
   if (threadIdx.x < static_cast<unsigned>(a.tokens)) {
     Best b = kNoBest;
 #pragma unroll
-    for (int w = 0; w < kMatvecWarps; ++w) b = better(b, warp_bests[w][threadIdx.x]);
+    for (int w = 0; w < block_warps(); ++w) b = better(b, warp_bests[w][threadIdx.x]);
     a.block_value[static_cast<size_t>(blockIdx.x) * a.tokens + threadIdx.x] = b.value;
     a.block_index[static_cast<size_t>(blockIdx.x) * a.tokens + threadIdx.x] = b.index;
   }
@@ -117,7 +117,10 @@ __global__ void __launch_bounds__(kMatvecThreads) pick_tokens_kernel(LmHeadArgs 
 ffi::Error lm_head_argmax_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> head,
                                ffi::Buffer<ffi::BF16> norm_w, ffi::Result<ffi::Buffer<ffi::S32>> tokens,
                                ffi::Result<ffi::Buffer<ffi::F32>> logits, ffi::Result<ffi::Buffer<ffi::F32>> block_value,
-                               ffi::Result<ffi::Buffer<ffi::S32>> block_index, float eps) {
+                               ffi::Result<ffi::Buffer<ffi::S32>> block_index, float eps, int64_t k_split,
+                               int64_t warps_per_block, int64_t blocks_per_unit) {
+  const RowGroupLaunch launch{k_split, warps_per_block, blocks_per_unit};
+  if (ffi::Error err = check_launch("lm_head_argmax", launch); err.failure()) return err;
   auto hd = h.dimensions();
   auto wd = head.dimensions();
   if (hd.size() != 2 || wd.size() != 2 || hd[1] != wd[1])
@@ -146,11 +149,11 @@ ffi::Error lm_head_argmax_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
       constexpr auto kernel = lm_head_kernel<decltype(tmax)::value, decltype(vec)::value>;
       const RowGroupGrid grid = row_group_grid((a.vocab + kRowsPerWarp - 1) / kRowsPerWarp, a.hidden,
-                                               resident_blocks_per_unit<kernel>(kMatvecThreads));
+                                               resident_blocks_per_unit<kernel>(launch.threads()), launch);
       LmHeadArgs args = a;
       args.blocks = std::min(grid.blocks, capacity);  // one best per block and token fits the scratch
       args.k_split = grid.k_split;
-      kernel<<<args.blocks, kMatvecThreads, 0, stream>>>(args);
+      kernel<<<args.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);
       if (ffi::Error err = launch_status("lm_head_argmax"); err.failure()) return err;
       pick_tokens_kernel<<<1, kMatvecThreads, 0, stream>>>(args);
       return launch_status("lm_head_argmax (pick)");
@@ -173,5 +176,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosLmHeadArgmax, lithos::lm_head_argmax_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // logits or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: best logit per block
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scratch: its id
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
                               {ffi::Traits::kCmdBufferCompatible});

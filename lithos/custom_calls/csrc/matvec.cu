@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(MatvecArgs a) {
 }
 
 template <bool GATED>
-ffi::Error launch_matvec(gpuStream_t stream, const MatvecArgs& a) {
+ffi::Error launch_matvec(gpuStream_t stream, const MatvecArgs& a, const RowGroupLaunch& launch) {
+  if (ffi::Error err = check_launch(GATED ? "gate_up_silu" : "matvec", launch); err.failure()) return err;
   const int outs_per_warp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;
   const bool aligned = aligned16(a.x) && aligned16(a.w) && (!GATED || aligned16(a.w_up)) &&
                        (a.norm_w == nullptr || aligned16(a.norm_w)) && a.w_layer_stride % 8 == 0 &&
@@ -84,10 +85,10 @@ ffi::Error launch_matvec(gpuStream_t stream, const MatvecArgs& a) {
     return with_vector_width(a.n_in, aligned, [&](auto vec) {
       constexpr auto kernel = matvec_kernel<decltype(tmax)::value, decltype(vec)::value, GATED>;
       const RowGroupGrid grid = row_group_grid((a.n_out + outs_per_warp - 1) / outs_per_warp, a.n_in,
-                                               resident_blocks_per_unit<kernel>(kMatvecThreads));
+                                               resident_blocks_per_unit<kernel>(launch.threads()), launch);
       MatvecArgs args = a;
       args.k_split = grid.k_split;
-      kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
+      kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);
       return launch_status(GATED ? "gate_up_silu" : "matvec");
     });
   });
@@ -123,19 +124,21 @@ ffi::Error check_matvec_shapes(const char* op, ffi::Buffer<ffi::BF16>& x, ffi::B
 
 ffi::Error matvec_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> norm_w, ffi::Buffer<ffi::BF16> residual,
-                       ffi::Result<ffi::Buffer<ffi::BF16>> y, float eps) {
+                       ffi::Result<ffi::Buffer<ffi::BF16>> y, float eps, int64_t k_split, int64_t warps_per_block,
+                       int64_t blocks_per_unit) {
   MatvecArgs a{};
   if (ffi::Error err = check_matvec_shapes("matvec", x, w, layer, norm_w, y, eps, a); err.failure()) return err;
   a.w = w.typed_data();
   a.residual = optional_data(residual);
   if (a.residual != nullptr && residual.element_count() != y->element_count())
     return invalid("matvec: residual " + shape_string(residual.dimensions()) + " must be [tokens, out]");
-  return launch_matvec<false>(stream, a);
+  return launch_matvec<false>(stream, a, RowGroupLaunch{k_split, warps_per_block, blocks_per_unit});
 }
 
 ffi::Error gate_up_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
                         ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> norm_w,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> y, float eps) {
+                        ffi::Result<ffi::Buffer<ffi::BF16>> y, float eps, int64_t k_split, int64_t warps_per_block,
+                        int64_t blocks_per_unit) {
   MatvecArgs a{};
   if (ffi::Error err = check_matvec_shapes("gate_up_silu", x, w_gate, layer, norm_w, y, eps, a); err.failure())
     return err;
@@ -144,7 +147,7 @@ ffi::Error gate_up_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                    shape_string(w_gate.dimensions()));
   a.w = w_gate.typed_data();
   a.w_up = w_up.typed_data();
-  return launch_matvec<true>(stream, a);
+  return launch_matvec<true>(stream, a, RowGroupLaunch{k_split, warps_per_block, blocks_per_unit});
 }
 
 }  // namespace
@@ -161,7 +164,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMatvec, lithos::matvec_impl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // norm weight or empty
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // residual or empty
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosGateUpSilu, lithos::gate_up_impl,
@@ -173,5 +179,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosGateUpSilu, lithos::gate_up_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // norm weight or empty
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -4,6 +4,8 @@
 // loads, bf16 conversions and atomics.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -209,15 +211,18 @@ inline int compute_unit_count() {
 }
 
 // Blocks of `Kernel` (launched with `threads` threads) that fit on one SM/CU at once, read once per
-// kernel: a persistent grid of exactly that many per SM/CU runs in one wave.
+// kernel and block size: a persistent grid of exactly that many per SM/CU runs in one wave.
 template <auto Kernel>
 inline int resident_blocks_per_unit(int threads) {
-  static const int blocks = [threads] {
-    int n = 0;
+  // One slot per block size in warps; 0 = not read yet. Racing first readers store the same value.
+  static std::atomic<int> cached[1024 / WARP_SIZE + 1];
+  const int slot = std::min(std::max(threads / WARP_SIZE, 0), 1024 / WARP_SIZE);
+  int n = cached[slot].load(std::memory_order_relaxed);
+  if (n == 0) {
     if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, 0) != gpuSuccess || n < 1) n = 1;
-    return n;
-  }();
-  return blocks;
+    cached[slot].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 }  // namespace lithos

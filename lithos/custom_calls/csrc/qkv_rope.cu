@@ -4,7 +4,12 @@
 // A warp owns two rotary pairs of one head: rows (j, j + d/2, j + 1, j + 1 + d/2). Both halves of a
 // rotation are then in its registers and RoPE needs no shared memory or second pass. The cache is
 // updated in place (the handler's cache outputs alias its inputs); positions past max_len are dropped.
+// An FP8 cache (lithos/kv_cache.py) gets E4M3 codes of K / scale and V / scale, the scales being the
+// row's, set at prefill; like the reference, values beyond 448 * scale saturate.
+#include <type_traits>
+
 #include "ffi_util.h"
+#include "fp8.h"
 #include "portable.h"
 #include "rowdot.h"
 
@@ -22,14 +27,16 @@ struct QkvArgs {
   const int32_t* layer;    // [] device scalar
   int64_t norm_layer_stride, q_layer_stride, kv_layer_stride;
   bf16_t* q;               // [tokens, heads, head_dim]
-  bf16_t* k_cache;         // [layers, 1, kv_heads, max_len, head_dim], aliased
-  bf16_t* v_cache;
+  void* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased: bf16_t, or uint8_t E4M3 codes
+  void* v_cache;
+  const float* k_scale;    // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
+  const float* v_scale;
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
   int k_split;  // warps sharing a row group (row_group_grid)
   float eps;
 };
 
-template <int TMAX, int VEC>
+template <int TMAX, int VEC, typename Cache>
 __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
   static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
   __shared__ float rms_scale[TMAX];
@@ -90,11 +97,17 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
                 out[j] = float_to_bf16(lo);
                 out[j + half] = float_to_bf16(hi);
               } else if (position >= 0 && position < a.max_len) {
-                bf16_t* cache = is_v ? a.v_cache : a.k_cache;
-                bf16_t* slot =
-                    cache + cache_layer + (static_cast<size_t>(kv_head_of(head)) * a.max_len + position) * a.head_dim;
-                slot[j] = float_to_bf16(lo);
-                slot[j + half] = float_to_bf16(hi);
+                const int kv_head = kv_head_of(head);
+                Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
+                              (static_cast<size_t>(kv_head) * a.max_len + position) * a.head_dim;
+                if constexpr (std::is_same_v<Cache, uint8_t>) {
+                  const float scale = (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head];
+                  slot[j] = float_to_e4m3(lo / scale);  // a division, as the reference's
+                  slot[j + half] = float_to_e4m3(hi / scale);
+                } else {
+                  slot[j] = float_to_bf16(lo);
+                  slot[j + half] = float_to_bf16(hi);
+                }
               }
             }
           }
@@ -102,13 +115,18 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
       });
 }
 
+// The cache is bf16 (CacheType BF16, no scales) or E4M3 codes (U8) with scales [layers, 1, kv_heads].
+template <ffi::DataType CacheType>
 ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
                                 ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
                                 ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
-                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
-                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
-                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache, ffi::Result<ffi::Buffer<ffi::BF16>> v_cache,
-                                float eps) {
+                                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                                ffi::Result<ffi::Buffer<CacheType>> k_cache, ffi::Result<ffi::Buffer<CacheType>> v_cache,
+                                const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
+                                float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+  using Cache = std::conditional_t<CacheType == ffi::U8, uint8_t, bf16_t>;
+  const RowGroupLaunch launch{k_split, warps_per_block, blocks_per_unit};
+  if (ffi::Error err = check_launch("qkv_rope_append", launch); err.failure()) return err;
   auto hd = h.dimensions();
   auto cd = k_cache->dimensions();
   auto qd = q->dimensions();
@@ -152,6 +170,12 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   a.q = q->typed_data();
   a.k_cache = k_cache->typed_data();
   a.v_cache = v_cache->typed_data();
+  const size_t scale_count = static_cast<size_t>(cd[0]) * cd[1] * cd[2];
+  if (k_scale && (k_scale->element_count() != scale_count || v_scale->element_count() != scale_count))
+    return invalid("qkv_rope_append: an FP8 cache " + shape_string(cd) + " needs k/v scales [layers, 1, kv_heads], "
+                   "got " + shape_string(k_scale->dimensions()) + " and " + shape_string(v_scale->dimensions()));
+  a.k_scale = k_scale ? k_scale->typed_data() : nullptr;
+  a.v_scale = v_scale ? v_scale->typed_data() : nullptr;
   a.eps = eps;
 
   const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
@@ -160,14 +184,38 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
-      constexpr auto kernel = qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value>;
-      const RowGroupGrid grid = row_group_grid(units, a.hidden, resident_blocks_per_unit<kernel>(kMatvecThreads));
+      constexpr auto kernel = qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value, Cache>;
+      const RowGroupGrid grid =
+          row_group_grid(units, a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
       QkvArgs args = a;
       args.k_split = grid.k_split;
-      kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
+      kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);
       return launch_status("qkv_rope_append");
     });
   });
+}
+
+ffi::Error qkv_rope_append_bf16(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                                ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+                                ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
+                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache, ffi::Result<ffi::Buffer<ffi::BF16>> v_cache,
+                                float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+  return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, nullptr,
+                              nullptr, eps, k_split, warps_per_block, blocks_per_unit);
+}
+
+ffi::Error qkv_rope_append_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                               ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+                               ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U8> /*k_cache_in*/,
+                               ffi::Buffer<ffi::U8> /*v_cache_in*/, ffi::Buffer<ffi::F32> k_scale,
+                               ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                               ffi::Result<ffi::Buffer<ffi::U8>> k_cache, ffi::Result<ffi::Buffer<ffi::U8>> v_cache,
+                               float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+  return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, &k_scale,
+                              &v_scale, eps, k_split, warps_per_block, blocks_per_unit);
 }
 
 }  // namespace
@@ -175,7 +223,7 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_bf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // h
@@ -191,5 +239,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_impl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // q
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// The same with an FP8 E4M3 cache (u8 codes) and its scales [layers, 1, kv_heads] f32 (read only).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppendFp8, lithos::qkv_rope_append_fp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // attention norm weight
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wq
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // k cache: E4M3 codes (aliased to output 1)
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // v cache (aliased to output 2)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v scales
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // k cache
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // v cache
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
                               {ffi::Traits::kCmdBufferCompatible});

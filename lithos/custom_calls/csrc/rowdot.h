@@ -21,6 +21,9 @@ constexpr int kRowsPerWarp = 4;
 // Warps per SM/CU wanted in flight before row groups are split over several warps.
 constexpr int kWarpsWantedPerUnit = 24;
 
+// Warps of the running block: kMatvecWarps unless a tuned launch asked for fewer (RowGroupLaunch).
+__device__ __forceinline__ int block_warps() { return static_cast<int>(blockDim.x) / WARP_SIZE; }
+
 // 16-byte chunks of each row a lane has in flight: 16 loads per lane at 1-2 tokens, 8 when the
 // accumulators for more tokens need the registers.
 template <int TMAX>
@@ -36,9 +39,31 @@ struct TokenRows {
   int n_in;
 };
 
+// Activations written earlier in the same launch (by other blocks of the megakernel) are read with
+// plain coherent loads: the read-only path of load_cached (ld.global.nc) may serve stale lines.
+template <int VEC, bool COHERENT>
+__device__ __forceinline__ Bf16Vec<VEC> load_activation(const bf16_t* p) {
+  if constexpr (!COHERENT) {
+    return load_cached<VEC>(p);
+  } else if constexpr (VEC == 8) {
+    Bf16Vec<8> out;
+#if defined(LITHOS_HIP)
+    const u32x4_t v = *reinterpret_cast<const u32x4_t*>(p);
+    out.pair[0] = v.x; out.pair[1] = v.y; out.pair[2] = v.z; out.pair[3] = v.w;
+#else
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(out.pair[0]), "=r"(out.pair[1]), "=r"(out.pair[2]), "=r"(out.pair[3])
+                 : "l"(p));
+#endif
+    return out;
+  } else {
+    return Bf16Vec<VEC>{*p};
+  }
+}
+
 // acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i]; the share is
 // chunks part, part + parts, ... Every lane of the warp ends with every sum.
-template <int TMAX, int VEC>
+template <int TMAX, int VEC, bool COHERENT = false>
 __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsPerWarp], const TokenRows& in,
                                               int part, int parts, float (&acc)[kRowsPerWarp][TMAX]) {
   constexpr int kUnroll = Unroll<TMAX>::value;
@@ -74,7 +99,7 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsP
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {
           if (t < in.tokens) {
-            const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
+            const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
 #pragma unroll
             for (int v = 0; v < VEC; ++v) {
               const float xf = xv[v] * norm[v];
@@ -100,7 +125,7 @@ template <int TMAX, int VEC, class RowsOf, class Epilogue>
 __device__ __forceinline__ void for_each_row_group(const TokenRows& in, int units, int k_split, RowsOf rows_of,
                                                    Epilogue epilogue) {
   __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
-  const int slots = kMatvecWarps / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
+  const int slots = block_warps() / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
   // The loop bound is block-uniform so the warps sharing a group can meet at the barriers.
   for (int first = blockIdx.x * slots; first < units; first += gridDim.x * slots) {
     const int unit = min(first + slot, units - 1);  // a surplus warp redoes the last group, unused
@@ -133,17 +158,17 @@ __device__ __forceinline__ void for_each_row_group(const TokenRows& in, int unit
 // RMSNorm factor rsqrt(mean(x[t, :]^2) + eps) for t < tokens, computed by the whole block (every
 // thread must call it) into scale[t] in shared memory. The matvecs apply it after the dot product,
 // so the normalised activations never exist in memory.
-template <int TMAX, int VEC>
+template <int TMAX, int VEC, bool COHERENT = false>
 __device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
   __shared__ float partial[kMatvecWarps][TMAX];
   float squares[TMAX];
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) squares[t] = 0.0f;
-  for (int k = static_cast<int>(threadIdx.x) * VEC; k < in.n_in; k += kMatvecThreads * VEC) {
+  for (int k = static_cast<int>(threadIdx.x) * VEC; k < in.n_in; k += static_cast<int>(blockDim.x) * VEC) {
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) {
       if (t < in.tokens) {
-        const Bf16Vec<VEC> xv = load_cached<VEC>(in.x + static_cast<size_t>(t) * in.n_in + k);
+        const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
 #pragma unroll
         for (int v = 0; v < VEC; ++v) squares[t] = fmaf(xv[v], xv[v], squares[t]);
       }
@@ -158,33 +183,66 @@ __device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
   if (threadIdx.x < static_cast<unsigned>(in.tokens)) {
     float total = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kMatvecWarps; ++w) total += partial[w][threadIdx.x];
+    for (int w = 0; w < block_warps(); ++w) total += partial[w][threadIdx.x];
     scale[threadIdx.x] = rsqrtf(total / static_cast<float>(in.n_in) + eps);
   }
   __syncthreads();
 }
 
-// Launch shape of a row-group kernel: how many warps share a group, and the persistent grid.
+// Launch shape of a row-group kernel: how many warps share a group, the block size and the
+// persistent grid.
 struct RowGroupGrid {
   int k_split;
   int blocks;
+  int warps;  // per block; launch with warps * WARP_SIZE threads
 };
 
-// `resident` is how many blocks of the kernel fit on one SM/CU (resident_blocks_per_unit): the grid
-// is one wave of them, each block striding over row groups, so every block pays its prologue (the
-// RMSNorm factor) once and no second wave waits on the first.
-inline RowGroupGrid row_group_grid(int64_t units, int64_t n_in, int resident) {
+// Launch parameters measured by `lithos tune` (FFI attributes k_split, warps_per_block,
+// blocks_per_unit); 0 leaves a parameter to the heuristic of row_group_grid.
+struct RowGroupLaunch {
+  int64_t k_split = 0;          // warps sharing a row group: 1, 2, 4 or 8, at most warps_per_block
+  int64_t warps_per_block = 0;  // 1, 2, 4 or 8 (kMatvecWarps by default)
+  int64_t blocks_per_unit = 0;  // blocks per SM/CU in the grid (default: as many as fit at once)
+
+  int warps() const { return warps_per_block > 0 ? static_cast<int>(warps_per_block) : kMatvecWarps; }
+  int threads() const { return warps() * WARP_SIZE; }
+};
+
+// An error that names the bad attribute, or Success.
+inline ffi::Error check_launch(const char* op, const RowGroupLaunch& l) {
+  auto pow2_upto = [](int64_t v, int64_t most) { return v >= 0 && v <= most && (v & (v - 1)) == 0; };
+  if (!pow2_upto(l.warps_per_block, kMatvecWarps) || !pow2_upto(l.k_split, l.warps()) || l.blocks_per_unit < 0 ||
+      l.blocks_per_unit > 64)
+    return invalid(std::string(op) + ": launch parameters k_split=" + std::to_string(l.k_split) +
+                   ", warps_per_block=" + std::to_string(l.warps_per_block) + ", blocks_per_unit=" +
+                   std::to_string(l.blocks_per_unit) + " are out of range (warps_per_block 0 or 1, 2, 4, 8; k_split "
+                   "0 or a power of two up to warps_per_block; blocks_per_unit 0..64): fix or delete the tuning "
+                   "table entry");
+  return ffi::Error::Success();
+}
+
+// `resident` is how many blocks of `launch.warps_per_block` warps fit on one SM/CU
+// (resident_blocks_per_unit): by default the grid is one wave of them, each block striding over row
+// groups, so every block pays its prologue (the RMSNorm factor) once and no second wave waits on the
+// first. A tuned blocks_per_unit replaces that count (more than fit means more than one wave).
+inline RowGroupGrid row_group_grid(int64_t units, int64_t n_in, int resident, const RowGroupLaunch& launch) {
   const int64_t units_per_cu = compute_unit_count();
+  const int warps = launch.warps();
   int k_split = 1;
   // Split the input dimension while there are too few groups for the warps wanted, and each share
   // still spans a few full warp-wide chunks.
-  while (k_split < kMatvecWarps && units * k_split < units_per_cu * kWarpsWantedPerUnit &&
+  while (k_split < warps && units * k_split < units_per_cu * kWarpsWantedPerUnit &&
          n_in >= int64_t{2} * k_split * WARP_SIZE * 8 * 2)
     k_split *= 2;
-  const int64_t slots = kMatvecWarps / k_split;
+  if (launch.k_split > 0) k_split = static_cast<int>(launch.k_split);
+  const int64_t slots = warps / k_split;
   const int64_t needed = (units + slots - 1) / slots;
-  const int64_t full = units_per_cu * resident;
-  return {k_split, static_cast<int>(needed < full ? (needed > 0 ? needed : 1) : full)};
+  const int64_t full = units_per_cu * (launch.blocks_per_unit > 0 ? launch.blocks_per_unit : resident);
+  return {k_split, static_cast<int>(needed < full ? (needed > 0 ? needed : 1) : full), warps};
+}
+
+inline RowGroupGrid row_group_grid(int64_t units, int64_t n_in, int resident) {
+  return row_group_grid(units, n_in, resident, RowGroupLaunch{});
 }
 
 }  // namespace lithos

@@ -1,0 +1,383 @@
+// The fused decode projections over packed weights (lithos.quant formats, dequantised in registers by
+// packed.h), for 1..16 tokens: the same fusions as the bf16 kernels.
+//
+//   LithosPackedMatvec_<format>:        y = residual + RMSNorm?(x) @ W.T   (bf16, or f32 for an LM head)
+//   LithosPackedGateUpSilu_<format>:    y = silu(xn @ Wg.T) * (xn @ Wu.T)
+//   LithosPackedQkvRopeAppend_<format>: RMSNorm -> Q, K, V -> RoPE on Q and K -> K, V into the cache
+//
+// One source per format (matvec_packed_<format>.cu) instantiates these templates and defines its
+// three handlers, so the formats build in parallel and a model builds only the formats it holds.
+// Weights arrive as planes (data, scales, mins) stacked [layers, ...] with a device scalar `layer`.
+// The RMSNorm factor multiplies the dot products in the epilogue, so normalised activations never
+// exist in memory.
+#pragma once
+
+#include "ffi_util.h"
+#include "packed.h"
+#include "portable.h"
+#include "rowdot.h"
+
+namespace lithos {
+namespace packed_matvec {
+
+__device__ __forceinline__ float packed_silu(float g) { return g / (1.0f + expf(-g)); }
+
+struct PackedMatvecArgs {
+  const bf16_t* x;         // [tokens, n_in]
+  PackedWeight w;          // [layers, n_out, n_in] (the gate rows in the gated variant)
+  PackedWeight w_up;       // gated variant only
+  const int32_t* layer;    // [] device scalar
+  const bf16_t* norm_w;    // [layers, n_in] or nullptr: fuse RMSNorm of x
+  int64_t norm_layer_stride;
+  const bf16_t* residual;  // [tokens, n_out] or nullptr
+  void* y;                 // [tokens, n_out], bf16 or f32
+  bool y_f32;
+  int tokens;
+  int k_split;
+  float eps;
+};
+
+template <WeightFormat F, int TMAX, bool GATED>
+__global__ void __launch_bounds__(kMatvecThreads) packed_matvec_kernel(PackedMatvecArgs a) {
+  constexpr int kOutsPerWarp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;
+  __shared__ float rms_scale[TMAX];
+  const int64_t layer = *a.layer;
+  const int n_out = a.w.n_out, n_in = a.w.n_in;
+  const TokenRows in{a.x, a.norm_w ? a.norm_w + layer * a.norm_layer_stride : nullptr, a.tokens, n_in};
+  if (in.norm_w != nullptr) block_rms_scale<TMAX, 8>(in, a.eps, rms_scale);
+
+  const int units = (n_out + kOutsPerWarp - 1) / kOutsPerWarp;
+  for_each_packed_row_group<F, TMAX>(
+      units, a.k_split,
+      [&](int unit, PackedRow (&rows)[kRowsPerWarp], TokenRows& tokens) {
+        tokens = in;
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          // Rows past the end re-read the last row: valid memory, results discarded.
+          const int out = min(unit * kOutsPerWarp + (GATED ? r / 2 : r), n_out - 1);
+          rows[r] = packed_row<F>((GATED && r % 2 == 1) ? a.w_up : a.w, layer, 0, out);
+        }
+      },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+            const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
+#pragma unroll
+            for (int j = 0; j < kOutsPerWarp; ++j) {
+              const int out = unit * kOutsPerWarp + j;
+              if (out < n_out) {
+                const size_t at = static_cast<size_t>(t) * n_out + out;
+                float value =
+                    GATED ? packed_silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
+                if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
+                if (a.y_f32)
+                  static_cast<float*>(a.y)[at] = value;
+                else
+                  static_cast<bf16_t*>(a.y)[at] = float_to_bf16(value);
+              }
+            }
+          }
+        }
+      });
+}
+
+template <WeightFormat F, bool GATED>
+ffi::Error launch_packed_matvec(gpuStream_t stream, const PackedMatvecArgs& a) {
+  if (!aligned16(a.x) || !packed_aligned(a.w) || (GATED && !packed_aligned(a.w_up)) ||
+      (a.norm_w != nullptr && !aligned16(a.norm_w)))
+    return invalid("packed matvec: inputs must be 16-byte aligned");
+  const int outs_per_warp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;
+  return with_packed_token_bucket(a.tokens, [&](auto tmax) {
+    constexpr auto kernel = packed_matvec_kernel<F, decltype(tmax)::value, GATED>;
+    const RowGroupGrid grid = packed_grid((a.w.n_out + outs_per_warp - 1) / outs_per_warp, a.w.n_in,
+                                          resident_blocks_per_unit<kernel>(kMatvecThreads));
+    PackedMatvecArgs args = a;
+    args.k_split = grid.k_split;
+    kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
+    return launch_status(GATED ? "packed gate_up_silu" : "packed matvec");
+  });
+}
+
+// Shapes shared by both variants: everything but the weights.
+inline ffi::Error check_packed_inputs(const char* op, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::S32>& layer,
+                               ffi::Buffer<ffi::BF16>& norm_w, PackedMatvecArgs& a) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return invalid(std::string(op) + ": x must be [tokens, in], got " + shape_string(xd));
+  if (layer.element_count() != 1) return invalid(std::string(op) + ": layer must be a scalar");
+  if (norm_w.element_count() != 0 && (norm_w.dimensions().size() != 2 || norm_w.dimensions()[1] != xd[1]))
+    return invalid(std::string(op) + ": norm weight " + shape_string(norm_w.dimensions()) +
+                   " does not match in=" + std::to_string(xd[1]));
+  a.x = x.typed_data();
+  a.layer = layer.typed_data();
+  a.norm_w = optional_data(norm_w);
+  a.norm_layer_stride = a.norm_w ? layer_stride(norm_w) : 0;
+  a.tokens = static_cast<int>(xd[0]);
+  return ffi::Error::Success();
+}
+
+template <WeightFormat F>
+ffi::Error packed_matvec_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
+                              ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::BF16> norm_w, ffi::Buffer<ffi::BF16> residual,
+                              ffi::Result<ffi::AnyBuffer> y, float eps) {
+  constexpr int32_t format = static_cast<int32_t>(F);
+  PackedMatvecArgs a{};
+  if (ffi::Error err = check_packed_inputs("packed matvec", x, layer, norm_w, a); err.failure()) return err;
+  if (ffi::Error err = packed_weight("packed matvec", format, data, scales, mins, 1, x.dimensions()[1], a.w);
+      err.failure())
+    return err;
+  auto yd = y->dimensions();
+  a.y_f32 = y->element_type() == ffi::DataType::F32;
+  if (yd.size() != 2 || yd[0] != a.tokens || yd[1] != a.w.n_out ||
+      (!a.y_f32 && y->element_type() != ffi::DataType::BF16))
+    return invalid("packed matvec: output must be [tokens, out] in bf16 or f32");
+  a.y = y->untyped_data();
+  a.residual = optional_data(residual);
+  if (a.residual != nullptr && residual.element_count() != y->element_count())
+    return invalid("packed matvec: residual " + shape_string(residual.dimensions()) + " must be [tokens, out]");
+  a.eps = eps;
+  return launch_packed_matvec<F, false>(stream, a);
+}
+
+template <WeightFormat F>
+ffi::Error packed_gate_up_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer gate_data,
+                               ffi::AnyBuffer gate_scales, ffi::AnyBuffer gate_mins, ffi::AnyBuffer up_data,
+                               ffi::AnyBuffer up_scales, ffi::AnyBuffer up_mins, ffi::Buffer<ffi::S32> layer,
+                               ffi::Buffer<ffi::BF16> norm_w, ffi::Result<ffi::Buffer<ffi::BF16>> y, float eps) {
+  constexpr int32_t format = static_cast<int32_t>(F);
+  PackedMatvecArgs a{};
+  const char* op = "packed gate_up_silu";
+  if (ffi::Error err = check_packed_inputs(op, x, layer, norm_w, a); err.failure()) return err;
+  const int64_t n_in = x.dimensions()[1];
+  if (ffi::Error err = packed_weight(op, format, gate_data, gate_scales, gate_mins, 1, n_in, a.w); err.failure())
+    return err;
+  if (ffi::Error err = packed_weight(op, format, up_data, up_scales, up_mins, 1, n_in, a.w_up); err.failure())
+    return err;
+  if (a.w_up.n_out != a.w.n_out || a.w_up.data_outer != a.w.data_outer)
+    return invalid("packed gate_up_silu: w_up " + shape_string(up_data.dimensions()) + " must match w_gate " +
+                   shape_string(gate_data.dimensions()));
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != a.tokens || yd[1] != a.w.n_out)
+    return invalid("packed gate_up_silu: output must be [tokens, ffn]");
+  a.y = y->typed_data();
+  a.eps = eps;
+  return launch_packed_matvec<F, true>(stream, a);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm -> Q, K, V -> RoPE -> cache append, as csrc/qkv_rope.cu does for bf16: a warp owns two
+// rotary pairs of one head, rows (j, j + d/2, j + 1, j + 1 + d/2), so RoPE happens in registers.
+// ---------------------------------------------------------------------------------------------
+
+struct PackedQkvArgs {
+  const bf16_t* h;           // [tokens, hidden]
+  const bf16_t* norm_w;      // [layers, hidden]
+  int64_t norm_layer_stride;
+  PackedWeight wq, wk, wv;   // [layers, heads * head_dim | kv_heads * head_dim, hidden]
+  const float* inv_freq;     // [head_dim / 2]
+  const int32_t* positions;  // [tokens]
+  const int32_t* layer;      // [] device scalar
+  bf16_t* q;                 // [tokens, heads, head_dim]
+  bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
+  bf16_t* v_cache;
+  int tokens, hidden, heads, kv_heads, head_dim, max_len;
+  int k_split;
+  float eps;
+};
+
+template <WeightFormat F, int TMAX>
+__global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQkvArgs a) {
+  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
+  __shared__ float rms_scale[TMAX];
+  const int64_t layer = *a.layer;
+  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
+  block_rms_scale<TMAX, 8>(in, a.eps, rms_scale);
+
+  const int half = a.head_dim / 2;
+  const int units_per_head = half / 2;
+  const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  // Unit u: q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of one head.
+  auto head_of = [&](int unit) { return unit / units_per_head; };
+  auto first_pair_of = [&](int unit) { return (unit % units_per_head) * 2; };
+  auto kv_head_of = [&](int head) { return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads; };
+
+  for_each_packed_row_group<F, TMAX>(
+      units, a.k_split,
+      [&](int unit, PackedRow (&rows)[kRowsPerWarp], TokenRows& tokens) {
+        tokens = in;
+        const int head = head_of(unit);
+        const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
+        const PackedWeight& w = is_q ? a.wq : (is_v ? a.wv : a.wk);
+        const int row0 = (is_q ? head : kv_head_of(head)) * a.head_dim;
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r)
+          rows[r] = packed_row<F>(w, layer, 0, row0 + first_pair_of(unit) + r / 2 + (r % 2) * half);
+      },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        const int head = head_of(unit);
+        const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+            const int position = a.positions[t];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int j = first_pair_of(unit) + p;
+              float lo = acc[2 * p][t] * rms_scale[t];
+              float hi = acc[2 * p + 1][t] * rms_scale[t];
+              if (!is_v) {
+                // The same float32 product as the reference, so both rotate by the same angle.
+                const float angle = static_cast<float>(position) * a.inv_freq[j];
+                float sin_a, cos_a;
+                sincosf(angle, &sin_a, &cos_a);
+                const float rotated_lo = lo * cos_a - hi * sin_a;
+                hi = hi * cos_a + lo * sin_a;
+                lo = rotated_lo;
+              }
+              if (is_q) {
+                bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
+                out[j] = float_to_bf16(lo);
+                out[j + half] = float_to_bf16(hi);
+              } else if (position >= 0 && position < a.max_len) {
+                bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
+                               (static_cast<size_t>(kv_head_of(head)) * a.max_len + position) * a.head_dim;
+                slot[j] = float_to_bf16(lo);
+                slot[j + half] = float_to_bf16(hi);
+              }
+            }
+          }
+        }
+      });
+}
+
+template <WeightFormat F>
+ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                                ffi::AnyBuffer q_data, ffi::AnyBuffer q_scales, ffi::AnyBuffer q_mins,
+                                ffi::AnyBuffer k_data, ffi::AnyBuffer k_scales, ffi::AnyBuffer k_mins,
+                                ffi::AnyBuffer v_data, ffi::AnyBuffer v_scales, ffi::AnyBuffer v_mins,
+                                ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
+                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps) {
+  constexpr int32_t format = static_cast<int32_t>(F);
+  const std::string op = "packed qkv_rope_append";
+  auto hd = h.dimensions();
+  auto cd = k_cache->dimensions();
+  auto qd = q->dimensions();
+  if (hd.size() != 2 || cd.size() != 5 || qd.size() != 3 || cd[1] != 1)
+    return invalid(op + ": expected h [tokens, hidden], q [tokens, heads, head_dim] and caches [layers, 1, "
+                        "kv_heads, max_len, head_dim]; got h " + shape_string(hd) + ", q " + shape_string(qd) +
+                   ", cache " + shape_string(cd));
+  PackedQkvArgs a{};
+  a.tokens = static_cast<int>(hd[0]);
+  a.hidden = static_cast<int>(hd[1]);
+  a.heads = static_cast<int>(qd[1]);
+  a.kv_heads = static_cast<int>(cd[2]);
+  a.max_len = static_cast<int>(cd[3]);
+  a.head_dim = static_cast<int>(cd[4]);
+  if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
+    return invalid(op + ": head_dim must be a multiple of 4 and match q " + shape_string(qd));
+  if (ffi::Error err = packed_weight(op, format, q_data, q_scales, q_mins, 1, a.hidden, a.wq); err.failure())
+    return err;
+  if (ffi::Error err = packed_weight(op, format, k_data, k_scales, k_mins, 1, a.hidden, a.wk); err.failure())
+    return err;
+  if (ffi::Error err = packed_weight(op, format, v_data, v_scales, v_mins, 1, a.hidden, a.wv); err.failure())
+    return err;
+  if (a.wq.n_out != a.heads * a.head_dim || a.wk.n_out != a.kv_heads * a.head_dim || a.wv.n_out != a.wk.n_out)
+    return invalid(op + ": wq/wk/wv rows do not fit " + std::to_string(a.heads) + " query and " +
+                   std::to_string(a.kv_heads) + " key/value heads of " + std::to_string(a.head_dim));
+  if (norm_w.dimensions().size() != 2 || norm_w.dimensions()[1] != a.hidden)
+    return invalid(op + ": norm weight " + shape_string(norm_w.dimensions()) + " must be [layers, hidden]");
+  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) ||
+      positions.element_count() != static_cast<size_t>(hd[0]) || layer.element_count() != 1)
+    return invalid(op + ": inv_freq must be [head_dim/2], positions [tokens], layer a scalar");
+  a.h = h.typed_data();
+  a.norm_w = norm_w.typed_data();
+  a.norm_layer_stride = layer_stride(norm_w);
+  a.inv_freq = inv_freq.typed_data();
+  a.positions = positions.typed_data();
+  a.layer = layer.typed_data();
+  a.q = q->typed_data();
+  a.k_cache = k_cache->typed_data();
+  a.v_cache = v_cache->typed_data();
+  a.eps = eps;
+  if (!aligned16(a.h) || !aligned16(a.norm_w) || !packed_aligned(a.wq) || !packed_aligned(a.wk) ||
+      !packed_aligned(a.wv))
+    return invalid(op + ": inputs must be 16-byte aligned");
+  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
+  return with_packed_token_bucket(a.tokens, [&](auto tmax) {
+    constexpr auto kernel = packed_qkv_rope_kernel<F, decltype(tmax)::value>;
+    const RowGroupGrid grid = packed_grid(units, a.hidden, resident_blocks_per_unit<kernel>(kMatvecThreads));
+    PackedQkvArgs args = a;
+    args.k_split = grid.k_split;
+    kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
+    return launch_status("packed qkv_rope_append");
+  });
+}
+
+}  // namespace packed_matvec
+}  // namespace lithos
+
+
+// Defines the three handlers of one format: LithosPackedMatvec_<SUFFIX>, LithosPackedGateUpSilu_<SUFFIX>
+// and LithosPackedQkvRopeAppend_<SUFFIX>.
+#define LITHOS_PACKED_MATVEC_HANDLERS(FORMAT, SUFFIX)                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosPackedMatvec_##SUFFIX,                                                  \
+                                lithos::packed_matvec::packed_matvec_impl<lithos::WeightFormat::FORMAT>,      \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()                             \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* x */                          \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w data */                     \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w scales */                   \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w mins or empty */            \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* norm weight or empty */       \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* residual or empty */          \
+                                    .Ret<xla::ffi::AnyBuffer>()              /* y, bf16 or f32 */             \
+                                    .Attr<float>("eps"),                                                      \
+                                {xla::ffi::Traits::kCmdBufferCompatible});                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosPackedGateUpSilu_##SUFFIX,                                              \
+                                lithos::packed_matvec::packed_gate_up_impl<lithos::WeightFormat::FORMAT>,     \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()                             \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* x */                          \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_gate data */                \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_gate scales */              \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_gate mins or empty */       \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_up data */                  \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_up scales */                \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* w_up mins or empty */         \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* norm weight or empty */       \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* y */                          \
+                                    .Attr<float>("eps"),                                                      \
+                                {xla::ffi::Traits::kCmdBufferCompatible});                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosPackedQkvRopeAppend_##SUFFIX,                                           \
+                                lithos::packed_matvec::packed_qkv_rope_impl<lithos::WeightFormat::FORMAT>,    \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()                             \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* h */                          \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* attention norm weight */      \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wq data */                    \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wq scales */                  \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wq mins or empty */           \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wk data */                    \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wk scales */                  \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wk mins or empty */           \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wv data */                    \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wv scales */                  \
+                                    .Arg<xla::ffi::AnyBuffer>()              /* wv mins or empty */           \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  /* inv_freq */                   \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* positions */                  \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache, aliased to out 1 */  \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache, aliased to out 2 */  \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* q */                          \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache */                    \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache */                    \
+                                    .Attr<float>("eps"),                                                      \
+                                {xla::ffi::Traits::kCmdBufferCompatible})

@@ -1,0 +1,326 @@
+// The persistent megakernel: one launch runs a whole batch-1 decode step for 1..16 query positions
+// (every decoder layer, then the final norm, LM head and greedy token) as a list of tasks that the
+// Python scheduler built (lithos/custom_calls/megakernel/schedule.py) and that its interpreter
+// executes as the specification (interpreter.py).
+//
+// The grid is exactly the blocks that fit on the GPU at once (occupancy API); block b runs tasks
+// b, b + grid, b + 2 grid, ... in order. The list is topologically ordered (every task waits only on
+// counters signalled by earlier tasks), so the lowest unfinished task always has its inputs and its
+// block is at it: no deadlock for any grid size, as long as all blocks are resident. Tasks hand data
+// to each other through global memory and counters (mk_common.h; NOTES.md gives the ordering
+// argument); one header per task kind:
+//   mk_qkv.h        RMSNorm + Q/K/V rows of one KV group + RoPE + cache append
+//   mk_attention.h  one length split of one KV head; the last split combines
+//   mk_projection.h O projection + residual, down projection + residual
+//   mk_gate_up.h    RMSNorm + gate/up rows + SiLU
+//   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "ffi_util.h"
+#include "mk_attention.h"
+#include "mk_common.h"
+#include "mk_gate_up.h"
+#include "mk_lm_head.h"
+#include "mk_projection.h"
+#include "mk_qkv.h"
+#include "portable.h"
+
+#if defined(LITHOS_HIP)
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuHostAllocMapped(p, n) hipHostMalloc(p, n, hipHostMallocMapped)
+#define gpuHostGetDevicePointer hipHostGetDevicePointer
+#define gpuAttrL2CacheSize hipDeviceAttributeL2CacheSize
+#else
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuHostAllocMapped(p, n) cudaHostAlloc(p, n, cudaHostAllocMapped)
+#define gpuHostGetDevicePointer cudaHostGetDevicePointer
+#define gpuAttrL2CacheSize cudaDevAttrL2CacheSize
+#endif
+
+namespace lithos {
+namespace mk {
+namespace {
+
+// One 256-thread block per SM at 234-243 registers (everything inlined, no spills: NOTES.md); the
+// occupancy API sizes the grid from whatever the compiler chose.
+template <int TMAX>
+__global__ void __launch_bounds__(kMatvecThreads) megakernel(Args a) {
+  for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
+    const Task task = a.tasks[index];
+    bool ok = false;
+    switch (task.op) {
+      case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
+      case kOpAttention: ok = attention_task(a, task, index); break;
+      case kOpOProj:
+      case kOpDown: ok = projection_task<TMAX>(a, task, index); break;
+      case kOpGateUp: ok = gate_up_task<TMAX>(a, task, index); break;
+      case kOpHead: ok = head_task<TMAX>(a, task, index); break;
+      default:
+        if (threadIdx.x == 0) abort_step(a, index);
+    }
+    if (!ok) return;  // the step aborted: every block leaves
+  }
+}
+
+// Blocks of megakernel<TMAX> that fit on the GPU at once: the grid, and the scheduler's worker count.
+template <int TMAX>
+int grid_capacity() {
+  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads);
+}
+
+int64_t l2_bytes() {
+  int device = 0, bytes = 0;
+  if (gpuGetDevice(&device) != gpuSuccess || gpuDeviceGetAttribute(&bytes, gpuAttrL2CacheSize, device) != gpuSuccess)
+    return 0;
+  return bytes;
+}
+
+// One word of mapped host memory per device: the kernel writes 1 + the index of a task that waited
+// too long; the handler reads it at its next call (or right after the launch when
+// LITHOS_MEGAKERNEL_SYNC=1) and turns it into an error.
+struct HostStatus {
+  volatile int32_t* host = nullptr;
+  int32_t* device = nullptr;
+};
+
+HostStatus host_status() {
+  constexpr int kMaxDevices = 64;
+  static HostStatus slots[kMaxDevices];
+  static std::mutex lock;
+  int device = 0;
+  if (gpuGetDevice(&device) != gpuSuccess || device < 0 || device >= kMaxDevices) return {};
+  std::lock_guard<std::mutex> guard(lock);
+  if (slots[device].host == nullptr) {
+    void* host = nullptr;
+    void* on_device = nullptr;
+    if (gpuHostAllocMapped(&host, 64) != gpuSuccess) return {};
+    if (gpuHostGetDevicePointer(&on_device, host, 0) != gpuSuccess) return {};
+    *static_cast<volatile int32_t*>(host) = 0;
+    slots[device] = {static_cast<volatile int32_t*>(host), static_cast<int32_t*>(on_device)};
+  }
+  return slots[device];
+}
+
+ffi::Error timed_out(int32_t task_plus_one) {
+  return ffi::Error::Internal(
+      "lithos: megakernel task " + std::to_string(task_plus_one - 1) +
+      " waited more than a few seconds for its inputs and the step was abandoned (a scheduling bug, or a grid "
+      "larger than the GPU holds at once). lithos.custom_calls.megakernel.describe_task(schedule, " +
+      std::to_string(task_plus_one - 1) + ") names the task; decode with kernels='fused' meanwhile");
+}
+
+bool same_elements(const ffi::Buffer<ffi::BF16>& buffer, int64_t expected) {
+  return static_cast<int64_t>(buffer.element_count()) == expected;
+}
+
+ffi::Error megakernel_impl(
+    gpuStream_t stream, ffi::Buffer<ffi::BF16> h0, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inv_freq,
+    ffi::Buffer<ffi::BF16> attn_norm, ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+    ffi::Buffer<ffi::BF16> wo, ffi::Buffer<ffi::BF16> mlp_norm, ffi::Buffer<ffi::BF16> w_gate,
+    ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> final_norm,
+    ffi::Buffer<ffi::BF16> lm_head, ffi::Buffer<ffi::S32> tasks, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
+    ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
+    ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, ffi::Result<ffi::Buffer<ffi::BF16>> residual,
+    ffi::Result<ffi::Buffer<ffi::S32>> tokens_out, ffi::Result<ffi::Buffer<ffi::F32>> logits,
+    ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> attn,
+    ffi::Result<ffi::Buffer<ffi::BF16>> gated, ffi::Result<ffi::Buffer<ffi::F32>> part_out,
+    ffi::Result<ffi::Buffer<ffi::F32>> part_lse, ffi::Result<ffi::Buffer<ffi::F32>> best_value,
+    ffi::Result<ffi::Buffer<ffi::S32>> best_index, ffi::Result<ffi::Buffer<ffi::S32>> counters, float eps,
+    int64_t window, int64_t max_splits, int64_t n_counters) {
+  const HostStatus status = host_status();
+  if (status.host == nullptr) return ffi::Error::Internal("lithos: megakernel: mapped host memory is unavailable");
+  if (const int32_t failed = *status.host; failed != 0) {  // an earlier step timed out
+    *status.host = 0;
+    return timed_out(failed);
+  }
+
+  auto hd = h0.dimensions();
+  auto cd = k_cache->dimensions();
+  auto wqd = wq.dimensions();
+  auto wgd = w_gate.dimensions();
+  if (hd.size() != 2 || cd.size() != 5 || wqd.size() != 3 || wgd.size() != 3 || lm_head.dimensions().size() != 2)
+    return invalid("megakernel: expected h0 [tokens, hidden], caches [layers, batch, kv_heads, max_len, head_dim], "
+                   "stacked weights [layers, out, in] and lm_head [vocab, hidden]; got h0 " + shape_string(hd) +
+                   ", cache " + shape_string(cd) + ", wq " + shape_string(wqd));
+  if (cd[1] != 1)
+    return invalid("megakernel: decodes batch 1, the cache has batch " + std::to_string(cd[1]));
+  Args a{};
+  a.tokens = static_cast<int>(hd[0]);
+  a.hidden = static_cast<int>(hd[1]);
+  const int64_t layers = cd[0];
+  a.kv_heads = static_cast<int>(cd[2]);
+  a.max_len = static_cast<int>(cd[3]);
+  a.head_dim = static_cast<int>(cd[4]);
+  a.heads = a.head_dim > 0 ? static_cast<int>(wqd[1] / a.head_dim) : 0;
+  a.ffn = static_cast<int>(wgd[1]);
+  a.vocab = static_cast<int>(lm_head.dimensions()[0]);
+  if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256)
+    return invalid("megakernel: head_dim " + std::to_string(a.head_dim) + " has no kernel (64, 128, 256); use "
+                   "kernels='reference'");
+  if (a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || int64_t{a.heads} * a.head_dim != wqd[1])
+    return invalid("megakernel: wq " + shape_string(wqd) + " does not hold whole heads of " +
+                   std::to_string(a.head_dim) + " for " + std::to_string(a.kv_heads) + " KV heads");
+  if (a.hidden % 8 != 0 || a.ffn % 8 != 0)
+    return invalid("megakernel: hidden " + std::to_string(a.hidden) + " and ffn " + std::to_string(a.ffn) +
+                   " must be multiples of 8 (16-byte rows); use kernels='fused'");
+  const int64_t D = a.hidden, F = a.ffn, QD = int64_t{a.heads} * a.head_dim, KD = int64_t{a.kv_heads} * a.head_dim;
+  if (wqd[0] != layers || wqd[2] != D || !same_elements(wk, layers * KD * D) || !same_elements(wv, layers * KD * D) ||
+      !same_elements(wo, layers * D * QD) || !same_elements(attn_norm, layers * D) ||
+      !same_elements(mlp_norm, layers * D) || wgd[0] != layers || wgd[2] != D ||
+      !same_elements(w_up, layers * F * D) || !same_elements(w_down, layers * D * F) ||
+      !same_elements(final_norm, D) || lm_head.dimensions()[1] != D)
+    return invalid("megakernel: the weights do not fit " + std::to_string(layers) + " layers of hidden " +
+                   std::to_string(D) + ", " + std::to_string(a.heads) + "/" + std::to_string(a.kv_heads) +
+                   " heads of " + std::to_string(a.head_dim) + ", ffn " + std::to_string(F));
+  if (positions.element_count() != static_cast<size_t>(a.tokens) ||
+      inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2))
+    return invalid("megakernel: positions must be [tokens] and inv_freq [head_dim / 2]");
+  auto td = tasks.dimensions();
+  if (td.size() != 2 || td[1] != kFields)
+    return invalid("megakernel: tasks must be [n, " + std::to_string(kFields) + "], got " + shape_string(td));
+  const int64_t rows = int64_t{a.tokens} * (a.heads / a.kv_heads);
+  if (max_splits < 1 || part_lse->element_count() != static_cast<size_t>(a.kv_heads * max_splits * rows) ||
+      part_out->element_count() != part_lse->element_count() * a.head_dim)
+    return invalid("megakernel: attention scratch must be [kv_heads, max_splits, tokens * group(, head_dim)]");
+  if (n_counters < 1 || counters->element_count() != static_cast<size_t>(n_counters + kStatusWords))
+    return invalid("megakernel: counters must hold n_counters + " + std::to_string(kStatusWords) + " words");
+  if (best_value->dimensions().size() != 2 || best_value->dimensions()[1] != a.tokens ||
+      best_index->element_count() != best_value->element_count())
+    return invalid("megakernel: head scratch must be [head tasks, tokens]");
+  if (logits->element_count() != 0 && logits->element_count() != static_cast<size_t>(int64_t{a.tokens} * a.vocab))
+    return invalid("megakernel: logits must be [tokens, vocab] or empty");
+  if (residual->element_count() != static_cast<size_t>(2 * a.tokens * D) ||
+      attn->element_count() != static_cast<size_t>(a.tokens * QD) || q->element_count() != attn->element_count() ||
+      gated->element_count() != static_cast<size_t>(a.tokens * F))
+    return invalid("megakernel: activation scratch has the wrong size");
+
+  a.tasks = reinterpret_cast<const Task*>(tasks.typed_data());
+  a.n_tasks = static_cast<int>(td[0]);
+  a.h0 = h0.typed_data();
+  a.positions = positions.typed_data();
+  a.inv_freq = inv_freq.typed_data();
+  a.attn_norm = attn_norm.typed_data();
+  a.wq = wq.typed_data();
+  a.wk = wk.typed_data();
+  a.wv = wv.typed_data();
+  a.wo = wo.typed_data();
+  a.mlp_norm = mlp_norm.typed_data();
+  a.w_gate = w_gate.typed_data();
+  a.w_up = w_up.typed_data();
+  a.w_down = w_down.typed_data();
+  a.final_norm = final_norm.typed_data();
+  a.lm_head = lm_head.typed_data();
+  a.k_cache = k_cache->typed_data();
+  a.v_cache = v_cache->typed_data();
+  a.residual = residual->typed_data();
+  a.q = q->typed_data();
+  a.attn = attn->typed_data();
+  a.gated = gated->typed_data();
+  a.part_out = part_out->typed_data();
+  a.part_lse = part_lse->typed_data();
+  a.best_value = best_value->typed_data();
+  a.best_index = best_index->typed_data();
+  a.tokens_out = tokens_out->typed_data();
+  a.logits = logits->element_count() ? logits->typed_data() : nullptr;
+  a.counters = counters->typed_data();
+  a.host_status = status.device;
+  a.window = static_cast<int>(window);
+  a.max_splits = static_cast<int>(max_splits);
+  a.n_counters = static_cast<int>(n_counters);
+  a.eps = eps;
+  a.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(a.head_dim)));
+  for (const void* p : {static_cast<const void*>(a.h0), static_cast<const void*>(a.attn_norm),
+                        static_cast<const void*>(a.wq), static_cast<const void*>(a.wk), static_cast<const void*>(a.wv),
+                        static_cast<const void*>(a.wo), static_cast<const void*>(a.mlp_norm),
+                        static_cast<const void*>(a.w_gate), static_cast<const void*>(a.w_up),
+                        static_cast<const void*>(a.w_down), static_cast<const void*>(a.final_norm),
+                        static_cast<const void*>(a.lm_head), static_cast<const void*>(a.k_cache),
+                        static_cast<const void*>(a.v_cache), static_cast<const void*>(a.q),
+                        static_cast<const void*>(a.attn), static_cast<const void*>(a.gated),
+                        static_cast<const void*>(a.residual)})
+    if (!aligned16(p)) return invalid("megakernel: every weight and activation buffer must be 16-byte aligned");
+
+  // Counters start at zero every step; the memset runs on the stream, before the kernel.
+  if (gpuMemsetAsync(a.counters, 0, sizeof(int32_t) * (n_counters + kStatusWords), stream) != gpuSuccess)
+    return launch_status("megakernel (counter reset)");
+  const ffi::Error launched = with_token_bucket(a.tokens, [&](auto tmax) {
+    constexpr int kTmax = decltype(tmax)::value;
+    const int grid = std::min(grid_capacity<kTmax>(), std::max(a.n_tasks, 1));
+    // Prefetch into at most half the L2 at once, shared by the blocks.
+    a.prefetch_bytes = l2_bytes() / 2 / std::max(grid, 1);
+    megakernel<kTmax><<<grid, kMatvecThreads, 0, stream>>>(a);
+    return launch_status("megakernel");
+  });
+  if (launched.failure()) return launched;
+  const char* sync = std::getenv("LITHOS_MEGAKERNEL_SYNC");
+  if (sync != nullptr && sync[0] == '1') {
+    if (gpuStreamSynchronize(stream) != gpuSuccess) return launch_status("megakernel (synchronised check)");
+    if (const int32_t failed = *status.host; failed != 0) {
+      *status.host = 0;
+      return timed_out(failed);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace mk
+}  // namespace lithos
+
+// Blocks of the megakernel for `tokens` query positions that fit on the current GPU at once (the
+// scheduler sizes its tasks for that many workers); negative when `tokens` is out of range.
+extern "C" int LithosMegakernelBlocks(int tokens) {
+  int blocks = -1;
+  const auto status = lithos::with_token_bucket(tokens, [&](auto tmax) {
+    blocks = lithos::mk::grid_capacity<decltype(tmax)::value>();
+    return lithos::ffi::Error::Success();
+  });
+  return status.failure() ? -1 : blocks;
+}
+
+namespace ffi = xla::ffi;
+
+// Not command-buffer compatible: the handler reads the previous step's timeout status each call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h0: embedded tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // attention norms
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wq
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wo
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // MLP norms
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // final norm
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // lm_head
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tasks [n, 10]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 0)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 1)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // residual stream [2, tokens, hidden]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // greedy tokens
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // logits or empty
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: q
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: attention output
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: gated MLP activations
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: attention split outputs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: their log2-sum-exp2
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: head bests (value)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // scratch: head bests (id)
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // counters + status
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("max_splits")
+                                  .Attr<int64_t>("n_counters"));

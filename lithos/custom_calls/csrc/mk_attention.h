@@ -1,0 +1,253 @@
+// Megakernel task kind 2: attention of one KV head's queries (every token, every query head of the
+// group) over one split of the cache's length (flash-decoding, as attention.cu), in the exp2 domain.
+// Each split writes its normalised partial output and log2-sum-exp2; the split that arrives last for
+// its head combines them into the head group's attention output, so no second launch and no separate
+// combine stage exist.
+//
+// The split plan comes from the positions on the device: a 1K context inside a 1M cache reads 1K keys.
+// The head dimension is a run-time value here (one kernel serves 64, 128 and 256): a key's head_dim
+// elements are spread over head_dim / 8 lanes of 16 bytes.
+#pragma once
+
+#include <climits>
+
+#include "mk_common.h"
+
+namespace lithos {
+namespace mk {
+
+constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
+constexpr int kAttnKeysPerStep = 4;   // keys per lane group per loop step: 8 loads of 16 bytes in flight
+constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
+constexpr int kMaxHeadDim = 256;
+
+struct SplitPlan {
+  int begin;      // first key any query sees
+  int split_len;  // keys per split
+  int end;        // one past the last key any query sees
+  int splits;     // splits in use (<= max_splits); tasks of later splits only arrive
+};
+
+__device__ inline SplitPlan plan_splits(const Args& a) {
+  int lowest = INT_MAX, highest = -1;
+  for (int t = 0; t < a.tokens; ++t) {
+    lowest = min(lowest, a.positions[t]);
+    highest = max(highest, a.positions[t]);
+  }
+  SplitPlan plan;
+  plan.end = min(highest + 1, a.max_len);
+  plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
+  const int keys = max(plan.end - plan.begin, 0);
+  plan.splits = max(1, min(a.max_splits, (keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
+  plan.split_len = (keys + plan.splits - 1) / plan.splits;
+  return plan;
+}
+
+// Sum over aligned groups of `width` lanes (a power of two known at run time).
+__device__ __forceinline__ float lanes_sum(float v, int width) {
+  for (int mask = width / 2; mask > 0; mask /= 2) v += shfl_xor(v, mask);
+  return v;
+}
+
+// Online-softmax state of one query row over the keys seen so far (exp2 domain).
+struct RowState {
+  float max;
+  float sum;
+  float acc[8];  // this lane's 8 output dimensions, unnormalised
+};
+
+__device__ __forceinline__ void fold(RowState& s, float other_max, float other_sum, const float (&other_acc)[8]) {
+  const float new_max = fmaxf(s.max, other_max);
+  if (new_max == -INFINITY) return;  // neither has seen a visible key
+  const float mine = exp2f(s.max - new_max), theirs = exp2f(other_max - new_max);
+  s.sum = s.sum * mine + other_sum * theirs;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) s.acc[e] = s.acc[e] * mine + other_acc[e] * theirs;
+  s.max = new_max;
+}
+
+// Rows of the partial buffers: row = token * group + head-in-group.
+__device__ __forceinline__ size_t partial_row(const Args& a, int kv_head, int split, int row) {
+  const int rows = a.tokens * (a.heads / a.kv_heads);
+  return (static_cast<size_t>(kv_head) * a.max_splits + split) * rows + row;
+}
+
+__device__ inline void attention_split(const Args& a, int layer, int kv_head, int split) {
+  __shared__ float shared_acc[kMatvecWarps][kAttnRowsPerWarp][kMaxHeadDim];
+  __shared__ float shared_max[kMatvecWarps][kAttnRowsPerWarp];
+  __shared__ float shared_sum[kMatvecWarps][kAttnRowsPerWarp];
+
+  const SplitPlan plan = plan_splits(a);
+  if (split >= plan.splits) return;  // the combine reads only the splits in use
+  const int key_begin = plan.begin + split * plan.split_len;
+  const int key_end = min(key_begin + plan.split_len, plan.end);
+
+  const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
+  const int lanes_per_key = d / 8, keys_per_warp = WARP_SIZE / lanes_per_key;
+  // Warps split the query rows while there are enough of them, and the keys otherwise.
+  const int chunks = (rows + kAttnRowsPerWarp - 1) / kAttnRowsPerWarp;
+  const int q_warps = chunks >= 8 ? 8 : (chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1));
+  const int k_warps = kMatvecWarps / q_warps, rows_per_pass = q_warps * kAttnRowsPerWarp;
+  const int warp_q = warp_id() % q_warps, warp_k = warp_id() / q_warps;
+  const int key_lane = lane_id() / lanes_per_key, dim0 = (lane_id() % lanes_per_key) * 8;
+
+  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.max_len * d;
+  const bf16_t* keys = a.k_cache + head_offset + dim0;
+  const bf16_t* values = a.v_cache + head_offset + dim0;
+  const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
+
+  for (int pass_first = 0; pass_first < rows; pass_first += rows_per_pass) {
+    const int first_row = pass_first + warp_q * kAttnRowsPerWarp;
+    float q[kAttnRowsPerWarp][8];
+    int see_from[kAttnRowsPerWarp], see_to[kAttnRowsPerWarp];
+    RowState state[kAttnRowsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kAttnRowsPerWarp; ++j) {
+      const int row = first_row + j;
+      const bool valid = row < rows;
+      const int token = valid ? row / group : 0;
+      const int head = kv_head * group + (valid ? row % group : 0);
+      const Bf16Vec<8> qv = load_activation<8, true>(a.q + (static_cast<size_t>(token) * a.heads + head) * d + dim0);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[j][e] = qv[e] * a.scale_log2;
+      see_to[j] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
+      see_from[j] = a.window > 0 ? see_to[j] - a.window + 1 : 0;
+      state[j].max = -INFINITY;
+      state[j].sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) state[j].acc[e] = 0.0f;
+    }
+
+    // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
+    for (int base = key_begin + warp_k * keys_per_warp; base < key_end; base += key_stride * kAttnKeysPerStep) {
+      int key[kAttnKeysPerStep];
+      Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
+#pragma unroll
+      for (int u = 0; u < kAttnKeysPerStep; ++u) {
+        key[u] = base + key_lane + u * key_stride;
+        if (key[u] < key_end) {
+          // Weak loads (written by this step's Q/K/V tasks, ordered by the wait), streamed past L1.
+          k[u] = load_streaming<8>(keys + static_cast<size_t>(key[u]) * d);
+          v[u] = load_streaming<8>(values + static_cast<size_t>(key[u]) * d);
+        } else {
+          k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+          v[u] = k[u];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kAttnRowsPerWarp; ++j) {
+        float score[kAttnKeysPerStep];
+        float step_max = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < kAttnKeysPerStep; ++u) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
+          dot = lanes_sum(dot, lanes_per_key);
+          const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
+          score[u] = visible ? dot : -INFINITY;
+          step_max = fmaxf(step_max, score[u]);
+        }
+        if (step_max != -INFINITY) {  // else no key of this step is visible to row j
+          RowState& s = state[j];
+          const float new_max = fmaxf(s.max, step_max);
+          const float rescale = exp2f(s.max - new_max);
+          s.sum *= rescale;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
+#pragma unroll
+          for (int u = 0; u < kAttnKeysPerStep; ++u) {
+            const float p = exp2f(score[u] - new_max);
+            s.sum += p;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p, v[u][e], s.acc[e]);
+          }
+          s.max = new_max;
+        }
+      }
+    }
+
+    // Lane groups of a warp saw different keys: fold them together.
+    for (int mask = lanes_per_key; mask < WARP_SIZE; mask *= 2) {
+#pragma unroll
+      for (int j = 0; j < kAttnRowsPerWarp; ++j) {
+        float other_acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
+        const float other_max = shfl_xor(state[j].max, mask);
+        const float other_sum = shfl_xor(state[j].sum, mask);
+        fold(state[j], other_max, other_sum, other_acc);
+      }
+    }
+
+    // Warps that split the keys fold together through shared memory; the block writes the split.
+    if (key_lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kAttnRowsPerWarp; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) shared_acc[warp_id()][j][dim0 + e] = state[j].acc[e];
+        if (lane_id() == 0) {
+          shared_max[warp_id()][j] = state[j].max;
+          shared_sum[warp_id()][j] = state[j].sum;
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows_per_pass * d; i += blockDim.x) {
+      const int local_row = i / d, e = i % d;
+      const int row = pass_first + local_row;
+      if (row >= rows) continue;
+      const int wq = local_row / kAttnRowsPerWarp, j = local_row % kAttnRowsPerWarp;
+      float best = -INFINITY;
+      for (int w = wq; w < kMatvecWarps; w += q_warps) best = fmaxf(best, shared_max[w][j]);
+      float sum = 0.0f, acc = 0.0f;
+      if (best != -INFINITY) {
+        for (int w = wq; w < kMatvecWarps; w += q_warps) {
+          const float weight = exp2f(shared_max[w][j] - best);
+          sum += shared_sum[w][j] * weight;
+          acc += shared_acc[w][j][e] * weight;
+        }
+      }
+      const size_t at = partial_row(a, kv_head, split, row);
+      a.part_out[at * d + e] = sum > 0.0f ? acc / sum : 0.0f;
+      if (e == 0) a.part_lse[at] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
+    }
+    __syncthreads();  // shared memory is reused by the next pass
+  }
+}
+
+// Weight each split's output by its share of the softmax mass; a row that sees no key gets zeros.
+// Writes the group's heads of the attention output [tokens, heads * head_dim].
+__device__ inline void attention_combine(const Args& a, int kv_head) {
+  const SplitPlan plan = plan_splits(a);
+  const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
+  for (int i = threadIdx.x; i < rows * d; i += blockDim.x) {
+    const int row = i / d, e = i % d;
+    float best = -INFINITY;
+    for (int s = 0; s < plan.splits; ++s) best = fmaxf(best, a.part_lse[partial_row(a, kv_head, s, row)]);
+    float sum = 0.0f, acc = 0.0f;
+    if (best != -INFINITY) {
+      for (int s = 0; s < plan.splits; ++s) {
+        const size_t at = partial_row(a, kv_head, s, row);
+        const float weight = exp2f(a.part_lse[at] - best);
+        sum += weight;
+        acc += weight * a.part_out[at * d + e];
+      }
+    }
+    const int token = row / group, head = kv_head * group + row % group;
+    a.attn[(static_cast<size_t>(token) * a.heads + head) * d + e] = float_to_bf16(sum > 0.0f ? acc / sum : 0.0f);
+  }
+}
+
+__device__ inline bool attention_task(const Args& a, const Task& task, int index) {
+  if (!block_wait(a, task, index, [] {})) return false;
+  attention_split(a, task.layer, task.first, task.count);
+  if (block_signal(a, task.signal_counter) == task.arrivals - 1) {
+    attention_combine(a, task.first);
+    block_signal(a, task.aux);
+  }
+  return true;
+}
+
+}  // namespace mk
+}  // namespace lithos

@@ -1,0 +1,284 @@
+// The megakernel's shared parts: its instruction format (the task list the Python scheduler builds,
+// lithos/custom_calls/megakernel/tasks.py), its arguments, and the hand-offs between its blocks.
+//
+// Hand-off protocol (NOTES.md, "Megakernel: memory ordering"): a producer block writes its outputs,
+// meets at a block barrier, and one thread fences at device scope and adds 1 to a counter in global
+// memory; a consumer's thread 0 polls the counter with acquire loads until it reaches the task's
+// target, fences, and releases its block with a barrier. Every wait is bounded: a task that waits too
+// long raises the abort flag, records itself, and every block leaves, so a scheduling bug ends in an
+// error instead of a hung GPU.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi_util.h"
+#include "portable.h"
+#include "rowdot.h"
+
+namespace lithos {
+namespace mk {
+
+// Instruction fields, int32 each, in this order (tasks.py FIELDS).
+struct Task {
+  int32_t op;
+  int32_t layer;
+  int32_t first;           // first row group (matvec tasks) or KV head (attention)
+  int32_t count;           // row groups (matvec tasks) or split index (attention)
+  int32_t k_split;         // warps sharing a row group
+  int32_t wait_counter;    // -1: no input to wait for
+  int32_t wait_target;     // the task may start once counters[wait_counter] >= wait_target
+  int32_t signal_counter;  // counter this task adds 1 to when its outputs are written
+  int32_t arrivals;        // > 0: the task that brings signal_counter to this count reduces (attention, head)
+  int32_t aux;             // attention: counter signalled after the combine; head: this task's slot
+};
+constexpr int kFields = sizeof(Task) / sizeof(int32_t);
+static_assert(kFields == 10, "tasks.py FIELDS must match");
+
+enum Op : int32_t {
+  kOpQkv = 1,        // RMSNorm + Q/K/V rows + RoPE + cache append, row groups of one KV group
+  kOpAttention = 2,  // one split of one KV head's keys; the last split of the head combines
+  kOpOProj = 3,      // O projection + residual
+  kOpGateUp = 4,     // RMSNorm + gate/up rows + SiLU
+  kOpDown = 5,       // down projection + residual
+  kOpHead = 6,       // final RMSNorm + LM head rows (+ logits) + best token; the last task picks
+};
+
+// Status words after the counters: [abort flag, 1 + the failing task's index].
+constexpr int kStatusWords = 2;
+
+// Polls of one counter before a wait gives up: about 2-4 s at one L2 round trip (plus a short sleep)
+// per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
+constexpr int64_t kMaxPolls = int64_t{1} << 22;
+
+struct Args {
+  const Task* tasks;
+  int n_tasks;
+  const bf16_t* h0;          // [tokens, hidden]: the embedded input tokens
+  const int32_t* positions;  // [tokens]
+  const float* inv_freq;     // [head_dim / 2]
+  const bf16_t* attn_norm;   // [layers, hidden]
+  const bf16_t* wq;          // [layers, heads * head_dim, hidden]
+  const bf16_t* wk;          // [layers, kv_heads * head_dim, hidden]
+  const bf16_t* wv;
+  const bf16_t* wo;          // [layers, hidden, heads * head_dim]
+  const bf16_t* mlp_norm;    // [layers, hidden]
+  const bf16_t* w_gate;      // [layers, ffn, hidden]
+  const bf16_t* w_up;
+  const bf16_t* w_down;      // [layers, hidden, ffn]
+  const bf16_t* final_norm;  // [hidden]
+  const bf16_t* lm_head;     // [vocab, hidden]
+  bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
+  bf16_t* v_cache;
+  bf16_t* residual;          // [2, tokens, hidden]: after attention, after the MLP
+  bf16_t* q;                 // [tokens, heads, head_dim]
+  bf16_t* attn;              // [tokens, heads * head_dim]
+  bf16_t* gated;             // [tokens, ffn]
+  float* part_out;           // [kv_heads, max_splits, tokens * group, head_dim]: normalised split outputs
+  float* part_lse;           // [kv_heads, max_splits, tokens * group]: their log2-sum-exp2
+  float* best_value;         // [head tasks, tokens]
+  int32_t* best_index;
+  int32_t* tokens_out;       // [tokens]
+  float* logits;             // [tokens, vocab] or nullptr
+  int32_t* counters;         // [n_counters + kStatusWords]
+  volatile int32_t* host_status;  // mapped host memory: 1 + the failing task, seen by the handler
+  int tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, max_len, window, max_splits, n_counters;
+  int64_t prefetch_bytes;    // per task, while it waits: the block's share of the L2
+  float eps;
+  float scale_log2;          // log2(e) / sqrt(head_dim)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Device-scope synchronisation (CUDA: PTX acquire/release at .gpu scope; HIP: agent scope)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int load_acquire(const int32_t* p) {
+#if defined(LITHOS_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+// Adds 1 with release and acquire semantics at device scope; returns the previous value.
+__device__ __forceinline__ int fetch_add_acq_rel(int32_t* p) {
+#if defined(LITHOS_HIP)
+  return __hip_atomic_fetch_add(p, 1, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  int32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+#endif
+}
+
+__device__ __forceinline__ void pause_briefly() {
+#if defined(LITHOS_HIP)
+  __builtin_amdgcn_s_sleep(1);  // 64 clocks
+#else
+  __nanosleep(32);
+#endif
+}
+
+// Raise the abort flag and record the first failing task for the host.
+__device__ inline void abort_step(const Args& a, int task_index) {
+  int32_t* status = a.counters + a.n_counters;
+  atomicExch(status, 1);
+  if (atomicCAS(status + 1, 0, task_index + 1) == 0 && a.host_status != nullptr) {
+    *a.host_status = task_index + 1;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ bool aborted(const Args& a) { return load_acquire(a.counters + a.n_counters) != 0; }
+
+// Issue L2 prefetches for the weight rows of row groups [first, first + count) (`rows_of` as in
+// task_row_groups; rows of `row_len` elements), at most `budget` bytes, the leading part of every row
+// first: what the task will stream once its inputs are ready. Every thread of the block calls it.
+template <class RowsOf>
+__device__ void prefetch_row_groups(RowsOf rows_of, int first, int count, int row_len, int64_t budget) {
+  constexpr int kLine = 128;
+  const int rows = count * kRowsPerWarp;
+  if (rows <= 0 || budget <= 0) return;
+  const int64_t row_bytes = int64_t{row_len} * 2;
+  const int64_t share = budget / rows > kLine ? budget / rows : kLine;
+  const int lines_per_row = static_cast<int>(((row_bytes < share ? row_bytes : share) + kLine - 1) / kLine);
+  const int64_t total = int64_t{lines_per_row} * rows;
+#if defined(LITHOS_HIP)
+  // CDNA has no L2 prefetch instruction: touch one word per line, every load in flight at once.
+  uint32_t sink = 0;
+#endif
+  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const int row = static_cast<int>(i / lines_per_row), line = static_cast<int>(i % lines_per_row);
+    const bf16_t* group_rows[kRowsPerWarp];
+    rows_of(first + row / kRowsPerWarp, group_rows);
+    const char* p = reinterpret_cast<const char*>(group_rows[row % kRowsPerWarp]) + int64_t{line} * kLine;
+#if defined(LITHOS_HIP)
+    sink ^= __builtin_nontemporal_load(reinterpret_cast<const uint32_t*>(p));
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+  }
+#if defined(LITHOS_HIP)
+  asm volatile("" ::"v"(sink));  // the loads stay: their value is "used"
+#endif
+}
+
+// Wait (thread 0 polls, the block meets at a barrier) until the task's input counter reaches its
+// target; while it is not ready, the block prefetches the task's weights. False when the step
+// aborted. `prefetch()` is called by every thread.
+template <class Prefetch>
+__device__ bool block_wait(const Args& a, const Task& task, int task_index, Prefetch prefetch) {
+  __shared__ int ready;
+  if (task.wait_counter < 0) return true;
+  const int32_t* counter = a.counters + task.wait_counter;
+  if (threadIdx.x == 0) ready = load_acquire(counter) >= task.wait_target ? 1 : 0;
+  __syncthreads();
+  const bool waiting = ready == 0;
+  __syncthreads();  // everyone has read `ready` before thread 0 writes it again
+  if (waiting) {
+    prefetch();
+    if (threadIdx.x == 0) {
+      int outcome = 0;
+      for (int64_t poll = 0; outcome == 0; ++poll) {
+        if (load_acquire(counter) >= task.wait_target) {
+          outcome = 1;
+        } else if ((poll & 255) == 255 && aborted(a)) {
+          outcome = -1;
+        } else if (poll >= kMaxPolls) {
+          abort_step(a, task_index);
+          outcome = -1;
+        } else {
+          pause_briefly();
+        }
+      }
+      ready = outcome;
+    }
+    __syncthreads();
+  }
+  // The acquire load above orders thread 0's later reads; this fence and the barrier extend that to
+  // every thread of the block (and invalidate stale L1 lines on both vendors).
+  if (threadIdx.x == 0) __threadfence();
+  __syncthreads();
+  const bool ok = !waiting || ready == 1;
+  __syncthreads();
+  return ok;
+}
+
+// Publish this task's outputs: add 1 to `counter` after every thread's writes. Returns the previous
+// value to every thread (the arrival order, for the reductions done by the last task to arrive).
+__device__ inline int block_signal(const Args& a, int counter) {
+  __shared__ int previous;
+  __syncthreads();  // every thread's writes precede thread 0's release
+  if (threadIdx.x == 0) {
+    __threadfence();
+    previous = fetch_add_acq_rel(a.counters + counter);
+    __threadfence();  // acquire for the last arrival, which reads what the others wrote
+  }
+  __syncthreads();
+  const int result = previous;
+  __syncthreads();
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row groups of a task: the matvec tasks' common loop
+// ---------------------------------------------------------------------------------------------
+
+// Runs `epilogue(unit, acc)` for every row group `unit` in [first, first + count), acc[r][t] the full
+// dot product of rows_of(unit)[r] with token t (activations read coherently: other blocks wrote them
+// in this launch). k_split consecutive warps share a group. `before_epilogue()` runs once, by the whole
+// block, after the first dot products and before the first epilogue (the RMSNorm factor: its pass over
+// x then hits L1). Every thread of the block calls it.
+template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
+__device__ void task_row_groups(const TokenRows& in, int first, int count, int k_split, RowsOf rows_of,
+                                BeforeEpilogue before_epilogue, Epilogue epilogue) {
+  __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
+  const int slots = kMatvecWarps / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
+  const int end = first + count;
+  bool first_round = true;
+  // The loop bound is block-uniform so the warps sharing a group can meet at the barriers.
+  for (int base = first; base < end; base += slots) {
+    const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
+    const bf16_t* rows[kRowsPerWarp];
+    rows_of(unit, rows);
+    float acc[kRowsPerWarp][TMAX];
+    warp_rows_dot<TMAX, 8, true>(rows, in, part, k_split, acc);
+    if (k_split > 1) {
+      if (lane_id() == 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+          for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          float sum = 0.0f;
+          for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
+          acc[r][t] = sum;
+        }
+      __syncthreads();
+    }
+    if (first_round) {
+      before_epilogue();
+      first_round = false;
+    }
+    if (base + slot < end && part == 0) epilogue(unit, acc);
+  }
+}
+
+// The residual stream: after layer l's attention half (slot 0) and after its MLP (slot 1); layer 0
+// reads the embedded tokens.
+__device__ __forceinline__ const bf16_t* layer_input(const Args& a, int layer) {
+  return layer == 0 ? a.h0 : a.residual + static_cast<size_t>(a.tokens) * a.hidden;
+}
+__device__ __forceinline__ bf16_t* after_attention(const Args& a) { return a.residual; }
+__device__ __forceinline__ bf16_t* after_mlp(const Args& a) {
+  return a.residual + static_cast<size_t>(a.tokens) * a.hidden;
+}
+
+}  // namespace mk
+}  // namespace lithos

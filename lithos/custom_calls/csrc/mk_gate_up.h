@@ -1,0 +1,55 @@
+// Megakernel task kind 4: RMSNorm -> gate and up rows side by side -> silu(gate) * up (the fused twin
+// is matvec.cu's gated variant). A row group is two outputs f, f + 1 as (gate f, up f, gate f + 1,
+// up f + 1), so the product is formed in registers.
+#pragma once
+
+#include "mk_common.h"
+
+namespace lithos {
+namespace mk {
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+template <int TMAX>
+__device__ bool gate_up_task(const Args& a, const Task& task, int index) {
+  __shared__ float rms_scale[TMAX];
+  const int layer = task.layer;
+  const size_t layer_offset = static_cast<size_t>(layer) * a.ffn * a.hidden;
+  constexpr int kOuts = kRowsPerWarp / 2;
+
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int f = min(unit * kOuts + r / 2, a.ffn - 1);  // past the end: the last row again, unused
+      rows[r] = (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
+    }
+  };
+  if (!block_wait(a, task, index,
+                  [&] { prefetch_row_groups(rows_of, task.first, task.count, a.hidden, a.prefetch_bytes); }))
+    return false;
+
+  const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  task_row_groups<TMAX>(
+      in, task.first, task.count, task.k_split, rows_of,
+      [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+#pragma unroll
+            for (int j = 0; j < kOuts; ++j) {
+              const int f = unit * kOuts + j;
+              if (f < a.ffn) {
+                const float gate = acc[2 * j][t] * rms_scale[t], up = acc[2 * j + 1][t] * rms_scale[t];
+                a.gated[static_cast<size_t>(t) * a.ffn + f] = float_to_bf16(silu(gate) * up);
+              }
+            }
+          }
+        }
+      });
+  block_signal(a, task.signal_counter);
+  return true;
+}
+
+}  // namespace mk
+}  // namespace lithos

@@ -1,0 +1,52 @@
+// Megakernel task kinds 3 and 5: a projection into the residual stream, y = residual + x W^T, for
+// the O projection (x = the attention output) and the down projection (x = the gated MLP
+// activations). Row groups are four consecutive output rows.
+#pragma once
+
+#include "mk_common.h"
+
+namespace lithos {
+namespace mk {
+
+template <int TMAX>
+__device__ bool projection_task(const Args& a, const Task& task, int index) {
+  const bool o_proj = task.op == kOpOProj;
+  const int layer = task.layer;
+  const int n_in = o_proj ? a.heads * a.head_dim : a.ffn;
+  const bf16_t* w = (o_proj ? a.wo : a.w_down) + static_cast<size_t>(layer) * a.hidden * n_in;
+
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)  // rows past the end re-read the last row, results unused
+      rows[r] = w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
+  };
+  if (!block_wait(a, task, index,
+                  [&] { prefetch_row_groups(rows_of, task.first, task.count, n_in, a.prefetch_bytes); }))
+    return false;
+
+  const TokenRows in{o_proj ? a.attn : a.gated, nullptr, a.tokens, n_in};
+  const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
+  bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
+  task_row_groups<TMAX>(
+      in, task.first, task.count, task.k_split, rows_of, [] {},
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; ++r) {
+              const int row = unit * kRowsPerWarp + r;
+              if (row < a.hidden) {
+                const size_t at = static_cast<size_t>(t) * a.hidden + row;
+                out[at] = float_to_bf16(acc[r][t] + bf16_to_float(residual_in[at]));
+              }
+            }
+          }
+        }
+      });
+  block_signal(a, task.signal_counter);
+  return true;
+}
+
+}  // namespace mk
+}  // namespace lithos

@@ -1,0 +1,94 @@
+// Megakernel task kind 1: RMSNorm -> the Q, K and V rows of one KV group -> RoPE -> K and V appended
+// to the layer's cache slots (the fused twin is qkv_rope.cu).
+//
+// Row groups are numbered KV group by KV group: the group's query heads, then its key head, then its
+// value head, each head_dim / 4 row groups of two rotary pairs (rows j, j + d/2, j + 1, j + 1 + d/2),
+// so a warp holds both halves of each rotation. A task covers row groups of one KV group only, and
+// the attention of that group waits for exactly those tasks.
+#pragma once
+
+#include "mk_common.h"
+
+namespace lithos {
+namespace mk {
+
+struct QkvRowGroup {
+  int kv_head;
+  int slot;        // < group: the group's query head `slot`; group: its key head; group + 1: its value head
+  int first_pair;  // rotary pairs first_pair and first_pair + 1
+};
+
+__device__ __forceinline__ QkvRowGroup qkv_row_group(const Args& a, int unit) {
+  const int per_head = a.head_dim / 4;
+  const int per_group = (a.heads / a.kv_heads + 2) * per_head;
+  const int within = unit % per_group;
+  return {unit / per_group, within / per_head, (within % per_head) * 2};
+}
+
+template <int TMAX>
+__device__ bool qkv_task(const Args& a, const Task& task, int index) {
+  __shared__ float rms_scale[TMAX];
+  const int layer = task.layer;
+  const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
+  const size_t head_rows = static_cast<size_t>(a.head_dim) * a.hidden;
+
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+    const QkvRowGroup g = qkv_row_group(a, unit);
+    const bf16_t* matrix =
+        g.slot < group ? a.wq + (static_cast<size_t>(layer) * a.heads + g.kv_head * group + g.slot) * head_rows
+                       : (g.slot == group ? a.wk : a.wv) + (static_cast<size_t>(layer) * a.kv_heads + g.kv_head) * head_rows;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+      rows[r] = matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
+  };
+  if (!block_wait(a, task, index,
+                  [&] { prefetch_row_groups(rows_of, task.first, task.count, a.hidden, a.prefetch_bytes); }))
+    return false;
+
+  const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  task_row_groups<TMAX>(
+      in, task.first, task.count, task.k_split, rows_of,
+      [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
+      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        const QkvRowGroup g = qkv_row_group(a, unit);
+        const bool is_q = g.slot < group, is_v = g.slot == group + 1;
+        // Lane t writes token t's values (a compile-time index into acc keeps it in registers).
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens && lane_id() == t) {
+            const int position = a.positions[t];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int j = g.first_pair + p;
+              float lo = acc[2 * p][t] * rms_scale[t];
+              float hi = acc[2 * p + 1][t] * rms_scale[t];
+              if (!is_v) {
+                // The same float32 product as the reference, so both rotate by the same angle.
+                const float angle = static_cast<float>(position) * a.inv_freq[j];
+                float sin_a, cos_a;
+                sincosf(angle, &sin_a, &cos_a);
+                const float rotated_lo = lo * cos_a - hi * sin_a;
+                hi = hi * cos_a + lo * sin_a;
+                lo = rotated_lo;
+              }
+              if (is_q) {
+                bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim;
+                out[j] = float_to_bf16(lo);
+                out[j + half] = float_to_bf16(hi);
+              } else if (position >= 0 && position < a.max_len) {
+                bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
+                               (static_cast<size_t>(g.kv_head) * a.max_len + position) * a.head_dim;
+                slot[j] = float_to_bf16(lo);
+                slot[j + half] = float_to_bf16(hi);
+              }
+            }
+          }
+        }
+      });
+  block_signal(a, task.signal_counter);
+  return true;
+}
+
+}  // namespace mk
+}  // namespace lithos

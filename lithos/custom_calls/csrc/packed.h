@@ -1,0 +1,586 @@
+// Batch-1 dot products over packed low-precision weights (lithos.quant formats), dequantised in
+// registers and accumulated in float32: the building block of matvec_packed.cu and expert_matvec.cu.
+//
+// A warp owns kRowsPerWarp weight rows; a lane reads kChunk = 16 consecutive weights of each row per
+// step (8 bytes of a 4-bit row, 16 of an 8-bit one, 32 of bf16), so a warp reads each row
+// contiguously and every weight byte once for all tokens. Every block of 32 weights shares one scale,
+// so a chunk needs one scale per row: the lane sums x * code over its 16 weights, then applies the
+// block's scale (and Q4_1's min) once. That is the reference's arithmetic reordered: the scales
+// are powers of two (MX) or exact factors of every weight of the block.
+//
+// Decoding never goes through a table: codes are turned into fp16 bit patterns two at a time with
+// integer masks, then into floats by the hardware's fp16 -> f32 conversion (exact, subnormals too):
+//   E2M1 (mxfp4): magnitude bits at fp16 bits 9..11, sign at 15: the fp16 value is v * 2^-14.
+//   E4M3 (mxfp8, fp8_block128): the 7 magnitude bits at fp16 bits 7..13: v * 2^-8; codes 0x7F/0xFF
+//       are NaN in E4M3 "fn" and are flagged so the row's sum becomes NaN, as the reference's would.
+//   4-bit and 8-bit integers (GGUF): 1024 + code as fp16 (exact), minus 1024 (+8 for Q4_0, +128 for
+//       the int8 bias) in fp16, which is exact for integers this small.
+// Hopper has no FP4 tensor cores, and at 1..16 tokens the FMAs are not the limit (NOTES.md).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "ffi_util.h"
+#include "portable.h"
+#include "rowdot.h"
+
+#if defined(LITHOS_HIP)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+namespace lithos {
+
+// The `format` attribute of every packed handler; keep in step with FORMAT_CODES in
+// lithos/custom_calls/packed_weights.py.
+enum class WeightFormat : int32_t {
+  kBf16 = 0,
+  kMxfp4 = 1,
+  kMxfp8 = 2,
+  kFp8Block128 = 3,
+  kQ8_0 = 4,
+  kQ4_0 = 5,
+  kQ4_1 = 6,
+};
+
+constexpr int kChunk = 16;        // weights of a row a lane reads per step
+constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
+constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one scale
+
+// ---------------------------------------------------------------------------------------------
+// Loads and conversions
+// ---------------------------------------------------------------------------------------------
+
+#if defined(LITHOS_HIP)
+typedef uint32_t lithos_u32x2_t __attribute__((ext_vector_type(2)));
+#endif
+
+// Weights are read once per step: streaming loads keep them from evicting activations from L1.
+__device__ __forceinline__ uint2 stream_u2(const uint8_t* p) {
+#if defined(LITHOS_HIP)
+  lithos_u32x2_t v = __builtin_nontemporal_load(reinterpret_cast<const lithos_u32x2_t*>(p));
+  return make_uint2(v.x, v.y);
+#else
+  return __ldcs(reinterpret_cast<const uint2*>(p));
+#endif
+}
+
+__device__ __forceinline__ uint4 stream_u4(const uint8_t* p) {
+#if defined(LITHOS_HIP)
+  u32x4_t v = __builtin_nontemporal_load(reinterpret_cast<const u32x4_t*>(p));
+  return make_uint4(v.x, v.y, v.z, v.w);
+#else
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+#endif
+}
+
+// Two fp16 bit patterns (element 0 in the low half) to floats.
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+  __half2 h;
+  memcpy(&h, &bits, sizeof(h));
+  return __half22float2(h);
+}
+
+// (a - b) per fp16 half, then to floats: exact for the small integers the GGUF decoders form.
+__device__ __forceinline__ float2 half2_bits_diff(uint32_t a, uint32_t b) {
+  __half2 ha, hb;
+  memcpy(&ha, &a, sizeof(ha));
+  memcpy(&hb, &b, sizeof(hb));
+  return __half22float2(__hsub2(ha, hb));
+}
+
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+  __half h;
+  memcpy(&h, &bits, sizeof(h));
+  return __half2float(h);
+}
+
+// E8M0 scale: 2^(s - 127); 0xFF is NaN (OCP MX). s = 0 is the subnormal 2^-127.
+__device__ __forceinline__ float e8m0_to_float(uint32_t s) {
+  if (s == 0xFFu) return __uint_as_float(0x7FC00000u);
+  return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);
+}
+
+// Whether any byte of `w` is an E4M3 NaN code (0x7F or 0xFF): low 7 bits all set.
+__device__ __forceinline__ uint32_t e4m3_nan_bytes(uint32_t w) {
+  return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One weight row as a kernel sees it, and the per-format decoders
+// ---------------------------------------------------------------------------------------------
+
+struct PackedRow {
+  const uint8_t* data;    // this row's codes (bf16: its values)
+  const uint8_t* scales;  // this row's scales (fp8_block128: the scale row of its 128-row tile)
+  const uint8_t* mins;    // q4_1: this row's mins, else unused
+};
+
+// What a chunk's sum is multiplied by: acc += (sum(x * code) * kPre) * mul + sum(x) * add.
+struct ChunkScale {
+  float mul;
+  float add;
+};
+
+template <WeightFormat F>
+struct Packed;
+
+template <>
+struct Packed<WeightFormat::kBf16> {
+  struct Raw {
+    uint4 lo, hi;
+  };
+  static constexpr int kUnroll = 1;  // 32 bytes per row per step already
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) {
+    const uint8_t* p = row + static_cast<size_t>(col) * 2;
+    return {stream_u4(p), stream_u4(p + 16)};
+  }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    const uint32_t words[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      w[2 * i] = bf16_pair_at(words[i], 0);
+      w[2 * i + 1] = bf16_pair_at(words[i], 1);
+    }
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow&, int) { return {1.0f, 0.0f}; }
+};
+
+// 4-bit rows: element 2k is the low nibble of byte k, so nibble j of a 32-bit word is element j.
+// Elements j and j + 4 of a word share a half2 (their bits are 16 apart, so one mask serves both).
+template <class Decode4>
+__device__ __forceinline__ void decode_nibble_words(const uint2& raw, float (&w)[kChunk], Decode4 pair_of) {
+  const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = pair_of(words[i] >> (4 * j));
+      w[8 * i + j] = v.x;
+      w[8 * i + j + 4] = v.y;
+    }
+}
+
+template <>
+struct Packed<WeightFormat::kMxfp4> {
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 16384.0f;  // decoded values are v * 2^-14
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
+      return half2_bits_to_float2(((t & 0x00070007u) << 9) | ((t & 0x00080008u) << 12));
+    });
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return {e8m0_to_float(row.scales[col / kPackedBlock]), 0.0f};
+  }
+};
+
+template <>
+struct Packed<WeightFormat::kQ4_0> {
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
+      return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64086408u);  // (1024 + c) - 1032 = c - 8
+    });
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[col / kPackedBlock]), 0.0f};
+  }
+};
+
+template <>
+struct Packed<WeightFormat::kQ4_1> {
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
+      return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
+    });
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    const int block = col / kPackedBlock;
+    return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[block]),
+            half_bits_to_float(reinterpret_cast<const uint16_t*>(row.mins)[block])};
+  }
+};
+
+// 8-bit rows: bytes 0 and 2 of a word share a half2, and bytes 1 and 3.
+template <class Decode8>
+__device__ __forceinline__ void decode_byte_words(const uint4& raw, float (&w)[kChunk], Decode8 pairs_of) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 even, odd;
+    pairs_of(words[i], even, odd);
+    w[4 * i] = even.x;
+    w[4 * i + 2] = even.y;
+    w[4 * i + 1] = odd.x;
+    w[4 * i + 3] = odd.y;
+  }
+}
+
+// E4M3 bytes to fp16 patterns: sign to bit 15, the 7 magnitude bits to 7..13 (v * 2^-8).
+__device__ __forceinline__ bool decode_e4m3_chunk(const uint4& raw, float (&w)[kChunk]) {
+  decode_byte_words(raw, w, [](uint32_t b, float2& even, float2& odd) {
+    even = half2_bits_to_float2(((b & 0x007F007Fu) << 7) | ((b & 0x00800080u) << 8));
+    odd = half2_bits_to_float2(((b >> 1) & 0x3F803F80u) | (b & 0x80008000u));
+  });
+  return (e4m3_nan_bytes(raw.x) | e4m3_nan_bytes(raw.y) | e4m3_nan_bytes(raw.z) | e4m3_nan_bytes(raw.w)) != 0;
+}
+
+template <>
+struct Packed<WeightFormat::kMxfp8> {
+  using Raw = uint4;
+  static constexpr int kUnroll = 2;
+  static constexpr float kPre = 256.0f;  // decoded values are v * 2^-8
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = true;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return {e8m0_to_float(row.scales[col / kPackedBlock]), 0.0f};
+  }
+};
+
+template <>
+struct Packed<WeightFormat::kFp8Block128> {
+  using Raw = uint4;
+  static constexpr int kUnroll = 2;
+  static constexpr float kPre = 256.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = true;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return {reinterpret_cast<const float*>(row.scales)[col / kFp8Tile], 0.0f};
+  }
+};
+
+template <>
+struct Packed<WeightFormat::kQ8_0> {
+  using Raw = uint4;
+  static constexpr int kUnroll = 2;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    // int8 c -> 1024 + (c + 128) as fp16 (flip the sign bit), minus 1152.
+    decode_byte_words(r, w, [](uint32_t b, float2& even, float2& odd) {
+      even = half2_bits_diff(((b & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
+      odd = half2_bits_diff((((b >> 8) & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
+    });
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[col / kPackedBlock]), 0.0f};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// A weight matrix (one layer, or one expert of one layer) and its rows
+// ---------------------------------------------------------------------------------------------
+
+// Planes of a weight stacked [outer, inner, ...] (outer: layers; inner: experts, or 1), as bytes.
+struct PackedWeight {
+  const uint8_t* data;
+  const uint8_t* scales;
+  const uint8_t* mins;
+  int64_t data_outer, data_inner;    // bytes between layers / experts (0: shared)
+  int64_t scale_outer, scale_inner;  // same for scales and mins
+  int64_t row_bytes;                 // data bytes per row
+  int64_t scale_row_bytes;           // bytes per scale row (a row of 128-row tiles for fp8_block128)
+  int n_out, n_in;
+  WeightFormat format;
+};
+
+template <WeightFormat F>
+__device__ __forceinline__ PackedRow packed_row(const PackedWeight& w, int64_t outer, int64_t inner, int row) {
+  const int scale_row = F == WeightFormat::kFp8Block128 ? row / kFp8Tile : row;
+  const int64_t scale_at = outer * w.scale_outer + inner * w.scale_inner + scale_row * w.scale_row_bytes;
+  return {w.data + outer * w.data_outer + inner * w.data_inner + row * w.row_bytes, w.scales + scale_at,
+          w.mins == nullptr ? nullptr : w.mins + scale_at};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The warp's dot products and the row-group loop
+// ---------------------------------------------------------------------------------------------
+
+// acc[r][t] = sum over this warp's share of i of W_r[i] * x[t, i] * norm_w[i] (the share: chunks
+// part, part + parts, ...); every lane ends with every sum. n_in is a multiple of kChunk.
+template <WeightFormat F, int TMAX>
+__device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPerWarp], const TokenRows& in, int part,
+                                                int parts, float (&acc)[kRowsPerWarp][TMAX]) {
+  using P = Packed<F>;
+  constexpr int kUnroll = P::kUnroll;
+  const int step = parts * WARP_SIZE * kChunk;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t) acc[r][t] = 0.0f;
+
+  for (int base = (part * WARP_SIZE + lane_id()) * kChunk; base < in.n_in; base += step * kUnroll) {
+    // Every weight and scale load of this step is issued before the first use.
+    typename P::Raw raw[kUnroll][kRowsPerWarp];
+    ChunkScale scale[kUnroll][kRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = base + u * step;
+      if (k < in.n_in) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) raw[u][r] = P::load(rows[r].data, k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = base + u * step;
+      if (k < in.n_in) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) scale[u][r] = P::scale(rows[r], k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = base + u * step;
+      if (k >= in.n_in) continue;
+      float w[kRowsPerWarp][kChunk];
+      bool nan[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) nan[r] = P::decode(raw[u][r], w[r]);
+      float norm[kChunk];
+#pragma unroll
+      for (int v = 0; v < kChunk; ++v) norm[v] = 1.0f;
+      if (in.norm_w != nullptr) {
+        const Bf16Vec<8> n0 = load_cached<8>(in.norm_w + k), n1 = load_cached<8>(in.norm_w + k + 8);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          norm[v] = n0[v];
+          norm[v + 8] = n1[v];
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < TMAX; ++t) {
+        if (t < in.tokens) {
+          const bf16_t* xt = in.x + static_cast<size_t>(t) * in.n_in + k;
+          const Bf16Vec<8> x0 = load_cached<8>(xt), x1 = load_cached<8>(xt + 8);
+          float xf[kChunk];
+#pragma unroll
+          for (int v = 0; v < 8; ++v) {
+            xf[v] = x0[v] * norm[v];
+            xf[v + 8] = x1[v] * norm[v + 8];
+          }
+          float x_sum = 0.0f;
+          if (P::kHasMin) {
+#pragma unroll
+            for (int v = 0; v < kChunk; ++v) x_sum += xf[v];
+          }
+#pragma unroll
+          for (int r = 0; r < kRowsPerWarp; ++r) {
+            // Two chains: half the dependent-FMA latency per chunk.
+            float even = 0.0f, odd = 0.0f;
+#pragma unroll
+            for (int v = 0; v < kChunk; v += 2) {
+              even = fmaf(w[r][v], xf[v], even);
+              odd = fmaf(w[r][v + 1], xf[v + 1], odd);
+            }
+            float sum = even + odd;
+            if (P::kCanBeNaN && nan[r]) sum = __uint_as_float(0x7FC00000u);
+            acc[r][t] = fmaf(sum * P::kPre, scale[u][r].mul, acc[r][t]);
+            if (P::kHasMin) acc[r][t] = fmaf(x_sum, scale[u][r].add, acc[r][t]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t)
+      if (t < in.tokens) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+// Runs `epilogue(unit, acc)` for every row group `unit` < units, acc[r][t] being the full dot product
+// of row r of the group with token t. `rows_of(unit, rows, in)` names the group's rows and the token
+// rows they multiply (a routed expert's pair has its own). Warps take groups round-robin; with
+// k_split > 1, k_split consecutive warps of a block share a group. Every thread of the block calls it;
+// blocks have kMatvecWarps warps.
+template <WeightFormat F, int TMAX, class RowsOf, class Epilogue>
+__device__ __forceinline__ void for_each_packed_row_group(int units, int k_split, RowsOf rows_of, Epilogue epilogue) {
+  __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
+  const int slots = kMatvecWarps / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
+  // The loop bound is block-uniform so the warps sharing a group meet at the barriers.
+  for (int first = blockIdx.x * slots; first < units; first += gridDim.x * slots) {
+    const int unit = min(first + slot, units - 1);  // a surplus warp redoes the last group, unused
+    PackedRow rows[kRowsPerWarp];
+    TokenRows in;
+    rows_of(unit, rows, in);
+    float acc[kRowsPerWarp][TMAX];
+    packed_rows_dot<F, TMAX>(rows, in, part, k_split, acc);
+    if (k_split > 1) {
+      if (lane_id() == 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+          for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          float sum = 0.0f;
+          for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
+          acc[r][t] = sum;
+        }
+      __syncthreads();
+    }
+    if (first + slot < units && part == 0) epilogue(unit, acc);
+  }
+}
+
+// Launch shape: warps sharing a row group (while there are too few groups to keep kWarpsWantedPerUnit
+// warps per SM/CU busy and each share keeps two full steps), and a one-wave persistent grid.
+inline RowGroupGrid packed_grid(int64_t units, int64_t n_in, int resident) {
+  const int64_t units_per_cu = compute_unit_count();
+  int k_split = 1;
+  while (k_split < kMatvecWarps && units * k_split < units_per_cu * kWarpsWantedPerUnit &&
+         n_in >= int64_t{2} * 2 * k_split * WARP_SIZE * kChunk)
+    k_split *= 2;
+  const int64_t slots = kMatvecWarps / k_split;
+  const int64_t needed = (units + slots - 1) / slots;
+  const int64_t full = units_per_cu * resident;
+  RowGroupGrid grid{};
+  grid.k_split = k_split;
+  grid.blocks = static_cast<int>(needed < full ? (needed > 0 ? needed : 1) : full);
+  return grid;
+}
+
+// Calls f(std::integral_constant<WeightFormat, F>) for the format code `code`.
+template <class Fn>
+inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
+  switch (static_cast<WeightFormat>(code)) {
+    case WeightFormat::kBf16: return f(std::integral_constant<WeightFormat, WeightFormat::kBf16>{});
+    case WeightFormat::kMxfp4: return f(std::integral_constant<WeightFormat, WeightFormat::kMxfp4>{});
+    case WeightFormat::kMxfp8: return f(std::integral_constant<WeightFormat, WeightFormat::kMxfp8>{});
+    case WeightFormat::kFp8Block128: return f(std::integral_constant<WeightFormat, WeightFormat::kFp8Block128>{});
+    case WeightFormat::kQ8_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ8_0>{});
+    case WeightFormat::kQ4_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_0>{});
+    case WeightFormat::kQ4_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_1>{});
+    default: return invalid("packed weights: unknown format code " + std::to_string(code));
+  }
+}
+
+// Token buckets of the packed kernels: 1 (decode), 4 and 16 (verification). Fewer instantiations
+// than the bf16 kernels' five: there are six formats to build.
+template <class Fn>
+inline ffi::Error with_packed_token_bucket(int64_t tokens, Fn&& f) {
+  if (tokens == 1) return f(std::integral_constant<int, 1>{});
+  if (tokens >= 2 && tokens <= 4) return f(std::integral_constant<int, 4>{});
+  if (tokens >= 5 && tokens <= kMaxTokens) return f(std::integral_constant<int, 16>{});
+  return invalid("decode kernels take 1.." + std::to_string(kMaxTokens) + " query positions, got " +
+                 std::to_string(tokens) + "; use the reference path for prefill");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: the planes of a weight, checked against its format
+// ---------------------------------------------------------------------------------------------
+
+inline int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
+  int64_t n = 1;
+  for (size_t i = from; i < to; ++i) n *= dims[i];
+  return n;
+}
+
+// Fills `w` from planes stacked [outer, inner, rows..., cols] (lead = 2 leading axes) or
+// [outer, rows, cols] (lead = 1), for a logical [n_out, n_in] matrix; an error names what is wrong.
+inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::AnyBuffer& data,
+                                const ffi::AnyBuffer& scales, const ffi::AnyBuffer& mins, size_t lead, int64_t n_in,
+                                PackedWeight& w) {
+  const auto format = static_cast<WeightFormat>(code);
+  if (code < 0 || code > static_cast<int32_t>(WeightFormat::kQ4_1))
+    return invalid(op + ": unknown weight format code " + std::to_string(code));
+  auto dd = data.dimensions();
+  auto sd = scales.dimensions();
+  if (dd.size() != lead + 2)
+    return invalid(op + ": weight data must have " + std::to_string(lead + 2) + " axes, got " + shape_string(dd));
+  const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 || format == WeightFormat::kQ4_1;
+  const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
+                                  : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
+                                                                  : ffi::DataType::U8;
+  if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
+  const int64_t cols = dd[lead + 1] * (four_bit ? 2 : 1);
+  if (cols != n_in || n_in % kChunk != 0)
+    return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
+                   std::to_string(n_in) + " (a multiple of 16 is required)");
+  w.data = static_cast<const uint8_t*>(data.untyped_data());
+  w.n_out = static_cast<int>(dd[lead]);
+  w.n_in = static_cast<int>(n_in);
+  w.format = format;
+  const int64_t elem = format == WeightFormat::kBf16 ? 2 : 1;
+  w.row_bytes = dd[lead + 1] * elem;
+  const int64_t matrix_bytes = w.row_bytes * w.n_out;
+  w.data_inner = lead == 2 ? matrix_bytes : 0;
+  w.data_outer = dd[0] > 1 ? matrix_bytes * (lead == 2 ? dd[1] : 1) : 0;
+  w.scales = nullptr;
+  w.mins = nullptr;
+  w.scale_outer = w.scale_inner = w.scale_row_bytes = 0;
+  if (format == WeightFormat::kBf16) return ffi::Error::Success();
+
+  int64_t scale_rows = w.n_out, scale_cols = n_in / kPackedBlock;
+  ffi::DataType want_scale = ffi::DataType::F16;
+  if (format == WeightFormat::kMxfp4 || format == WeightFormat::kMxfp8) want_scale = ffi::DataType::U8;
+  if (format == WeightFormat::kFp8Block128) {
+    want_scale = ffi::DataType::F32;
+    scale_rows = (w.n_out + kFp8Tile - 1) / kFp8Tile;
+    scale_cols = (n_in + kFp8Tile - 1) / kFp8Tile;
+  } else if (n_in % kPackedBlock != 0) {
+    return invalid(op + ": rows of a block-32 format must hold a multiple of 32 values, got " + std::to_string(n_in));
+  }
+  if (sd.size() != lead + 2 || sd[lead] != scale_rows || sd[lead + 1] != scale_cols ||
+      product(sd, 0, lead) != product(dd, 0, lead) || scales.element_type() != want_scale)
+    return invalid(op + ": scales " + shape_string(sd) + " do not fit weight data " + shape_string(dd) +
+                   " in this format");
+  const int64_t scale_elem = want_scale == ffi::DataType::U8 ? 1 : want_scale == ffi::DataType::F16 ? 2 : 4;
+  w.scales = static_cast<const uint8_t*>(scales.untyped_data());
+  w.scale_row_bytes = scale_cols * scale_elem;
+  const int64_t scale_matrix = w.scale_row_bytes * scale_rows;
+  w.scale_inner = lead == 2 ? scale_matrix : 0;
+  w.scale_outer = dd[0] > 1 ? scale_matrix * (lead == 2 ? dd[1] : 1) : 0;
+  if (format == WeightFormat::kQ4_1) {
+    if (mins.element_count() != scales.element_count() || mins.element_type() != ffi::DataType::F16)
+      return invalid(op + ": q4_1 needs mins shaped like its scales, got " + shape_string(mins.dimensions()));
+    w.mins = static_cast<const uint8_t*>(mins.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// Every load of a packed kernel is aligned when the planes' bases are (rows are multiples of 16 values).
+inline bool packed_aligned(const PackedWeight& w) {
+  return aligned16(w.data) && (w.scales == nullptr || (reinterpret_cast<uintptr_t>(w.scales) & 3u) == 0) &&
+         (w.mins == nullptr || (reinterpret_cast<uintptr_t>(w.mins) & 1u) == 0);
+}
+
+}  // namespace lithos

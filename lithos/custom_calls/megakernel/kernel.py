@@ -1,0 +1,164 @@
+"""`decode_step`: one whole decode step in one persistent kernel launch (csrc/megakernel.cu), or its
+interpreter where there is no GPU, chosen like every fused op (lithos.custom_calls.dispatch)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos.custom_calls import build
+from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_tokens, dispatch, require_bf16
+from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
+from lithos.custom_calls.megakernel.schedule import Schedule, build_schedule
+from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, ModelShape
+from lithos.errors import LithosError
+
+HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
+CPU_WORKERS = 64  # the interpreter's schedule where no GPU sizes it
+WARP_SIZE = {"cuda": 32, "rocm": 64}
+HEADS = (None, "argmax", "logits")
+
+
+@functools.cache
+def resident_blocks(platform: str, tokens: int) -> int:
+    """Blocks of the kernel for `tokens` query positions that the GPU holds at once (its grid)."""
+    library = ctypes.cdll.LoadLibrary(str(build.build("megakernel", build.toolchain(platform))))
+    blocks = int(library.LithosMegakernelBlocks(ctypes.c_int(tokens)))
+    if blocks < 1:
+        raise LithosError(f"megakernel: no grid for {tokens} query positions (1..16 are supported)")
+    return blocks
+
+
+def step_schedule(shape: ModelShape, tokens: int, with_head: bool) -> Schedule:
+    """The schedule `decode_step` runs: sized for this GPU's resident blocks, or for CPU_WORKERS."""
+    platform = _gpu_platform()
+    if platform is None:
+        return build_schedule(shape, CPU_WORKERS, with_head)
+    return build_schedule(shape, resident_blocks(platform, tokens), with_head, WARP_SIZE[platform])
+
+
+def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:
+    layers, _, kv_heads, _, head_dim = k_cache.shape
+    return ModelShape(
+        layers=layers,
+        hidden=weights.wq.shape[2],
+        heads=weights.wq.shape[1] // head_dim,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=weights.w_gate.shape[1],
+        vocab=weights.lm_head.shape[0],
+    )
+
+
+def _kernel(
+    schedule: Schedule, eps: float, window: int, with_logits: bool, weights, h0, positions, inv_freq, k_cache, v_cache
+) -> StepOutputs:
+    s = schedule.shape
+    T = h0.shape[0]
+    rows = T * s.group
+    out_types = [
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        jax.ShapeDtypeStruct((2, T, s.hidden), h0.dtype),  # residual stream: after attention, after MLP
+        jax.ShapeDtypeStruct((T,), jnp.int32),
+        jax.ShapeDtypeStruct((T, s.vocab) if with_logits else (0,), jnp.float32),
+        jax.ShapeDtypeStruct((T, s.heads * s.head_dim), h0.dtype),  # scratch: q
+        jax.ShapeDtypeStruct((T, s.heads * s.head_dim), h0.dtype),  # scratch: attention output
+        jax.ShapeDtypeStruct((T, s.ffn), h0.dtype),  # scratch: gated activations
+        jax.ShapeDtypeStruct((s.kv_heads, schedule.max_splits, rows, s.head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((s.kv_heads, schedule.max_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((max(schedule.head_tasks, 1), T), jnp.float32),
+        jax.ShapeDtypeStruct((max(schedule.head_tasks, 1), T), jnp.int32),
+        jax.ShapeDtypeStruct((schedule.n_counters + STATUS_WORDS,), jnp.int32),
+    ]
+    k_cache, v_cache, residual, tokens, logits, *_ = call_kernel(
+        "megakernel",
+        "LithosMegakernel",
+        out_types,
+        h0,
+        positions,
+        inv_freq,
+        *weights,
+        jnp.asarray(schedule.tasks),
+        k_cache,
+        v_cache,
+        aliases={15: 0, 16: 1},
+        eps=np.float32(eps),
+        window=np.int64(window),
+        max_splits=np.int64(schedule.max_splits),
+        n_counters=np.int64(schedule.n_counters),
+    )
+    return StepOutputs(
+        k_cache, v_cache, residual[1], tokens if schedule.head_tasks else None, logits if with_logits else None
+    )
+
+
+def _reference(
+    schedule: Schedule, eps: float, window: int, with_logits: bool, weights, h0, positions, inv_freq, k_cache, v_cache
+) -> StepOutputs:
+    return interpret(
+        schedule, weights, h0, positions, inv_freq, k_cache, v_cache, eps=eps, window=window, with_logits=with_logits
+    )
+
+
+def decode_step(
+    weights: StepWeights,
+    h0: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    eps: float,
+    window: int | None = None,
+    head: str | None = "argmax",
+    path: str = "auto",
+) -> StepOutputs:
+    """Every decoder layer (and, with `head`, the final norm, LM head and greedy token; "logits" also
+    returns the float32 logits) for h0 `[tokens, hidden]`, the embedded tokens at `positions`
+    `[tokens]` (1..16 of them: a decode step or k+1 to verify), appending their keys and values to the
+    caches `[layers, 1, kv_heads, max_len, head_dim]` in place."""
+    if head not in HEADS:
+        raise LithosError(f"megakernel: head must be one of {HEADS}, not {head!r}")
+    layers, batch, kv_heads, _, head_dim = k_cache.shape
+    if h0.ndim != 2 or positions.shape != (h0.shape[0],) or v_cache.shape != k_cache.shape:
+        raise LithosError(
+            f"megakernel: h0 must be [tokens, hidden] with positions [tokens]; got h0 {list(h0.shape)}, positions "
+            f"{list(positions.shape)}, caches {list(k_cache.shape)} / {list(v_cache.shape)}"
+        )
+    if weights.wq.shape[0] != layers or weights.wq.shape[2] != h0.shape[1] or inv_freq.shape != (head_dim // 2,):
+        raise LithosError(
+            f"megakernel: wq {list(weights.wq.shape)} and inv_freq {list(inv_freq.shape)} do not fit h0 "
+            f"{list(h0.shape)} and caches {list(k_cache.shape)}"
+        )
+    shape = shape_of(weights, k_cache)
+    schedule = step_schedule(shape, h0.shape[0], head is not None)
+
+    def check():
+        check_tokens("megakernel", h0.shape[0])
+        require_bf16("megakernel", h0=h0, k_cache=k_cache, **weights._asdict())
+        if batch != 1:
+            raise LithosError(f"megakernel: decodes one sequence, the cache has batch {batch}; use kernels='reference'")
+        if head_dim not in HEAD_DIMS or shape.hidden % 8 or shape.ffn % 8:
+            raise LithosError(
+                f"megakernel: head_dim {head_dim} (kernels for {HEAD_DIMS}), hidden {shape.hidden} and ffn "
+                f"{shape.ffn} (multiples of 8) have no kernel; use kernels='fused' or 'reference'"
+            )
+
+    options = (schedule, float(eps), int(window or 0), head == "logits")
+    return dispatch(
+        path,
+        functools.partial(_reference, *options),
+        functools.partial(_kernel, *options),
+        weights,
+        h0,
+        positions.astype(jnp.int32),
+        jnp.asarray(inv_freq, jnp.float32),
+        k_cache,
+        v_cache,
+        check=check,
+    )

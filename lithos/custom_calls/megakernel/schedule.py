@@ -1,0 +1,150 @@
+"""The scheduler: the task list of one decode step for a model shape.
+
+The list is stage by stage, layer by layer: Q/K/V (per KV group), attention splits (per KV head
+and length split), O projection, gate/up, down; then the LM head. Every task waits only on a
+counter that earlier tasks signal, so executing the list in order (the interpreter) is valid, and
+so is the kernel's assignment of task i to block i mod grid: the lowest unfinished task always has
+its inputs and its block is at it. Dependencies are the real ones: the attention of KV head g waits
+for the Q/K/V tasks of group g only; a projection waits for the whole vector it reads (an RMSNorm
+or a matvec needs every input element).
+
+Each matvec stage is cut into at most `workers` tasks (the kernel's resident blocks: one task per
+block per stage, so each block pays one wait and one signal per stage), in whole rounds of the
+block's warps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, WARPS_PER_BLOCK, ModelShape, Op, Task
+from lithos.errors import LithosError
+
+MAX_SPLITS = 64  # attention splits per KV head, at most
+
+
+class ScheduleError(LithosError):
+    """A task list that cannot run: a task waits for something no earlier task provides."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """One decode step's tasks: `tasks` `[n, len(FIELDS)]` int32, executed in order."""
+
+    shape: ModelShape
+    workers: int
+    max_splits: int  # attention splits per KV head (the device plan may use fewer)
+    head_tasks: int  # 0: the step ends after the last layer (no LM head)
+    tasks: np.ndarray
+    counter_names: tuple[str, ...]
+
+    @property
+    def n_counters(self) -> int:
+        return len(self.counter_names)
+
+    def task(self, index: int) -> Task:
+        return Task.from_row(self.tasks[index])
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def describe_task(schedule: Schedule, index: int) -> str:
+    """A line naming task `index`: what it computes and what it waits for."""
+    t = schedule.task(index)
+    what = (
+        f"KV head {t.first}, split {t.count}"
+        if t.op == Op.ATTENTION
+        else f"row groups {t.first}..{t.first + t.count - 1}"
+    )
+    layer = "" if t.op == Op.HEAD else f"layer {t.layer} "
+    waits = (
+        "nothing" if t.wait_counter == NO_COUNTER else f"'{schedule.counter_names[t.wait_counter]}' >= {t.wait_target}"
+    )
+    return f"task {index}: {layer}{t.op.name.lower()} {what}; waits for {waits}"
+
+
+def k_split_for(units: int, n_in: int, workers: int, warp_size: int) -> int:
+    """Warps that share a row group: split the input dimension while the grid's warps outnumber the row
+    groups and each share still spans a few warp-wide 16-byte chunks (as csrc/rowdot.h row_group_grid)."""
+    k = 1
+    while k < WARPS_PER_BLOCK and units * k < workers * WARPS_PER_BLOCK and n_in >= 2 * k * warp_size * 8 * 2:
+        k *= 2
+    return k
+
+
+def split_units(units: int, slots: int, tasks: int) -> list[tuple[int, int]]:
+    """Cut `units` row groups into at most `tasks` contiguous (first, count) ranges of whole rounds of
+    `slots` row groups, as even as rounds allow."""
+    rounds = -(-units // slots)
+    n = max(1, min(tasks, rounds))
+    base, extra = divmod(rounds, n)
+    ranges, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        first, last = start * slots, min(end * slots, units)
+        ranges.append((first, last - first))
+        start = end
+    return ranges
+
+
+@functools.lru_cache(maxsize=64)
+def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp_size: int = 32) -> Schedule:
+    """The task list of one step of `shape` for a grid of `workers` blocks (any grid runs it correctly;
+    `workers` only sizes the tasks), with the LM head and greedy token when `with_head`."""
+    if workers < 1:
+        raise ScheduleError(f"workers must be at least 1, got {workers}")
+    names: list[str] = []
+
+    def counter(name: str) -> int:
+        names.append(name)
+        return len(names) - 1
+
+    tasks: list[Task] = []
+    S = max(1, min(MAX_SPLITS, workers // shape.kv_heads))
+    waits = (NO_COUNTER, 0)  # what the next layer's first stage waits for
+
+    def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str) -> tuple[int, int]:
+        units = shape.units(op)
+        k = k_split_for(units, shape.input_size(op), workers, warp_size)
+        done = counter(name)
+        ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+        for first, count in ranges:
+            tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
+        return done, len(ranges)
+
+    for layer in range(shape.layers):
+        per_group = shape.qkv_units_per_group
+        k = k_split_for(shape.units(Op.QKV), shape.hidden, workers, warp_size)
+        qkv_done = []
+        for g in range(shape.kv_heads):
+            done = counter(f"layer {layer} qkv group {g}")
+            ranges = split_units(per_group, WARPS_PER_BLOCK // k, max(1, workers // shape.kv_heads))
+            for first, count in ranges:
+                tasks.append(Task(Op.QKV, layer, g * per_group + first, count, k, *waits, done))
+            qkv_done.append((done, len(ranges)))
+        attention_done = counter(f"layer {layer} attention")
+        for g in range(shape.kv_heads):
+            arrived = counter(f"layer {layer} attention splits of KV head {g}")
+            for s in range(S):
+                tasks.append(Task(Op.ATTENTION, layer, g, s, 1, *qkv_done[g], arrived, S, attention_done))
+        after = matvec_stage(Op.O_PROJ, layer, (attention_done, shape.kv_heads), f"layer {layer} o_proj")
+        after = matvec_stage(Op.GATE_UP, layer, after, f"layer {layer} gate_up")
+        waits = matvec_stage(Op.DOWN, layer, after, f"layer {layer} down")
+
+    head_tasks = 0
+    if with_head:
+        units = shape.units(Op.HEAD)
+        k = k_split_for(units, shape.hidden, workers, warp_size)
+        arrived = counter("head")
+        ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+        head_tasks = len(ranges)
+        for slot, (first, count) in enumerate(ranges):
+            tasks.append(Task(Op.HEAD, shape.layers, first, count, k, *waits, arrived, head_tasks, slot))
+
+    table = np.array([t.row() for t in tasks], np.int32).reshape(-1, len(FIELDS))
+    table.setflags(write=False)
+    return Schedule(shape, workers, S, head_tasks, table, tuple(names))

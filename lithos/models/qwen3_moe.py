@@ -1,0 +1,340 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B).
+
+Qwen3's attention (grouped-query, per-head RMSNorm on Q and K, no biases) with a routed MLP in
+every MoE layer: a softmax over all experts, the top-k probabilities (renormalised to sum to one
+when `norm_topk_prob`), experts with a SiLU-gated MLP. Layers listed in `mlp_only_layers`, and
+layers off the `decoder_sparse_step` grid, have a dense MLP of `intermediate_size` instead.
+
+Order of this file: config, parameters, forward. The MoE pieces are lithos.models.moe; attention,
+RoPE and the head are the llama family's.
+
+Kernel paths: "reference" and "fused" (routed experts through the `expert_matvec` kernel and the
+LM head + argmax kernel; attention and dense MLPs stay on jax.numpy there, since the fused
+attention kernel has no per-head Q/K norm yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import KVCache, append
+from lithos.models import llama, moe
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+GGUF_ARCHITECTURES: dict[str, str] = {}
+RopeScaling = llama.RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense layers' FFN width
+    moe_intermediate_size: int  # each expert's FFN width
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    experts_per_token: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):  # lists from JSON (converted checkpoints) must become tuples: configs are jit-static
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def family(self) -> str:
+        return "qwen3_moe"
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose MLP is routed (transformers' rule)."""
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    def describe(self) -> str:
+        return (
+            f"{self.architecture}: {self.num_layers} layers ({len(self.moe_layers)} MoE), hidden {self.hidden_size}, "
+            f"{self.num_heads}/{self.num_kv_heads} heads of {self.head_dim}, {self.num_experts} experts "
+            f"(top {self.experts_per_token}) of ffn {self.moe_intermediate_size}, vocab {self.vocab_size}"
+            f"{' (tied)' if self.tie_word_embeddings else ''}"
+        )
+
+
+def config_from_hf(d: dict[str, Any]) -> Config:
+    """Build a Config from a Qwen3-MoE `config.json` dict."""
+    arch = (d.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"architecture {arch!r} is not Qwen3-MoE (supported: {', '.join(ARCHITECTURES)})")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+    theta, scaling = llama._rope_scaling_from_hf(d)
+    heads = int(d["num_attention_heads"])
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    eos = d.get("eos_token_id")
+    step = int(d.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be at least 1, got {step}: fix config.json")
+    return Config(
+        architecture=arch,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+        num_experts=int(d.get("num_experts", d.get("num_local_experts", 0)) or 0),
+        experts_per_token=int(d["num_experts_per_tok"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        decoder_sparse_step=step,
+        rope_scaling=scaling,
+        attention_bias=bool(d.get("attention_bias", False)),
+        sliding_window=int(window) if window else None,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
+    raise UnsupportedModelError("Qwen3-MoE GGUF files are not read yet: use the Hugging Face checkpoint (safetensors)")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class LayerParams:
+    """Attention and norms of every layer, stacked `[layers, ...]` (llama's field names)."""
+
+    attn_norm: jax.Array  # [L, hidden]
+    wq: jax.Array  # [L, heads*head_dim, hidden]
+    wk: jax.Array  # [L, kv_heads*head_dim, hidden]
+    wv: jax.Array  # [L, kv_heads*head_dim, hidden]
+    wo: jax.Array  # [L, hidden, heads*head_dim]
+    q_norm: jax.Array  # [L, head_dim]
+    k_norm: jax.Array  # [L, head_dim]
+    mlp_norm: jax.Array  # [L, hidden]
+    bq: jax.Array | None = None  # [L, heads*head_dim] (attention_bias)
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    bo: jax.Array | None = None  # [L, hidden]
+
+
+@struct.dataclass
+class DenseMLP:
+    """The dense layers' MLPs, stacked `[dense_layers, ...]` in layer order."""
+
+    w_gate: jax.Array  # [Ld, ffn, hidden]
+    w_up: jax.Array  # [Ld, ffn, hidden]
+    w_down: jax.Array  # [Ld, hidden, ffn]
+
+
+@struct.dataclass
+class Params:
+    embed: jax.Array  # [vocab, hidden]
+    layers: LayerParams
+    final_norm: jax.Array  # [hidden]
+    experts: moe.Experts | None = None  # MoE layers, stacked [moe_layers, experts, ...]; gate_up = [gate | up]
+    dense: DenseMLP | None = None
+    lm_head: jax.Array | None = None  # [vocab, hidden]; None when tied
+
+
+def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter, keyed by its field path (`layers.wq`, `experts.gate_up`, `dense.w_up`)."""
+    L, D = cfg.num_layers, cfg.hidden_size
+    shapes = {
+        "embed": (cfg.vocab_size, D),
+        "final_norm": (D,),
+        "layers.attn_norm": (L, D),
+        "layers.wq": (L, cfg.q_size, D),
+        "layers.wk": (L, cfg.kv_size, D),
+        "layers.wv": (L, cfg.kv_size, D),
+        "layers.wo": (L, D, cfg.q_size),
+        "layers.q_norm": (L, cfg.head_dim),
+        "layers.k_norm": (L, cfg.head_dim),
+        "layers.mlp_norm": (L, D),
+    }
+    if cfg.attention_bias:
+        shapes |= {
+            "layers.bq": (L, cfg.q_size),
+            "layers.bk": (L, cfg.kv_size),
+            "layers.bv": (L, cfg.kv_size),
+            "layers.bo": (L, D),
+        }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, D)
+    if cfg.moe_layers:
+        shapes |= moe.expert_shapes(len(cfg.moe_layers), cfg.num_experts, D, cfg.moe_intermediate_size, biases=False)
+    if cfg.dense_layers:
+        Ld, F = len(cfg.dense_layers), cfg.intermediate_size
+        shapes |= {"dense.w_gate": (Ld, F, D), "dense.w_up": (Ld, F, D), "dense.w_down": (Ld, D, F)}
+    return shapes
+
+
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    **{name: axes for name, axes in llama.PARAM_AXES.items() if not name.startswith(("layers.w_", "layers.b_"))},
+    **{f"dense.{f}": llama.PARAM_AXES[f"layers.{f}"] for f in ("w_gate", "w_up", "w_down")},
+    **moe.EXPERT_AXES,
+}
+CACHE_AXES = llama.CACHE_AXES
+
+
+def params_from_flat(flat: dict[str, Any]) -> Params:
+    """Assemble Params from `{"layers.wq": array, "experts.gate_up": ..., "dense.w_up": ...}`."""
+
+    def group(prefix: str) -> dict[str, Any]:
+        return {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+
+    experts, dense = group("experts"), group("dense")
+    return Params(
+        embed=flat["embed"],
+        layers=LayerParams(**group("layers")),
+        final_norm=flat["final_norm"],
+        experts=moe.Experts(**experts) if experts else None,
+        dense=DenseMLP(**dense) if dense else None,
+        lm_head=flat.get("lm_head"),
+    )
+
+
+def init_params(cfg: Config, key: jax.Array, dtype=jnp.bfloat16, experts: str | None = None) -> Params:
+    """Random weights of the right shapes and scale (for benchmarks and tests); experts dense in
+    `dtype`, as Qwen ships them, or packed (`experts="mxfp4"`)."""
+    return params_from_flat(moe.init_flat(key, param_shapes(cfg), dtype, packed=experts))
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+KERNEL_PATHS = ("reference", "fused")
+
+
+def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
+    if kernels not in KERNEL_PATHS:
+        raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
+
+
+def _slots(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, its index in the MoE stack and in the dense stack (0 where it has none)."""
+    moe_slot = np.zeros(cfg.num_layers, np.int32)
+    dense_slot = np.zeros(cfg.num_layers, np.int32)
+    moe_slot[list(cfg.moe_layers)] = np.arange(len(cfg.moe_layers))
+    dense_slot[list(cfg.dense_layers)] = np.arange(len(cfg.dense_layers))
+    return moe_slot, dense_slot
+
+
+def _dense_mlp(x: jax.Array, dense: DenseMLP, slot: jax.Array) -> jax.Array:
+    pick = partial(jax.tree_util.tree_map, lambda p: jax.lax.dynamic_index_in_dim(p, slot, 0, keepdims=False))
+    gated = jax.nn.silu(llama.linear(x, pick(dense.w_gate))) * llama.linear(x, pick(dense.w_up))
+    return llama.linear(gated, pick(dense.w_down))
+
+
+def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, kernels: str):
+    """The decoder layers: `(h [B, T, hidden], cache, expert ids [layers, B*T, top_k])`, ids -1 on dense layers."""
+    check_kernel_path(kernels, cfg)
+    if kernels == "fused" and tokens.shape[0] != 1:
+        raise UnsupportedModelError(
+            f"the fused path decodes one sequence, got a batch of {tokens.shape[0]}: use kernels='reference'"
+        )
+    inv_freq = llama.rope_inv_freq(cfg)
+    eps = cfg.rms_norm_eps
+    B, T = tokens.shape
+    k = max(cfg.experts_per_token, 1)
+    route = partial(moe.route_softmax_then_topk, top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
+    moe_slot, dense_slot = _slots(cfg)
+    is_moe = np.zeros(cfg.num_layers, bool)
+    is_moe[list(cfg.moe_layers)] = True
+
+    def routed(x, i):
+        return moe.moe_mlp(x, params.experts, i, route, moe.swiglu_halves, kernels)
+
+    def dense(x, i):
+        return _dense_mlp(x, params.dense, i).astype(x.dtype), jnp.full((B * T, k), -1, jnp.int32)
+
+    def layer(h, xs):
+        p, kv, routed_layer, m, d = xs  # kv: this layer's cache (an FP8 one carries its scales)
+        x = llama.rms_norm(h, p.attn_norm, eps)
+        attn, new_kv = llama.attention_block(
+            cfg, inv_freq, positions, x, p, kv.k, kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale
+        )
+        h = h + attn
+        x = llama.rms_norm(h, p.mlp_norm, eps)
+        if is_moe.all():
+            y, expert_ids = routed(x, m)
+        elif not is_moe.any():
+            y, expert_ids = dense(x, d)
+        else:  # both kinds in one scan: only the taken branch runs
+            y, expert_ids = jax.lax.cond(routed_layer, lambda: routed(x, m), lambda: dense(x, d))
+        return h + y, (new_kv, expert_ids)
+
+    xs = (params.layers, cache, jnp.asarray(is_moe), jnp.asarray(moe_slot), jnp.asarray(dense_slot))
+    h, ((k_new, v_new), expert_ids) = jax.lax.scan(layer, params.embed[tokens], xs)
+    return h, append(cache, positions, k_new, v_new), expert_ids
+
+
+decoder, routed_experts, hidden_states, forward, forward_argmax = moe.family_functions(_decoder)
+lm_logits = llama.lm_logits
+
+
+# --------------------------------------------------------------------------------------------
+# What a decode step reads (lithos bench's floor)
+# --------------------------------------------------------------------------------------------
+
+
+def unread_weight_bytes(params: Params, cfg: Config) -> int:
+    """Bytes of weights a one-token step does not read: all experts but the top-k of each MoE layer."""
+    return moe.unread_expert_bytes(params.experts, cfg.experts_per_token)

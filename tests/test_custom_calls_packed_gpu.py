@@ -1,0 +1,177 @@
+"""Each packed-weight kernel against its reference twin on the GPU: fresh random codes and scales of
+every format at the models' shapes (smollm2, Llama-3.2-1B, Llama-3.1-8B, a GPT-OSS-20B expert) and
+odd ones, and the fused decoder over packed weights against the reference path.
+
+Skipped unless jax has a CUDA or ROCm device. Run on the device machine with
+`PYTHONPATH=. python3 -m pytest tests/test_custom_calls_packed_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lithos import quant
+from lithos.bench import model_shape
+from lithos.custom_calls import build, expert_matvec
+from lithos.custom_calls.packed_matvec import (
+    packed_gate_up_silu,
+    packed_lm_head_argmax,
+    packed_matvec,
+    packed_qkv_rope_append,
+)
+from lithos.custom_calls.packed_weights import PACKED_FORMATS
+from lithos.models import llama
+
+from .test_custom_calls import BF16, assert_close, f64
+from .test_custom_calls_packed import _decode_logits, random_packed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(build.gpu_platform() is None, reason="needs a CUDA or ROCm GPU"),
+]
+
+KERNEL = "ffi"
+
+# (in, out) of one projection: smollm2's O projection, 1B's gate, 8B's down projection, and rows that
+# are not a multiple of the 4 a warp owns.
+MATVEC_SHAPES = {
+    "smollm2-135m": (576, 576),
+    "llama-3.2-1b": (2048, 8192),
+    "llama-3.1-8b": (14336, 4096),
+    "odd": (96, 43),
+}
+# (hidden, heads, kv_heads, head_dim)
+QKV_SHAPES = {"smollm2-135m": (576, 9, 3, 64), "llama-3.1-8b": (4096, 32, 8, 128), "odd": (64, 5, 1, 16)}
+
+
+def rng_for(*parts) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(parts).encode()))
+
+
+def rand(rng, *shape) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape), BF16)
+
+
+MATVEC_CASES = [("smollm2-135m", 1), ("llama-3.2-1b", 16), ("llama-3.1-8b", 1), ("odd", 5)]
+
+
+@pytest.mark.parametrize("fmt_name, shape, tokens", [(f, *case) for f in PACKED_FORMATS for case in MATVEC_CASES])
+def test_packed_matvec(fmt_name, shape, tokens):
+    rng = rng_for("matvec", fmt_name, shape, tokens)
+    n_in, n_out = MATVEC_SHAPES[shape]
+    w = random_packed(fmt_name, (2, n_out, n_in), rng)
+    x, norm, residual = rand(rng, tokens, n_in), rand(rng, 2, n_in), rand(rng, tokens, n_out)
+    args = dict(layer=1, norm_weight=norm, residual=residual)
+    want = packed_matvec(x, w, **args, path="reference")
+    assert_close(jax.jit(lambda *a: packed_matvec(*a, **args, path=KERNEL))(x, w), want)
+    plain = jax.jit(lambda x, w: packed_matvec(x, w, layer=0, path=KERNEL))(x, w)
+    assert_close(plain, packed_matvec(x, w, layer=0, path="reference"))
+
+
+@pytest.mark.parametrize("fmt_name, tokens", list(itertools.product(PACKED_FORMATS, [1, 16])))
+def test_packed_gate_up_silu(fmt_name, tokens):
+    rng = rng_for("gate_up", fmt_name, tokens)
+    hidden, ffn = (2048, 8192) if tokens == 1 else (576, 1536)
+    w_gate, w_up = (random_packed(fmt_name, (2, ffn, hidden), rng) for _ in range(2))
+    x, norm = rand(rng, tokens, hidden), rand(rng, 2, hidden)
+    want = packed_gate_up_silu(x, w_gate, w_up, layer=1, norm_weight=norm, path="reference")
+    got = jax.jit(lambda *a: packed_gate_up_silu(*a, layer=1, norm_weight=norm, path=KERNEL))(x, w_gate, w_up)
+    assert_close(got, want)
+
+
+QKV_CASES = [("llama-3.1-8b", 1), ("smollm2-135m", 4), ("odd", 3)]
+
+
+@pytest.mark.parametrize("fmt_name, shape, tokens", [(f, *case) for f in PACKED_FORMATS for case in QKV_CASES])
+def test_packed_qkv_rope_append(fmt_name, shape, tokens):
+    rng = rng_for("qkv", fmt_name, shape, tokens)
+    hidden, heads, kv_heads, dim = QKV_SHAPES[shape]
+    layers, max_len = 2, 64
+    wq, wk, wv = (random_packed(fmt_name, (layers, n * dim, hidden), rng) for n in (heads, kv_heads, kv_heads))
+    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
+    caches = [rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2)]
+    inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim), jnp.float32)
+    positions = jnp.arange(tokens, dtype=jnp.int32) + 40
+
+    def run(path):
+        fn = jax.jit(
+            lambda h, k, v: packed_qkv_rope_append(h, norm, wq, wk, wv, inv_freq, positions, k, v, layer=1, path=path)
+        )
+        return fn(h, *caches)
+
+    for got, want in zip(run(KERNEL), run("reference"), strict=True):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1"])
+def test_packed_lm_head_argmax(fmt_name):
+    rng = rng_for("head", fmt_name)
+    head, h, norm = random_packed(fmt_name, (49152, 576), rng), rand(rng, 3, 576), rand(rng, 576)
+    ids, logits = jax.jit(lambda *a: packed_lm_head_argmax(*a, norm_weight=norm, with_logits=True, path=KERNEL))(
+        h, head
+    )
+    want_ids, want = packed_lm_head_argmax(h, head, norm_weight=norm, with_logits=True, path="reference")
+    assert_close(logits, want, rel=1e-4)
+    top2 = np.sort(np.asarray(want), -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(np.asarray(want)).max()
+    np.testing.assert_array_equal(np.asarray(ids)[clear], np.asarray(want_ids)[clear])
+
+
+# (experts, out, in, pairs): GPT-OSS-20B's gate/up experts (top-4), and an odd stack.
+EXPERT_SHAPES = {"gpt-oss-20b": (32, 5760, 2880, 4), "odd": (5, 43, 96, 7)}
+
+
+@pytest.mark.parametrize("fmt_name, shape", list(itertools.product(["bfloat16", "mxfp4", "q4_1"], EXPERT_SHAPES)))
+def test_expert_matvec(fmt_name, shape):
+    rng = rng_for("expert", fmt_name, shape)
+    experts, n_out, n_in, pairs = EXPERT_SHAPES[shape]
+    dims = (2, experts, n_out, n_in)
+    w = rand(rng, *dims) if fmt_name == "bfloat16" else random_packed(fmt_name, dims, rng)
+    x = rand(rng, pairs, n_in)
+    ids = jnp.asarray(rng.integers(-1, experts + 1, pairs), jnp.int32)  # includes out-of-range ids
+    want = expert_matvec(x, w, ids, layer=1, path="reference")
+    assert_close(jax.jit(lambda *a: expert_matvec(*a, layer=1, path=KERNEL))(x, w, ids), want)
+
+
+def test_expert_matvec_kernel_reads_only_routed_experts():
+    rng = rng_for("expert-poison")
+    w = random_packed("mxfp4", (8, 64, 128), rng)
+    ids = jnp.asarray([6, 1, 6], jnp.int32)
+    unrouted = np.setdiff1d(np.arange(8), np.asarray(ids))
+    poisoned = w.replace(scales=w.scales.at[unrouted].set(quant.formats.E8M0_NAN))
+    x = rand(rng, 3, 128)
+    run = jax.jit(lambda *a: expert_matvec(*a, path=KERNEL))
+    got = np.asarray(run(x, poisoned, ids), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, np.asarray(run(x, w, ids), np.float32))
+
+
+@pytest.mark.parametrize("shape, fmt_name", [("smollm2-135m", "q4_1"), ("llama-3.2-1b", "mxfp4")])
+def test_fused_decoder_over_packed_weights_matches_reference(shape, fmt_name):
+    """A random model of the shape, attention and MLP packed: fused and reference decode steps agree
+    within bf16 tolerance, and pick the same tokens wherever the reference's top two are not a near-tie."""
+    cfg = model_shape(shape)
+    params = llama.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    if fmt_name in ("mxfp4", "mxfp8", "fp8_block128"):
+        params = quant.quantize_params(params, fmt_name, ["attention", "mlp"])
+    else:  # GGUF formats are read, not made: random codes with small scales
+        rng = rng_for("model", shape, fmt_name)
+        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        layers = params.layers.replace(
+            **{n: random_packed(fmt_name, getattr(params.layers, n).shape, rng) for n in names}
+        )
+        params = params.replace(layers=layers)
+    fused = _decode_logits(cfg, params, "fused", steps=8)
+    reference = _decode_logits(cfg, params, "reference", steps=8)
+    scale = np.abs(reference).max()
+    assert np.abs(fused - reference).max() <= 0.03 * scale, (np.abs(fused - reference).max(), scale)
+    top2 = np.sort(reference, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.02 * scale
+    np.testing.assert_array_equal(fused.argmax(-1)[clear], reference.argmax(-1)[clear])
+    assert f64(fused).std() > 0

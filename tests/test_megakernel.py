@@ -1,0 +1,354 @@
+"""The megakernel's scheduler and interpreter (its executable specification) on the CPU, and a compile
+of its source with nvcc (sm_90a) and hipcc (gfx90a).
+
+`forward(..., kernels="megakernel")` runs the interpreter where there is no GPU, so the model-level
+tests here check the task list's semantics against transformers and against the reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos.checkpoint import load_checkpoint
+from lithos.custom_calls import build
+from lithos.custom_calls.megakernel import (
+    FIELDS,
+    ModelShape,
+    Op,
+    ScheduleError,
+    StepWeights,
+    build_schedule,
+    describe_task,
+    interpret,
+)
+from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import init_cache
+from lithos.models import llama
+
+from .conftest import STRICT, require
+
+SHAPES = {
+    "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=97),
+    "smollm2-like": ModelShape(layers=3, hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=1000),
+    "llama-3.2-1b": ModelShape(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256),
+    "llama-3.1-8b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256),
+}
+
+
+def config_of(shape: ModelShape, window: int | None = None) -> llama.Config:
+    return llama.Config(
+        architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_layers=shape.layers,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        sliding_window=window,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler invariants
+# --------------------------------------------------------------------------------------------
+
+
+def tasks_of(schedule):
+    return [schedule.task(i) for i in range(len(schedule))]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("workers", [1, 7, 132, 264])
+def test_schedule_covers_every_row_once_and_waits_only_backwards(name, workers):
+    shape = SHAPES[name]
+    schedule = build_schedule(shape, workers)
+    tasks = tasks_of(schedule)
+    assert schedule.tasks.shape == (len(tasks), len(FIELDS)) and schedule.tasks.dtype == np.int32
+
+    # Every row group of every matvec stage is computed exactly once.
+    for layer in range(shape.layers + 1):
+        for op in (Op.QKV, Op.O_PROJ, Op.GATE_UP, Op.DOWN, Op.HEAD):
+            mine = [t for t in tasks if t.op == op and t.layer == layer]
+            if layer == shape.layers and op != Op.HEAD or layer < shape.layers and op == Op.HEAD:
+                assert not mine
+                continue
+            covered = np.concatenate([np.arange(t.first, t.first + t.count) for t in mine])
+            np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(op)))
+            assert len(mine) <= max(workers, shape.kv_heads if op == Op.QKV else 1)
+            assert all(t.k_split in (1, 2, 4, 8) and t.count >= 1 for t in mine)
+            if op == Op.QKV:  # a Q/K/V task stays inside one KV group: the attention of that group waits for it
+                per_group = shape.qkv_units_per_group
+                assert all(t.first // per_group == (t.first + t.count - 1) // per_group for t in mine)
+        if layer < shape.layers:
+            splits = sorted((t.first, t.count) for t in tasks if t.op == Op.ATTENTION and t.layer == layer)
+            assert splits == [(g, s) for g in range(shape.kv_heads) for s in range(schedule.max_splits)]
+
+    # Each wait is on a counter signalled only by earlier tasks, exactly as often as the target says
+    # (the attention's second counter is signalled by the last split of each head, after its combine).
+    total = np.zeros(schedule.n_counters, int)  # signals each counter gets over the whole step
+    for t in tasks:
+        total[t.signal_counter] += 1
+        if t.op == Op.ATTENTION and t.count == 0:  # one combine per head signals the stage counter
+            total[t.aux] += 1
+    signalled = np.zeros(schedule.n_counters, int)
+    for index, t in enumerate(tasks):
+        if t.wait_counter >= 0:
+            assert total[t.wait_counter] == t.wait_target, describe_task(schedule, index)
+            assert signalled[t.wait_counter] == t.wait_target, f"{describe_task(schedule, index)} waits on later tasks"
+        signalled[t.signal_counter] += 1
+        if t.op == Op.ATTENTION and signalled[t.signal_counter] == t.arrivals:
+            signalled[t.aux] += 1
+    assert schedule.head_tasks == sum(t.op == Op.HEAD for t in tasks)
+
+
+def simulate_grid(schedule, grid: int) -> int:
+    """Run the task list as the kernel does (block b takes tasks b, b + grid, ...; a block waits on its
+    current task's counter) and return the rounds taken; fails on a deadlock."""
+    tasks = tasks_of(schedule)
+    counters = np.zeros(schedule.n_counters, int)
+    next_task = list(range(grid))
+    rounds = 0
+    while any(i < len(tasks) for i in next_task):
+        progressed = False
+        for block in range(grid):
+            i = next_task[block]
+            if i >= len(tasks):
+                continue
+            t = tasks[i]
+            if t.wait_counter >= 0 and counters[t.wait_counter] < t.wait_target:
+                continue
+            counters[t.signal_counter] += 1
+            if t.op == Op.ATTENTION and counters[t.signal_counter] == t.arrivals:
+                counters[t.aux] += 1
+            next_task[block] += grid
+            progressed = True
+        assert progressed, f"deadlock with a grid of {grid}: blocks wait at {next_task}"
+        rounds += 1
+    return rounds
+
+
+@pytest.mark.parametrize("grid", [1, 2, 5, 64, 100, 131])
+def test_any_grid_size_completes_the_schedule(grid):
+    schedule = build_schedule(SHAPES["smollm2-like"], 64)
+    simulate_grid(schedule, grid)
+
+
+def test_a_task_that_runs_before_its_inputs_is_an_error():
+    schedule = build_schedule(SHAPES["tiny"], 4)
+    rows = schedule.tasks.copy()
+    first_o = next(i for i, t in enumerate(tasks_of(schedule)) if t.op == Op.O_PROJ)
+    rows = np.concatenate([rows[first_o : first_o + 1], np.delete(rows, first_o, axis=0)])
+    broken = dataclasses.replace(schedule, tasks=rows)
+    with pytest.raises(ScheduleError, match="task 0: layer 0 o_proj row groups .* runs before its input"):
+        interpret(broken, *random_step(SHAPES["tiny"], 1, 10, jnp.float32), eps=1e-5)
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_grid(broken, 1)
+
+
+def test_describe_task_names_the_work_and_the_wait():
+    schedule = build_schedule(SHAPES["tiny"], 4)
+    text = [describe_task(schedule, i) for i in range(len(schedule))]
+    assert text[0].startswith("task 0: layer 0 qkv row groups 0..") and text[0].endswith("waits for nothing")
+    assert any("attention KV head 1, split 0; waits for 'layer 0 qkv group 1' >= " in line for line in text)
+    assert text[-1].startswith(f"task {len(schedule) - 1}: head row groups")
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter
+# --------------------------------------------------------------------------------------------
+
+
+def random_step(shape: ModelShape, tokens: int, context: int, dtype, seed: int = 0, max_len: int | None = None):
+    """Random weights, embedded tokens, positions context..context+tokens-1 and a cache whose first
+    `context` positions hold random keys and values (drawn on the default device: 1B shapes too)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    L, D, F, H, KV, d = shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.head_dim
+
+    def rand(*dims, scale=1.0):
+        return (scale * jax.random.normal(next(keys), dims, jnp.float32)).astype(dtype)
+
+    weights = StepWeights(
+        attn_norm=1 + rand(L, D, scale=0.1),
+        wq=rand(L, H * d, D, scale=D**-0.5),
+        wk=rand(L, KV * d, D, scale=D**-0.5),
+        wv=rand(L, KV * d, D, scale=D**-0.5),
+        wo=rand(L, D, H * d, scale=(H * d) ** -0.5),
+        mlp_norm=1 + rand(L, D, scale=0.1),
+        w_gate=rand(L, F, D, scale=D**-0.5),
+        w_up=rand(L, F, D, scale=D**-0.5),
+        w_down=rand(L, D, F, scale=F**-0.5),
+        final_norm=1 + rand(D, scale=0.1),
+        lm_head=rand(shape.vocab, D, scale=D**-0.5),
+    )
+    max_len = max_len or context + tokens + 3
+    filled = (jnp.arange(max_len) < context)[None, None, None, :, None]
+    k_cache = jnp.where(filled, rand(L, 1, KV, max_len, d), 0).astype(dtype)
+    v_cache = jnp.where(filled, rand(L, 1, KV, max_len, d), 0).astype(dtype)
+    inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
+    positions = jnp.arange(context, context + tokens, dtype=jnp.int32)
+    return weights, rand(tokens, D), positions, inv_freq, k_cache, v_cache
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_per_task_and_batched_interpretation_agree(tokens):
+    shape = SHAPES["tiny"]
+    schedule = build_schedule(shape, 6)
+    args = random_step(shape, tokens, 150, jnp.float32)
+    batched = interpret(schedule, *args, eps=1e-5, with_logits=True)
+    single = interpret(schedule, *args, eps=1e-5, with_logits=True, per_task=True)
+    for a, b in zip(batched, single, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("workers", [3, 64])
+def test_interpreter_result_does_not_depend_on_the_task_cut(workers):
+    """More workers means more, smaller tasks and more attention splits: the same step."""
+    shape = SHAPES["tiny"]
+    args = random_step(shape, 4, 700, jnp.float32, seed=3)
+    base = interpret(build_schedule(shape, 1), *args, eps=1e-5, with_logits=True)
+    other = interpret(build_schedule(shape, workers), *args, eps=1e-5, with_logits=True)
+    for a, b in zip(base, other, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def step_logits(cfg, params, kernels, context, new_tokens, seed=0):
+    """Logits of `new_tokens` tokens after a random `context`-token prefix (prefill on the reference path)."""
+    forward = jax.jit(partial(llama.forward, cfg=cfg, kernels=kernels))
+    prefill = jax.jit(partial(llama.forward, cfg=cfg, kernels="reference"))
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, context + new_tokens)), jnp.int32)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + 16, cfg.head_dim, params.embed.dtype)
+    _, cache = prefill(params, tokens[:, :context], jnp.arange(context)[None], cache)
+    positions = jnp.arange(context, context + new_tokens)[None]
+    logits, cache = forward(params, tokens[:, context:], positions, cache)
+    argmax = jax.jit(partial(llama.forward_argmax, cfg=cfg, kernels=kernels))
+    _, cache2 = prefill(params, tokens[:, :context], jnp.arange(context)[None], cache)
+    greedy, _ = argmax(params, tokens[:, context:], positions, cache2)
+    return np.asarray(logits[0]), np.asarray(greedy[0])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_megakernel_path_equals_reference_forward(window, new_tokens):
+    """Float32 weights: the interpreter and the reference differ only in summation order."""
+    cfg = config_of(SHAPES["smollm2-like"], window)
+    params = llama.init_params(cfg, jax.random.key(1), jnp.float32)
+    ref, ref_tokens = step_logits(cfg, params, "reference", 130, new_tokens)
+    mega, mega_tokens = step_logits(cfg, params, "megakernel", 130, new_tokens)
+    np.testing.assert_allclose(mega, ref, atol=2e-4 * np.abs(ref).max(), rtol=1e-4)
+    np.testing.assert_array_equal(mega_tokens, ref_tokens)
+    np.testing.assert_array_equal(mega_tokens, ref.argmax(-1))
+
+
+def test_megakernel_path_in_bf16_within_rounding_of_reference():
+    cfg = config_of(SHAPES["smollm2-like"])
+    params = llama.init_params(cfg, jax.random.key(2), jnp.bfloat16)
+    ref, _ = step_logits(cfg, params, "reference", 100, 4)
+    mega, mega_tokens = step_logits(cfg, params, "megakernel", 100, 4)
+    scale = np.abs(ref).max()
+    assert np.abs(mega - ref).max() <= 0.03 * scale
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.02 * scale
+    np.testing.assert_array_equal(mega_tokens[clear], ref.argmax(-1)[clear])
+
+
+def test_decoder_and_hidden_states_on_the_megakernel_path():
+    cfg = config_of(SHAPES["tiny"])
+    cfg = dataclasses.replace(cfg, head_dim=64, hidden_size=128, num_heads=2, num_kv_heads=1)
+    params = llama.init_params(cfg, jax.random.key(3), jnp.float32)
+    tokens = jnp.asarray([[5, 9, 11]], jnp.int32)
+    positions = jnp.arange(3)[None]
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 8, cfg.head_dim, jnp.float32)
+    ref_h, ref_cache = llama.hidden_states(params, tokens, positions, cache, cfg, "reference")
+    h, mega_cache = llama.hidden_states(params, tokens, positions, cache, cfg, "megakernel")
+    np.testing.assert_allclose(np.asarray(h), np.asarray(ref_h), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(mega_cache.k), np.asarray(ref_cache.k), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(mega_cache.v), np.asarray(ref_cache.v), rtol=1e-4, atol=1e-5)
+
+
+def hf_logits(path, tokens: np.ndarray) -> np.ndarray:
+    transformers = require("transformers")
+    torch = require("torch")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_megakernel_steps_match_transformers(hf_checkpoint, arch, tied):
+    """Decode steps (T = 1) and a verification block (T = 4) through the task list, against transformers."""
+    path = hf_checkpoint(arch, tied)
+    loaded = load_checkpoint(path, dtype="float32")
+    cfg, params = loaded.cfg, loaded.params
+    prefill = jax.jit(partial(llama.forward, cfg=cfg, kernels="reference"))
+    forward = jax.jit(partial(llama.forward, cfg=cfg, kernels="megakernel"))
+    prompt_len, steps, block = 20, 6, 4
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, prompt_len + steps + block))
+    expected = hf_logits(path, tokens)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
+    _, cache = prefill(params, jnp.asarray(tokens[:, :prompt_len]), jnp.arange(prompt_len)[None], cache)
+    for t in range(prompt_len, prompt_len + steps):
+        logits, cache = forward(params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([[t]]), cache)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=2e-4, rtol=1e-4)
+    start = prompt_len + steps
+    logits, _ = forward(params, jnp.asarray(tokens[:, start:]), jnp.arange(start, start + block)[None], cache)
+    np.testing.assert_allclose(np.asarray(logits), expected[:, start:], atol=2e-4, rtol=1e-4)
+
+
+def test_megakernel_generation_equals_reference(hf_checkpoint):
+    """The jitted decode loop and speculative verification (k + 1 positions) on the megakernel path."""
+    path = hf_checkpoint("llama_hd64", tied=False)
+    ref = lithos.load(path, dtype="float32", max_len=128)
+    mega = lithos.load(path, dtype="float32", max_len=128, kernels="megakernel")
+    expected = ref.generate("the quick brown fox", raw=True, max_new_tokens=16).token_ids
+    assert mega.generate("the quick brown fox", raw=True, max_new_tokens=16).token_ids == expected
+    spec = mega.generate("the quick brown fox", raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3)
+    assert spec.token_ids == expected
+
+
+def test_megakernel_rejects_what_it_does_not_implement(hf_checkpoint):
+    with pytest.raises(UnsupportedModelError, match="megakernel kernels do not implement per-head Q/K norms"):
+        lithos.load(hf_checkpoint("qwen3"), dtype="float32", kernels="megakernel")
+    with pytest.raises(UnsupportedModelError, match="head_dim 16"):
+        lithos.load(hf_checkpoint("llama3"), dtype="float32", kernels="megakernel")
+    cfg = config_of(SHAPES["smollm2-like"])
+    params = llama.init_params(cfg, jax.random.key(0), jnp.float32)
+    cache = init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 8, cfg.head_dim, jnp.float32)
+    with pytest.raises(UnsupportedModelError, match="one sequence, got a batch of 2"):
+        llama.forward_argmax(
+            params, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache, cfg, "megakernel"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel source compiles for both vendors
+# --------------------------------------------------------------------------------------------
+
+COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}
+
+
+@pytest.mark.parametrize("platform", sorted(COMPILERS))
+def test_megakernel_source_compiles(platform):
+    """csrc/megakernel.cu and its task headers build for Hopper (nvcc) and for CDNA, wave64 (hipcc)."""
+    name, arch = COMPILERS[platform]
+    if build.find_compiler(platform) is None:
+        reason = f"{name} is not installed ({build.INSTALL_HINT[platform]})"
+        if STRICT:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    library = build.build("megakernel", build.toolchain(platform, arch))
+    symbols = library.read_bytes()
+    assert b"LithosMegakernel" in symbols and b"LithosMegakernelBlocks" in symbols

@@ -1,0 +1,97 @@
+"""The megakernel on a GPU: the kernel against its interpreter (the executable specification) on
+random weights of real model shapes, greedy output against the reference path in the jitted decode
+loop and in speculative verification, and the bounded wait that turns a broken schedule into an
+error instead of a hung GPU. Skipped where jax sees no CUDA or ROCm device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos.custom_calls.megakernel import decode_step, step_schedule
+from lithos.custom_calls.megakernel.kernel import shape_of
+
+from .test_megakernel import SHAPES, random_step
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="the megakernel needs a CUDA or ROCm GPU")
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def run(path: str, args, head: str | None, window: int | None = None):
+    weights, h0, positions, inv_freq, k_cache, v_cache = args
+    # Fresh cache buffers for each path: the kernel updates them in place.
+    k_cache, v_cache = jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True)
+    step = jax.jit(lambda *a: decode_step(*a, eps=1e-5, window=window, head=head, path=path))
+    return jax.block_until_ready(step(weights, h0, positions, inv_freq, k_cache, v_cache))
+
+
+@pytest.mark.parametrize("name", ["smollm2-like", "llama-3.2-1b"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_megakernel_equals_interpreter(name, tokens):
+    shape = SHAPES[name]
+    if name == "llama-3.2-1b" and tokens == 4:
+        shape = dataclasses.replace(shape, layers=4)  # a shorter stack: the same tasks per layer
+    args = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens)
+    kernel = run("ffi", args, head="logits")
+    spec = run("reference", args, head="logits")
+    context, new = 1000, slice(1000, 1000 + tokens)
+    assert relative_error(kernel.h, spec.h) < 2e-2
+    assert relative_error(kernel.logits, spec.logits) < 2e-2
+    for cache, expected, before in ((kernel.k_cache, spec.k_cache, args[4]), (kernel.v_cache, spec.v_cache, args[5])):
+        assert relative_error(cache[:, :, :, new], expected[:, :, :, new]) < 1e-2  # this step's entries
+        np.testing.assert_array_equal(np.asarray(cache[:, :, :, :context]), np.asarray(before[:, :, :, :context]))
+    logits = np.asarray(spec.logits)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.02 * np.abs(logits).max()
+    np.testing.assert_array_equal(np.asarray(kernel.tokens)[clear], logits.argmax(-1)[clear])
+    np.testing.assert_array_equal(np.asarray(kernel.tokens), np.asarray(kernel.logits).argmax(-1))
+
+
+def test_megakernel_decoder_only_and_sliding_window():
+    shape = dataclasses.replace(SHAPES["smollm2-like"], layers=4)
+    args = random_step(shape, 3, 300, jnp.bfloat16, seed=7)
+    kernel, spec = run("ffi", args, head=None, window=100), run("reference", args, head=None, window=100)
+    assert kernel.tokens is None and kernel.logits is None
+    assert relative_error(kernel.h, spec.h) < 2e-2
+
+
+@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window"])
+def test_megakernel_greedy_generation_equals_reference(hf_checkpoint, arch):
+    """The jitted decode loop, and speculative verification of k + 1 positions, on the megakernel."""
+    path = hf_checkpoint(arch, tied=False)
+    ref = lithos.load(path, dtype="bfloat16", max_len=128)
+    mega = lithos.load(path, dtype="bfloat16", max_len=128, kernels="megakernel")
+    for prompt in ("hello", "the quick brown fox jumps"):
+        expected = ref.generate(prompt, raw=True, max_new_tokens=24).token_ids
+        assert mega.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected
+        spec = mega.generate(prompt, raw=True, max_new_tokens=24, spec="ngram", draft_tokens=4)
+        assert spec.token_ids == expected
+
+
+def test_a_stuck_task_ends_in_an_error_not_a_hang(monkeypatch):
+    """A task whose input never arrives: every wait is bounded, the step is abandoned, the handler says so."""
+    shape = dataclasses.replace(SHAPES["smollm2-like"], layers=1)
+    args = random_step(shape, 1, 64, jnp.bfloat16)
+    schedule = step_schedule(shape_of(args[0], args[4]), 1, True)
+    rows = schedule.tasks.copy()
+    rows[-1, 6] += 1000  # the last head task waits for signals that never come
+    broken = dataclasses.replace(schedule, tasks=rows)
+    monkeypatch.setenv("LITHOS_MEGAKERNEL_SYNC", "1")
+    from lithos.custom_calls.megakernel import kernel as mk
+
+    monkeypatch.setattr(mk, "step_schedule", lambda *a, **k: broken)
+    with pytest.raises(Exception, match=rf"megakernel task {len(rows) - 1} waited"):
+        run("ffi", args, head="argmax")
+    monkeypatch.undo()
+    # The GPU is usable afterwards and the next step is right.
+    assert relative_error(run("ffi", args, head="argmax").h, run("reference", args, head="argmax").h) < 2e-2

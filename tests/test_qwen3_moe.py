@@ -1,0 +1,166 @@
+"""Qwen3-MoE against transformers: a tiny random checkpoint saved by transformers (per-expert tensors,
+one dense layer among MoE layers, renormalised top-k), loaded through lithos.load; logits after
+prefill and decode, greedy generation, a decode step that reads only the routed experts, the layer
+rule of mlp_only_layers / decoder_sparse_step, and the floor's bytes for the Qwen3-30B-A3B shape."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos import bench
+from lithos.checkpoint import load_checkpoint
+from lithos.kv_cache import init_cache
+from lithos.models import qwen3_moe
+
+from .conftest import byte_tokenizer, require
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],  # layers 0 and 2 are MoE, layer 1 dense
+)
+
+# Jitted once for the module, so tests of the same shapes share their compilations.
+forward = jax.jit(qwen3_moe.forward, static_argnames=("cfg", "kernels"))
+routed_experts = jax.jit(qwen3_moe.routed_experts, static_argnames=("cfg", "kernels"))
+PROMPT, CACHE = 10, 32  # prompt length and cache size of every test that prefills
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory of a tiny Qwen3-MoE checkpoint saved by transformers, the transformers model)."""
+    transformers = require("transformers")
+    torch = require("torch")
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    tok = byte_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPE
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed" in name:
+                p.copy_(torch.randn_like(p))
+            else:  # larger than the default init: decisive routing, attention that picks, spread logits
+                p.copy_((0.5 if "gate.weight" in name or "lm_head" in name else 0.2) * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path, model
+
+
+def test_checkpoint_layout(checkpoint):
+    path, _ = checkpoint
+    from safetensors import safe_open
+
+    with safe_open(next(path.glob("*.safetensors")), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names  # per-expert, as released checkpoints
+    cfg = load_checkpoint(path, dtype="float32").cfg
+    assert cfg.moe_layers == (0, 2) and cfg.dense_layers == (1,) and cfg.norm_topk_prob
+
+
+def test_prefill_and_decode_match_transformers(checkpoint):
+    torch = require("torch")
+    path, model = checkpoint
+    ck = load_checkpoint(path, dtype="float32")
+    cfg, params = ck.cfg, ck.params
+    assert params.experts.gate_up.shape == (2, 8, 64, 64) and params.dense.w_up.shape == (1, 96, 64)
+    prompt_len, steps = PROMPT, 6
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, prompt_len + steps))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    assert expected.std() > 0.5
+
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, CACHE, cfg.head_dim, jnp.float32)
+    logits, cache = forward(params, jnp.asarray(tokens[:, :prompt_len]), jnp.arange(prompt_len)[None], cache, cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected[:, :prompt_len], atol=1e-4, rtol=1e-4)
+    for t in range(prompt_len, prompt_len + steps):
+        logits, cache = forward(params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([[t]]), cache, cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    torch = require("torch")
+    path, model = checkpoint
+    lm = lithos.load(path, dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+
+
+@pytest.mark.parametrize("kernels,dtype", [("reference", jnp.float32), ("fused", jnp.bfloat16)])
+def test_decode_step_reads_only_routed_experts(checkpoint, kernels, dtype):
+    """Every expert the step's routers did not pick gets NaN weights: the logits stay the same."""
+    path, _ = checkpoint
+    ck = load_checkpoint(path, dtype=jnp.dtype(dtype).name)  # the expert kernel takes bf16
+    cfg, params = ck.cfg, ck.params
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, PROMPT + 1)))
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, CACHE, cfg.head_dim, dtype)
+    _, cache = forward(params, tokens[:, :PROMPT], jnp.arange(PROMPT)[None], cache, cfg)
+    last, position = tokens[:, PROMPT:], jnp.array([[PROMPT]])
+    routed = np.asarray(routed_experts(params, last, position, cache, cfg))[:, 0]  # [layers, k]
+    assert (routed[1] == -1).all() and (routed[[0, 2]] >= 0).all()  # layer 1 is dense
+
+    keep = np.zeros((2, cfg.num_experts), bool)
+    for slot, layer in enumerate(cfg.moe_layers):
+        keep[slot, routed[layer]] = True
+    mask = jnp.asarray(~keep)[:, :, None, None]
+    experts = params.experts
+    poisoned = params.replace(
+        experts=experts.replace(
+            gate_up=jnp.where(mask, jnp.nan, experts.gate_up), down=jnp.where(mask, jnp.nan, experts.down)
+        )
+    )
+    step = partial(forward, cfg=cfg, kernels=kernels)
+    clean, _ = step(params, last, position, cache)
+    logits, _ = step(poisoned, last, position, cache)
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(clean))
+    keep[0, routed[0, 0]] = False  # now a routed expert is poisoned too: the check can fail
+    broken = experts.replace(gate_up=jnp.where(jnp.asarray(~keep)[:, :, None, None], jnp.nan, experts.gate_up))
+    assert np.isnan(np.asarray(step(params.replace(experts=broken), last, position, cache)[0])).all()
+
+
+def test_moe_layers_follow_transformers_rule():
+    transformers = require("transformers")
+    for extra in (dict(decoder_sparse_step=2, mlp_only_layers=[]), dict(decoder_sparse_step=1, mlp_only_layers=[0, 3])):
+        hf_config = transformers.Qwen3MoeConfig(**(SHAPE | dict(num_hidden_layers=4) | extra))
+        model = transformers.Qwen3MoeForCausalLM(hf_config)
+        expected = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+        cfg = qwen3_moe.config_from_hf(hf_config.to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]})
+        assert cfg.moe_layers == expected and set(cfg.dense_layers) == set(range(4)) - set(expected)
+        shapes = qwen3_moe.param_shapes(cfg)
+        assert shapes["experts.gate_up"][0] == len(expected) and shapes["dense.w_gate"][0] == 4 - len(expected)
+
+
+def test_qwen3_30b_a3b_floor_counts_eight_of_128_experts():
+    cfg = bench.model_shape("qwen3-30b-a3b")
+    assert (cfg.num_layers, cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (48, 128, 8, 768)
+    assert cfg.moe_layers == tuple(range(48)) and cfg.norm_topk_prob
+    params = jax.eval_shape(partial(qwen3_moe.init_params, cfg, dtype=jnp.bfloat16), jax.random.key(0))
+    D, F, V, q, kv, L = 2048, 768, 151936, 32 * 128, 4 * 128, 48
+    attention = 2 * (2 * q * D + 2 * kv * D + 2 * 128 + 2 * D)
+    router, expert = 2 * 128 * D, 2 * 3 * F * D
+    total = L * (attention + router + 128 * expert) + 2 * (2 * V * D) + 2 * D
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) == total  # about 61 GB
+    assert bench.weight_bytes_read(params, cfg) == L * (attention + router + 8 * expert) + 2 * V * D + 2 * D + 2 * D

@@ -252,9 +252,10 @@ class Params:
     lm_head: jax.Array | None = None  # [vocab, hidden]; None when tied to `embed`
 
 
-def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Shape of every parameter, keyed by its field path (`layers.wq`), for loaders and init."""
-    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+def attention_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Shapes of what every decoder family here shares: embeddings, norms, attention (with the
+    biases and Q/K norms `cfg.qkv_bias`, `cfg.o_bias`, `cfg.qk_norm` ask for) and an untied LM head."""
+    L, D = cfg.num_layers, cfg.hidden_size
     shapes = {
         "embed": (cfg.vocab_size, D),
         "final_norm": (D,),
@@ -264,9 +265,6 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         "layers.wv": (L, cfg.kv_size, D),
         "layers.wo": (L, D, cfg.q_size),
         "layers.mlp_norm": (L, D),
-        "layers.w_gate": (L, F, D),
-        "layers.w_up": (L, F, D),
-        "layers.w_down": (L, D, F),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, D)
@@ -276,6 +274,14 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         shapes["layers.bo"] = (L, D)
     if cfg.qk_norm:
         shapes |= {"layers.q_norm": (L, cfg.head_dim), "layers.k_norm": (L, cfg.head_dim)}
+    return shapes
+
+
+def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter, keyed by its field path (`layers.wq`), for loaders and init."""
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    shapes = attention_param_shapes(cfg)
+    shapes |= {"layers.w_gate": (L, F, D), "layers.w_up": (L, F, D), "layers.w_down": (L, D, F)}
     if cfg.mlp_bias:
         shapes |= {"layers.b_gate": (L, F), "layers.b_up": (L, F), "layers.b_down": (L, D)}
     return shapes

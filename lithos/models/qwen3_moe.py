@@ -76,6 +76,14 @@ class Config:
         return True
 
     @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -195,28 +203,8 @@ class Params:
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Shape of every parameter, keyed by its field path (`layers.wq`, `experts.gate_up`, `dense.w_up`)."""
-    L, D = cfg.num_layers, cfg.hidden_size
-    shapes = {
-        "embed": (cfg.vocab_size, D),
-        "final_norm": (D,),
-        "layers.attn_norm": (L, D),
-        "layers.wq": (L, cfg.q_size, D),
-        "layers.wk": (L, cfg.kv_size, D),
-        "layers.wv": (L, cfg.kv_size, D),
-        "layers.wo": (L, D, cfg.q_size),
-        "layers.q_norm": (L, cfg.head_dim),
-        "layers.k_norm": (L, cfg.head_dim),
-        "layers.mlp_norm": (L, D),
-    }
-    if cfg.attention_bias:
-        shapes |= {
-            "layers.bq": (L, cfg.q_size),
-            "layers.bk": (L, cfg.kv_size),
-            "layers.bv": (L, cfg.kv_size),
-            "layers.bo": (L, D),
-        }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, D)
+    D = cfg.hidden_size
+    shapes = llama.attention_param_shapes(cfg)
     if cfg.moe_layers:
         shapes |= moe.expert_shapes(len(cfg.moe_layers), cfg.num_experts, D, cfg.moe_intermediate_size, biases=False)
     if cfg.dense_layers:

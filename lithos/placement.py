@@ -569,9 +569,14 @@ class Collective:
     op_name: str  # the jax operation it came from
 
     @property
+    def array_sizes(self) -> list[int]:
+        """Elements of each array in the result (one, or a tuple's members)."""
+        return [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]", self.type)]
+
+    @property
     def elements(self) -> int:
         """Elements in the result (summed over a tuple's members)."""
-        return sum(math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]", self.type))
+        return sum(self.array_sizes)
 
 
 def collectives(hlo_text: str) -> list[Collective]:

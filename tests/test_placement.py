@@ -164,4 +164,6 @@ def test_fused_kernels_per_gpu_decode_as_one_gpu(hf_checkpoint, overlap):
     found = collectives(lowered.compile().as_text())
     assert {c.kind for c in found} <= {"all-reduce", "all-gather", "collective-permute"}, found
     hidden = split.cfg.hidden_size
-    assert all(c.elements <= hidden for c in found), found  # hidden states and (logit, id) pairs, never a weight
+    # Hidden states and (logit, id) pairs, never a weight. XLA's GPU combiners merge small collectives into
+    # one tuple-shaped instruction, so each array is checked, not their sum.
+    assert all(max(c.array_sizes) <= hidden for c in found), found

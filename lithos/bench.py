@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from lithos import decode
 from lithos.errors import LithosError
-from lithos.kv_cache import CACHE_DTYPES, cache_dtype, init_cache, is_fp8
+from lithos.kv_cache import CACHE_DTYPES, cache_dtype, init_cache, is_fp8, ring_for
 from lithos.models import family_for_architecture
 from lithos.quant import bytes_by_format, quantize_params
 from lithos.sampling import SamplingParams
@@ -142,10 +142,13 @@ def time_decode_steps(
     (with `placement`, params already placed by it and the cache split the same way), the cache
     holding `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the weights' dtype)."""
     dtype = cache_dtype(kv_cache_dtype, params.embed.dtype)
+    # A model whose every layer is windowed decodes from its ring, as lithos.Model does (lithos.kv_cache).
+    window = family_for_architecture(cfg.architecture).cache_window(cfg)
     if placement is not None:
+        placement = dataclasses.replace(placement, ring=ring_for(context + steps, window))
         cache = placement.init_cache(1, context + steps, dtype)
     else:
-        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype)
+        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype, window=window)
     if cache.quantized:
         # No prefill sets this cache's scales: scales of 1 stand in (step time does not depend on values).
         cache = cache.replace(k_scale=jnp.ones_like(cache.k_scale), v_scale=jnp.ones_like(cache.v_scale))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lithos.kv_cache import KVCache
+from lithos.kv_cache import KVCache, prompt_positions
 from lithos.models import family_of
 from lithos.sampling import SamplingParams, sample
 
@@ -90,8 +90,7 @@ def prefill(
     Returns the decode state, the first tokens `[B]` and their logits `[B, vocab]` (float32).
     """
     family = family_of(cfg)
-    batch, bucket = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+    positions = prompt_positions(lengths, tokens.shape[1])
     # Prefill is one large matrix product per weight, which XLA does well; the fused kernels are
     # built for 1..16 new tokens (decode and verification), so prefill takes the reference path.
     h, cache = family.hidden_states(params, tokens, positions, cache, cfg, kernels="reference")

@@ -26,7 +26,7 @@ import numpy as np
 from lithos import decode
 from lithos.checkpoint import LoadedCheckpoint, load_checkpoint
 from lithos.errors import CacheFullError, LithosError
-from lithos.kv_cache import cache_dtype, init_cache, is_fp8
+from lithos.kv_cache import cache_dtype, init_cache, is_fp8, ring_for
 from lithos.placement import DeviceLayout, Placement, make_placement
 from lithos.sampling import SamplingParams
 
@@ -117,7 +117,10 @@ class Model:
                 "overlap=True schedules the fused kernels' per-device reductions; the reference path is "
                 "partitioned by XLA: pass kernels='fused' (--kernels fused) or leave overlap off"
             )
-        family_of(checkpoint.cfg).check_kernel_path(kernels, checkpoint.cfg)
+        family = family_of(checkpoint.cfg)
+        family.check_kernel_path(kernels, checkpoint.cfg)
+        # A model whose every layer is windowed keeps a ring of window + K - 1 slots (lithos.kv_cache).
+        self.cache_window = family.cache_window(checkpoint.cfg)
         # What the KV cache holds: the weights' dtype by default, or FP8 codes with per-head scales.
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, checkpoint.params.embed.dtype)
         if is_fp8(self.kv_cache_dtype):
@@ -131,6 +134,7 @@ class Model:
         if placement is not None:
             if placement.source_cfg != checkpoint.cfg:
                 raise LithosError("the placement was made for another model's config: make it from this checkpoint")
+            placement = dataclasses.replace(placement, ring=ring_for(max_len, self.cache_window))
             # The checkpoint as placed; the unplaced copy is dropped so that its memory is freed.
             checkpoint = dataclasses.replace(
                 checkpoint, cfg=placement.cfg, params=placement.put_params(checkpoint.params)
@@ -208,7 +212,8 @@ class Model:
         cfg = self.cfg
         dtype = self.kv_cache_dtype
         if self.placement is None:
-            cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype)
+            dims = (cfg.num_layers, batch, cfg.num_kv_heads, self.max_len, cfg.head_dim)
+            cache = init_cache(*dims, dtype, window=self.cache_window)
         else:
             cache = self.placement.init_cache(batch, self.max_len, dtype)
         prefill, _ = decode.programs(self.placement)

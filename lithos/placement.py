@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lithos.errors import LithosError
-from lithos.kv_cache import FP8, KVCache, init_cache, is_fp8
+from lithos.kv_cache import FP8, KVCache, Ring, init_cache, is_fp8
 from lithos.models import family_of
 from lithos.quant import format_name, is_quantized
 from lithos.tensor_parallel import TP, TensorParallel
@@ -244,8 +244,9 @@ class Placement:
     that was needed; identical to `source_cfg` otherwise): decode with it. `overlap` picks the
     schedule of the per-layer reductions in a per-device step (`shard_step`): one all-reduce each,
     or a collective matmul (lithos.tensor_parallel). `fp8_cache`: the KV cache holds FP8 codes plus
-    scales (lithos.kv_cache), which split by KV head like the cache. Hashable, so jitted programs
-    can be cached per placement.
+    scales (lithos.kv_cache), which split by KV head like the cache. `ring`: the KV cache is that ring
+    (lithos.kv_cache.ring_for; None: linear), a static part of the cache pytree its shardings must match.
+    Hashable, so jitted programs can be cached per placement.
     """
 
     mesh: Mesh
@@ -256,6 +257,7 @@ class Placement:
     layout: DeviceLayout = DeviceLayout()
     overlap: bool = False
     fp8_cache: bool = False
+    ring: Ring | None = None
 
     @property
     def tp(self) -> int:
@@ -308,9 +310,9 @@ class Placement:
         family = family_of(self.cfg)
         s = self.sharding(family.CACHE_AXES)
         if not self.fp8_cache:
-            return KVCache(k=s, v=s)
+            return KVCache(k=s, v=s, ring=self.ring)
         scales = self.sharding(family.CACHE_SCALE_AXES)
-        return KVCache(k=s, v=s, k_scale=scales, v_scale=scales)
+        return KVCache(k=s, v=s, k_scale=scales, v_scale=scales, ring=self.ring)
 
     def put_params(self, params: Any) -> Any:
         """Place a checkpoint's params (on any device, or host arrays): lay out their heads and FFN
@@ -321,13 +323,19 @@ class Placement:
         return family.params_from_flat(flat)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> KVCache:
-        """An empty KV cache `[layers, batch, kv_heads, max_len, head_dim]`, allocated already split
-        (no device ever holds the whole of it). `dtype` "fp8" needs a placement made with `fp8_cache`."""
+        """An empty KV cache `[layers, batch, kv_heads, slots, head_dim]` for sequences of up to `max_len`
+        positions (a ring when the placement has one), allocated already split (no device ever holds the
+        whole of it). `dtype` "fp8" needs a placement made with `fp8_cache`."""
         fp8 = is_fp8(dtype)
         if fp8 != self.fp8_cache:
             raise LithosError(
                 f"this placement lays out a {'FP8' if self.fp8_cache else 'float'} KV cache, not {dtype}: "
                 f"use dataclasses.replace(placement, fp8_cache={fp8})"
+            )
+        if self.ring is not None and self.ring.max_len != max_len:
+            raise LithosError(
+                f"this placement lays out a ring KV cache for max_len {self.ring.max_len}, not {max_len}: use "
+                "dataclasses.replace(placement, ring=lithos.kv_cache.ring_for(max_len, window))"
             )
         return _cache_initializer(self, batch, max_len, FP8 if fp8 else jnp.dtype(dtype).name)()
 
@@ -482,9 +490,10 @@ def _lookup(params: Any, name: str) -> Any:
 
 @functools.cache
 def _cache_initializer(placement: Placement, batch: int, max_len: int, dtype: str) -> Callable[[], KVCache]:
-    c = placement.cfg
+    c, ring = placement.cfg, placement.ring
     dtype = dtype if is_fp8(dtype) else jnp.dtype(dtype)
-    make = functools.partial(init_cache, c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype)
+    layout = {} if ring is None else dict(window=ring.window, step_tokens=ring.step_tokens)
+    make = functools.partial(init_cache, c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype, **layout)
     return jax.jit(make, out_shardings=placement.cache_shardings())
 
 

@@ -6,7 +6,9 @@ combine. It reads, per KV head, only the keys some query can see, positions bein
 the same compiled step serves a 1K context and a 1M one.
 
 The cache is bf16, or FP8 E4M3 codes (u8) with per-(layer, KV head) scales `[layers, 1, kv_heads]`
-f32 (lithos.kv_cache); the reference dequantises those exactly (lithos.quant.kv.dequantize_kv).
+f32 (lithos.kv_cache); the reference dequantises those exactly (lithos.quant.kv.dequantize_kv). It is
+linear (key position p in slot p) or a ring (`ring`: slot p % slots, holding the newest `slots`
+positions, this call's own keys included: qkv_rope_append stores them first).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lithos.custom_calls.dispatch import (
     at_layer,
     call_kernel,
     check_cache_scales,
+    check_ring,
     check_tokens,
     dispatch,
     layer_index,
@@ -32,6 +35,7 @@ from lithos.custom_calls.dispatch import (
 from lithos.custom_calls.launch import launch_attributes, length_bucket
 from lithos.custom_calls.numerics import HIGHEST, f32
 from lithos.errors import LithosError
+from lithos.kv_cache import slot_positions
 from lithos.quant.kv import dequantize_kv
 
 # Rows of the kernel's scratch: it cuts the cache into at most this many splits per KV head.
@@ -39,20 +43,21 @@ MAX_SPLITS = 64
 
 
 def _cache_layer(cache, scale, layer):
-    """One layer of the cache, batch 0, in f32 `[kv_heads, max_len, head_dim]`; FP8 codes dequantised."""
+    """One layer of the cache, batch 0, in f32 `[kv_heads, slots, head_dim]`; FP8 codes dequantised."""
     values = at_layer(cache, layer)[0]
     return f32(values) if scale is None else dequantize_kv(values, at_layer(scale, layer)[0])
 
 
-def _reference(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window):
-    keys = _cache_layer(k_cache, k_scale, layer)  # [kv_heads, max_len, head_dim]
+def _reference(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window, ring):
+    keys = _cache_layer(k_cache, k_scale, layer)  # [kv_heads, slots, head_dim]
     values = _cache_layer(v_cache, v_scale, layer)
     tokens, heads, head_dim = q.shape
-    kv_heads, max_len = keys.shape[:2]
+    kv_heads, slots = keys.shape[:2]
     qg = f32(q).reshape(tokens, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("tkgd,ksd->tkgs", qg, keys, precision=HIGHEST) / math.sqrt(head_dim)
-    key_pos = jnp.arange(max_len)
-    visible = key_pos[None, :] <= positions[:, None]  # [T, S]
+    # The key position each slot holds (< 0: never written); a ring's newest is the last query's own.
+    key_pos = slot_positions(jnp.max(positions), slots) if ring else jnp.arange(slots)
+    visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= positions[:, None])  # [T, S]
     if window:
         visible &= key_pos[None, :] > positions[:, None] - window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
@@ -63,7 +68,7 @@ def _reference(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, windo
     return out.reshape(tokens, heads, head_dim).astype(q.dtype)
 
 
-def _kernel(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window, launch):
+def _kernel(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window, ring, launch):
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     rows = tokens * (heads // kv_heads)
@@ -87,6 +92,7 @@ def _kernel(q, k_cache, v_cache, positions, layer, k_scale, v_scale, *, window, 
         positions,
         layer,
         window=np.int64(window),
+        ring=bool(ring),
         **attrs,
     )
     return out
@@ -100,17 +106,20 @@ def decode_attention(
     *,
     layer: int | jax.Array | None = None,
     sliding_window: int | None = None,
+    ring: bool = False,
     path: str = "auto",
     launch: Mapping[str, int] | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of queries q `[tokens, heads, head_dim]` at `positions` `[tokens]` (int32) over one
-    layer of the cache: k_cache, v_cache `[layers, 1, kv_heads, max_len, head_dim]` with `layer`, or
-    `[1, kv_heads, max_len, head_dim]`. A query at position p sees keys at positions <= p (and
-    > p - sliding_window). Returns `[tokens, heads, head_dim]` in q's dtype. `launch` fixes the split
-    plan's parameters (see launch.py); by default the tuning table's. An FP8 cache (u8 codes) comes with
-    `k_scale`, `v_scale` `[layers, 1, kv_heads]` (or `[1, kv_heads]`) f32."""
+    layer of the cache: k_cache, v_cache `[layers, 1, kv_heads, slots, head_dim]` with `layer`, or
+    `[1, kv_heads, slots, head_dim]`. A query at position p sees keys at positions <= p (and
+    > p - sliding_window). `ring`: key position p lives in slot p % slots (lithos.kv_cache), which
+    needs a window with sliding_window + tokens - 1 <= slots. Returns `[tokens, heads, head_dim]` in
+    q's dtype. `launch` fixes the split plan's parameters (see launch.py); by default the tuning
+    table's. An FP8 cache (u8 codes) comes with `k_scale`, `v_scale` `[layers, 1, kv_heads]` (or
+    `[1, kv_heads]`) f32."""
     k_cache = stacked("k_cache", k_cache, 4, layer)
     v_cache = stacked("v_cache", v_cache, 4, layer)
     k_scale, v_scale = check_cache_scales("decode_attention", k_cache, k_scale, v_scale, layer)
@@ -123,6 +132,7 @@ def decode_attention(
     if positions.shape != (q.shape[0],):
         raise LithosError(f"decode_attention: positions must be [{q.shape[0]}], got {list(positions.shape)}")
     window = int(sliding_window or 0)
+    check_ring("decode_attention", ring, window, q.shape[0], k_cache.shape[3])
 
     def check():
         check_tokens("decode_attention", q.shape[0])
@@ -138,8 +148,8 @@ def decode_attention(
 
     return dispatch(
         path,
-        functools.partial(_reference, window=window),
-        functools.partial(_kernel, window=window, launch=launch),
+        functools.partial(_reference, window=window, ring=ring),
+        functools.partial(_kernel, window=window, ring=ring, launch=launch),
         q,
         k_cache,
         v_cache,

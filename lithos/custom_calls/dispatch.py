@@ -32,18 +32,14 @@ def _gpu_platform() -> str | None:
     return gpu_platform()
 
 
-def dispatch(
-    path: str, reference: Callable, kernel: Callable, *args: Any, check: Callable[[], None] = lambda: None
-):
+def dispatch(path: str, reference: Callable, kernel: Callable, *args: Any, check: Callable[[], None] = lambda: None):
     """Run `reference(*args)` or `kernel(*args)` as `path` says; `check` validates kernel-only limits
     (e.g. at most 16 query positions) wherever the kernel may run."""
     if path == "reference":
         return reference(*args)
     if path == "ffi":
         if _gpu_platform() is None:
-            raise LithosError(
-                "path='ffi' needs a CUDA or ROCm GPU and jax sees none; use 'auto' or 'reference'"
-            )
+            raise LithosError("path='ffi' needs a CUDA or ROCm GPU and jax sees none; use 'auto' or 'reference'")
         check()
         return kernel(*args)
     if path == "auto":
@@ -119,6 +115,24 @@ def check_tokens(op: str, tokens: int, limit: int = 16) -> None:
         raise LithosError(
             f"{op}: the fused kernels take 1..{limit} query positions (a decode step or k+1 to verify), got "
             f"{tokens}; run prefill with kernels='reference'"
+        )
+
+
+def cache_slots(positions: jax.Array, slots: int, ring: bool) -> jax.Array:
+    """Where the kernels store `positions` in a cache of `slots` entries: position % slots in a ring
+    (lithos.kv_cache), the position itself in a linear cache; negative positions and, in a linear
+    cache, positions past its end map to `slots`, which a scatter with mode="drop" discards."""
+    inside = positions >= 0 if ring else (positions >= 0) & (positions < slots)
+    return jnp.where(inside, positions % slots, slots)
+
+
+def check_ring(op: str, ring: bool, window: int, tokens: int, slots: int) -> None:
+    """A ring holds the newest `slots` positions only: every query's window must lie within them."""
+    if ring and not (window >= 1 and window + tokens - 1 <= slots):
+        raise LithosError(
+            f"{op}: a ring cache of {slots} slots holds the newest {slots} positions only, so {tokens} queries "
+            f"need a sliding window W with W + {tokens} - 1 <= {slots}, got sliding_window={window or None}: make "
+            f"the cache with lithos.kv_cache.init_cache(..., window=W, step_tokens={tokens})"
         )
 
 

@@ -231,7 +231,7 @@ def packed_gate_up_silu(
 # --------------------------------------------------------------------------------------------
 
 
-def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps, ring):
     wq, wk, wv = (values_f32(weight_at_layer(w, layer)) for w in (wq, wk, wv))
     return qkv_rope_append(
         h,
@@ -245,11 +245,12 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
         v_cache,
         layer=layer,
         eps=eps,
+        ring=ring,
         path="reference",
     )
 
 
-def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps):
+def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps, ring):
     head_dim = k_cache.shape[4]
     out_types = [
         jax.ShapeDtypeStruct((h.shape[0], wq.shape[-2] // head_dim, head_dim), h.dtype),
@@ -273,6 +274,7 @@ def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache,
             v_cache,
             aliases={14: 1, 15: 2},
             eps=np.float32(eps),
+            ring=bool(ring),
         )
     )
 
@@ -290,19 +292,19 @@ def packed_qkv_rope_append(
     *,
     layer: int | jax.Array | None = None,
     eps: float = 1e-5,
+    ring: bool = False,
     path: str = "auto",
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """As `qkv_rope_append` (same shapes and cache update in place), with wq, wk, wv all bf16 or all
-    packed in one format: returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). An FP8 cache
+    """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv all bf16 or
+    all packed in one format: returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). An FP8 cache
     (`k_scale`, `v_scale`) goes with bf16 weights only."""
     packed = [isinstance(w, QuantizedArray) for w in (wq, wk, wv)]
     if not any(packed):
+        options = dict(layer=layer, eps=eps, ring=ring, path=path)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
-        return qkv_rope_append(
-            h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer=layer, eps=eps, path=path, **scales
-        )
+        return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
     if not all(packed):
         raise LithosError("packed_qkv_rope_append: wq, wk and wv must all be packed (or all bf16)")
     if k_scale is not None or v_scale is not None:
@@ -335,8 +337,8 @@ def packed_qkv_rope_append(
 
     return dispatch(
         path,
-        functools.partial(_qkv_reference, eps=eps),
-        functools.partial(_qkv_kernel, eps=eps),
+        functools.partial(_qkv_reference, eps=eps, ring=ring),
+        functools.partial(_qkv_kernel, eps=eps, ring=ring),
         h,
         norm_weight,
         wq,

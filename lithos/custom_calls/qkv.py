@@ -2,7 +2,9 @@
 RMSNorm -> Q, K, V projections -> rotary positions on Q and K -> K and V written into the cache.
 
 The caches are updated in place: the kernel's cache outputs alias its cache inputs, so under `jit`
-with the caches donated (or carried through a `scan`/`while_loop`) no copy is made. An FP8 cache
+with the caches donated (or carried through a `scan`/`while_loop`) no copy is made. A linear cache
+stores position p in slot p (positions past its end are dropped), a ring (`ring`, lithos.kv_cache)
+in slot p % slots. An FP8 cache
 (lithos.kv_cache: u8 codes with scales `[layers, 1, kv_heads]`) gets the codes of K / scale and
 V / scale, the scales being read, never changed (prefill set them).
 """
@@ -17,6 +19,7 @@ import numpy as np
 
 from lithos.custom_calls.dispatch import (
     at_layer,
+    cache_slots,
     call_kernel,
     check_cache_scales,
     check_tokens,
@@ -39,7 +42,9 @@ def _stored(new, cache, scale, layer):
     return quantize_kv(new.swapaxes(0, 1), at_layer(scale, layer)[0]).swapaxes(0, 1)
 
 
-def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps):
+def _reference(
+    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, ring
+):
     tokens = h.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
     x = rms_normalize(h, at_layer(norm_weight, layer), eps)
@@ -48,14 +53,17 @@ def _reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, 
     v = project(x, at_layer(wv, layer)).reshape(tokens, kv_heads, head_dim)
     q = rotate(q, positions, inv_freq)
     k = rotate(k, positions, inv_freq)
-    # A layer index into a cache with one layer (shared) is 0; positions past max_len are dropped.
+    # A layer index into a cache with one layer (shared) is 0.
     cache_layer = layer if k_cache.shape[0] > 1 else 0
-    k_cache = k_cache.at[cache_layer, 0, :, positions].set(_stored(k, k_cache, k_scale, layer), mode="drop")
-    v_cache = v_cache.at[cache_layer, 0, :, positions].set(_stored(v, v_cache, v_scale, layer), mode="drop")
+    slots = cache_slots(positions, k_cache.shape[3], ring)
+    k_cache = k_cache.at[cache_layer, 0, :, slots].set(_stored(k, k_cache, k_scale, layer), mode="drop")
+    v_cache = v_cache.at[cache_layer, 0, :, slots].set(_stored(v, v_cache, v_scale, layer), mode="drop")
     return q.astype(h.dtype), k_cache, v_cache
 
 
-def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, launch):
+def _kernel(
+    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, ring, launch
+):
     head_dim = k_cache.shape[4]
     dims = {"hidden": h.shape[1], "heads": wq.shape[1] // head_dim, "kv_heads": k_cache.shape[2], "head_dim": head_dim}
     attrs = launch_attributes("qkv_rope_append", dims, h.shape[0], launch)
@@ -83,6 +91,7 @@ def _kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_c
             *(() if k_scale is None else (k_scale, v_scale)),
             aliases={8: 1, 9: 2},
             eps=np.float32(eps),
+            ring=bool(ring),
             **attrs,
         )
     )
@@ -101,6 +110,7 @@ def qkv_rope_append(
     *,
     layer: int | jax.Array | None = None,
     eps: float = 1e-5,
+    ring: bool = False,
     path: str = "auto",
     launch: Mapping[str, int] | None = None,
     k_scale: jax.Array | None = None,
@@ -108,8 +118,9 @@ def qkv_rope_append(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries for `h` `[tokens, hidden]` at `positions` `[tokens]` (int32), with K and V written into
     the caches. Weights `[out, hidden]` or stacked `[layers, out, hidden]` (norm `[hidden]` or
-    `[layers, hidden]`); caches `[layers, 1, kv_heads, max_len, head_dim]`; inv_freq `[head_dim/2]`
-    float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`, k_cache, v_cache).
+    `[layers, hidden]`); caches `[layers, 1, kv_heads, slots, head_dim]`, linear or (`ring`) a ring;
+    inv_freq `[head_dim/2]` float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`,
+    k_cache, v_cache).
     `launch` fixes the kernel's launch parameters (see launch.py); by default the tuning table's. An FP8
     cache (u8 codes) comes with `k_scale`, `v_scale` `[layers, 1, kv_heads]` f32, set (> 0) beforehand."""
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
@@ -119,14 +130,11 @@ def qkv_rope_append(
     k_scale, v_scale = check_cache_scales("qkv_rope_append", k_cache, k_scale, v_scale, layer)
     head_dim, kv_heads = k_cache.shape[4], k_cache.shape[2]
     if h.ndim != 2 or wq.shape[2] != h.shape[1] or wq.shape[1] % head_dim != 0:
-        raise LithosError(
-            f"qkv_rope_append: h {list(h.shape)} and wq {list(wq.shape)} do not fit head_dim {head_dim}"
-        )
+        raise LithosError(f"qkv_rope_append: h {list(h.shape)} and wq {list(wq.shape)} do not fit head_dim {head_dim}")
     kv_shape = (kv_heads * head_dim, h.shape[1])
     if wk.shape != wv.shape or wk.shape[1:] != kv_shape or v_cache.shape != k_cache.shape:
         raise LithosError(
-            f"qkv_rope_append: wk {list(wk.shape)} / wv {list(wv.shape)} do not fit the cache "
-            f"{list(k_cache.shape)}"
+            f"qkv_rope_append: wk {list(wk.shape)} / wv {list(wv.shape)} do not fit the cache {list(k_cache.shape)}"
         )
     if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
         raise LithosError(f"qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
@@ -148,8 +156,8 @@ def qkv_rope_append(
 
     return dispatch(
         path,
-        functools.partial(_reference, eps=eps),
-        functools.partial(_kernel, eps=eps, launch=launch),
+        functools.partial(_reference, eps=eps, ring=ring),
+        functools.partial(_kernel, eps=eps, ring=ring, launch=launch),
         h,
         norm_weight,
         wq,

@@ -312,6 +312,13 @@ def layer_windows(cfg: Config) -> np.ndarray:
     )
 
 
+def cache_window(cfg: Config) -> None:
+    """None: the full-attention layers read the whole context, so the KV cache stays linear (max_len slots
+    for every layer, lithos.kv_cache). Splitting it into a ring for the sliding layers and a linear part
+    for the others is a later step."""
+    return None
+
+
 def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, kernels: str):
     """The decoder layers: `(h [B, T, hidden], cache, expert ids [layers, B*T, top_k])`."""
     check_kernel_path(kernels, cfg)

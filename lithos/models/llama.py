@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 
 from lithos.errors import UnsupportedModelError
-from lithos.kv_cache import KVCache, append, attention_inputs
+from lithos.kv_cache import KVCache, append, attention_inputs, check_step_tokens, slot_positions
 from lithos.quant import QuantizedArray, dequantize
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +213,12 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def cache_window(cfg: Config) -> int | None:
+    """The window every layer attends within (None: the whole context): a windowed model's KV cache is a
+    ring of about that many slots (lithos.kv_cache)."""
+    return cfg.sliding_window
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,10 +455,10 @@ def attention(
     """Grouped-query attention of new queries over one layer's cache plus the new tokens themselves.
 
     q: `[batch, tokens, heads, head_dim]`; k_new, v_new: `[batch, tokens, kv_heads, head_dim]`;
-    k_cache, v_cache: `[batch, kv_heads, max_len, head_dim]`, valid below each row's start position
-    `positions[:, 0]` (entries past it are stale and never read); positions: `[batch, tokens]`,
-    consecutive per row. Token t sees the cache below the start and new tokens t' <= t (within the
-    sliding window, if any). Returns `[batch, tokens, heads*head_dim]`.
+    k_cache, v_cache: `[batch, kv_heads, slots, head_dim]`, linear or a ring (lithos.kv_cache), valid
+    below each row's start position `positions[:, 0]` (entries past it are stale and never read);
+    positions: `[batch, tokens]`, consecutive per row. Token t sees the cache below the start and new
+    tokens t' <= t (within the sliding window, if any). Returns `[batch, tokens, heads*head_dim]`.
 
     `sinks` `[heads]` (GPT-OSS): a per-head logit that joins every softmax and takes its share of the
     probability without adding a value. `window`: this layer's sliding window, overriding
@@ -468,9 +474,10 @@ def attention(
     s_cache = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=jnp.float32)
 
-    cache_pos = jnp.arange(k_cache.shape[2])[None, None, :]  # [1, 1, S]
+    # The position each slot holds, read before this call's entries are stored: [B, 1, S], < 0 unwritten.
+    cache_pos = slot_positions(positions[:, :1] - 1, k_cache.shape[2])
     query_pos = positions[:, :, None]  # [B, T, 1]
-    see_cache = cache_pos < positions[:, :1, None]
+    see_cache = cache_pos >= 0
     see_new = positions[:, None, :] <= query_pos  # [B, T, T]
     window = cfg.sliding_window if window is None else window
     if window is not None:
@@ -584,10 +591,13 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
             "not with tensor parallelism or an FP8 cache: load with dequantize=True (--dequantize) or use "
             "kernels='reference'"
         )
+    # The kernels store a forward's entries before its queries read: a ring must hold them besides the window.
+    check_step_tokens(cache, tokens.shape[1], "the fused kernels' forward")
     L, eps = params.layers, cfg.rms_norm_eps
     pos = positions[0].astype(jnp.int32)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     n_tokens = tokens.shape[1]
+    ring = cache.ring is not None  # the kernels store position p in slot p % slots
     if tp is None:
 
         def project_residual(x, w, i, residual):
@@ -601,9 +611,11 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
         # An FP8 cache's scales were set by prefill (reference path) and are only read here.
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         q, k_cache, v_cache = packed_qkv_rope_append(
-            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps, **scales
+            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps, ring=ring, **scales
         )
-        attn = decode_attention(q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window, **scales)
+        attn = decode_attention(
+            q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window, ring=ring, **scales
+        )
         h = project_residual(attn.reshape(n_tokens, cfg.q_size), L.wo, i, h)
         gated = packed_gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=eps)
         h = project_residual(gated, L.w_down, i, h)
@@ -697,6 +709,7 @@ def _megakernel_step(params: Params, tokens, positions, cache: KVCache, cfg: Con
         raise UnsupportedModelError(
             "the megakernel reads a bf16 KV cache, not FP8: load with kv_cache_dtype='model' or use kernels='fused'"
         )
+    check_step_tokens(cache, tokens.shape[1], "the megakernel's forward")
     out = decode_step(
         weights,
         params.embed[tokens[0]],
@@ -706,6 +719,7 @@ def _megakernel_step(params: Params, tokens, positions, cache: KVCache, cfg: Con
         cache.v,
         eps=cfg.rms_norm_eps,
         window=cfg.sliding_window,
+        ring=cache.ring is not None,
         head=head,
     )
     return out, cache.replace(k=out.k_cache, v=out.v_cache)
@@ -787,3 +801,13 @@ def forward_argmax(
         return out.tokens[None], cache
     h, cache = decoder(params, tokens, positions, cache, cfg, kernels)
     return head_argmax(params, h, cfg, kernels), cache
+
+
+# --------------------------------------------------------------------------------------------
+# What a decode step reads (lithos bench's floor)
+# --------------------------------------------------------------------------------------------
+
+
+def kv_positions_read(cfg: Config, context: int) -> int:
+    """Cache positions a one-token step at `context` reads, summed over layers: at most the window each."""
+    return cfg.num_layers * min(context, cfg.sliding_window or context)

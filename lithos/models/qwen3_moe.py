@@ -316,6 +316,7 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
 
 decoder, routed_experts, hidden_states, forward, forward_argmax = moe.family_functions(_decoder)
 lm_logits = llama.lm_logits
+cache_window = llama.cache_window  # every layer attends within cfg.sliding_window, if set
 
 
 # --------------------------------------------------------------------------------------------

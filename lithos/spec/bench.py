@@ -244,7 +244,10 @@ def time_rounds(
     max_len = context + rounds * (k + 1) + k + 2  # never full: every round is a full round
     dtype = params.embed.dtype
     tokens = jax.random.randint(jax.random.key(1), (1, context), 0, cfg.vocab_size, jnp.int32)
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, dtype)
+    window = family_for_architecture(cfg.architecture).cache_window(cfg)  # a ring for windowed models
+    cache = init_cache(
+        cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, window=window, step_tokens=k + 1
+    )
     start, _ = spec_prefill(
         params,
         speculator.draft_params,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from lithos.kv_cache import KVCache, init_cache
+from lithos.kv_cache import KVCache, init_cache, prompt_positions
 from lithos.models import family_of
 from lithos.sampling import SamplingParams
 from lithos.spec.drafter import DraftContext, PromptContext, Proposal, Verified, autoregress, match_vocab
@@ -37,14 +37,16 @@ class DraftModelDrafter:
         return ()
 
     def init(self, draft_params: Any, target_params: Any, prompt: PromptContext) -> KVCache:
-        """The draft model's cache `[layers, B, kv_heads, max_len, head_dim]`, filled with the prompt."""
+        """The draft model's cache `[layers, B, kv_heads, slots, head_dim]`, filled with the prompt: a ring
+        when the draft model is windowed, for k + 1 new tokens per forward like the target's (a round
+        writes its pair, then one token at a time, up to k - 1 past the newest: lithos.kv_cache)."""
         cfg = self.cfg
         batch = prompt.history.shape[0]
-        cache = init_cache(
-            cfg.num_layers, batch, cfg.num_kv_heads, prompt.max_len, cfg.head_dim, draft_params.embed.dtype
-        )
+        window = family_of(cfg).cache_window(cfg)
+        dims = (cfg.num_layers, batch, cfg.num_kv_heads, prompt.max_len, cfg.head_dim)
+        cache = init_cache(*dims, draft_params.embed.dtype, window=window, step_tokens=prompt.draft_tokens + 1)
         tokens = prompt.history[:, : prompt.bucket]
-        positions = jnp.broadcast_to(jnp.arange(prompt.bucket, dtype=jnp.int32), tokens.shape)
+        positions = prompt_positions(prompt.lengths, prompt.bucket)
         # The prompt runs on the reference path, as the target's prefill does.
         _, cache = family_of(cfg).hidden_states(draft_params, tokens, positions, cache, cfg, kernels="reference")
         return cache

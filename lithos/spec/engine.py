@@ -168,8 +168,9 @@ class SpecProgram:
 
     def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0) -> tuple[SpecState, jax.Array]:
         model, cfg, s = self.model, self.model.cfg, self.speculator
-        batch = tokens.shape[0]
-        cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, model.max_len, cfg.head_dim, model.kv_cache_dtype)
+        dims = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads, model.max_len, cfg.head_dim)
+        # A ring cache (windowed models) must hold a round's k + 1 writes besides the window.
+        cache = init_cache(*dims, model.kv_cache_dtype, window=model.cache_window, step_tokens=s.draft_tokens + 1)
         return spec_prefill(
             model.params,
             s.draft_params,

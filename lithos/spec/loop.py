@@ -10,7 +10,8 @@ A round, for every row at once:
    token budget, a full cache), so a round that crosses one of them is cut exactly where plain
    decoding would have stopped;
 5. the position moves past the emitted tokens. That is the whole rollback: the cache entries of
-   rejected drafts lie past the position, where attention never reads.
+   rejected drafts lie past the position, where attention never reads (in a ring cache too, made
+   for k + 1 new tokens per forward: see lithos.kv_cache).
 
 `spec_chunk` is a `lax.while_loop` over fixed blocks of rounds that returns to the host once
 every row has emitted `chunk` tokens (rows that reach it sit out the remaining rounds, so the
@@ -29,7 +30,7 @@ from flax import struct
 
 from lithos import decode
 from lithos.decode import RUNNING, DecodeState
-from lithos.kv_cache import KVCache
+from lithos.kv_cache import KVCache, check_step_tokens, prompt_positions
 from lithos.sampling import SamplingParams
 from lithos.spec import verify
 from lithos.spec.drafter import DraftContext, Drafter, PromptContext, Verified
@@ -65,7 +66,7 @@ class SpecState:
 
 
 def history_length(max_len: int, k: int) -> int:
-    """Room for a round's writes past the last cache slot (positions up to max_len + k)."""
+    """Room for a round's writes past the last position a sequence may reach (up to max_len + k)."""
     return max_len + k + 1
 
 
@@ -87,8 +88,9 @@ def spec_prefill(
 ) -> tuple[SpecState, jax.Array]:
     """Run prompts `tokens` `[B, bucket]` (row b real up to `lengths[b]`), pick each row's first token
     exactly as `decode.prefill` does, and set up the drafter. Returns the state and first tokens `[B]`."""
+    check_step_tokens(cache, k + 1, f"speculative decoding with {k} drafts")
     batch, bucket = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+    positions = prompt_positions(lengths, bucket)
     h, cache, features = prompt_pass(params, tokens, positions, cache, cfg, drafter.feature_layers)
     state, first, _ = decode.start_decoding(params, h, lengths, cache, limit, stop_ids, sampling, rng, cfg, greedy)
     history = jnp.zeros((batch, history_length(cache.max_len, k)), jnp.int32)

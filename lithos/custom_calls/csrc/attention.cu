@@ -11,6 +11,10 @@
 // reads several consecutive keys with fully coalesced loads and a score needs log2(head_dim / 8)
 // shuffles. A query at position p sees keys at positions <= p (and > p - window when windowed).
 //
+// The cache is linear (key position p in slot p) or a ring (lithos/kv_cache.py: slot p % slots,
+// holding the newest `slots` positions, this step's own keys included). The kernel iterates over key
+// positions and reads each from its slot; the keys it reads span at most one lap of the ring.
+//
 // The cache is bf16, or FP8 E4M3 codes with one scale per (layer, KV head) (lithos/kv_cache.py):
 // then a lane reads 8 bytes per key, twice the keys per loop step keep the same bytes in flight,
 // and the scales and fp8.h's 2^-120 are folded into the query and the output (see CacheRead).
@@ -36,7 +40,7 @@ constexpr double kLog2e = 1.4426950408889634;
 
 struct AttnArgs {
   const bf16_t* q;           // [tokens, heads, head_dim]
-  const void* k_cache;       // [layers, 1, kv_heads, max_len, head_dim]: bf16_t, or uint8_t E4M3 codes
+  const void* k_cache;       // [layers, 1, kv_heads, slots, head_dim]: bf16_t, or uint8_t E4M3 codes
   const void* v_cache;
   const float* k_scale;      // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
   const float* v_scale;
@@ -45,7 +49,8 @@ struct AttnArgs {
   float* split_out;          // [max_splits, kv_heads, rows, head_dim]: normalised partial outputs
   float* split_lse;          // [max_splits, kv_heads, rows]: their log2-sum-exp2
   bf16_t* out;               // [tokens, heads, head_dim]
-  int tokens, heads, kv_heads, max_len, window, max_splits;
+  int tokens, heads, kv_heads, slots, window, max_splits;
+  bool ring;                 // key position p in slot p % slots (else slot p, positions >= slots absent)
   int min_split_keys;        // a split covers at least this many keys (kMinKeysPerSplit unless tuned)
   float scale_log2;          // log2(e) / sqrt(head_dim): scores live in the exp2 domain
 };
@@ -64,6 +69,7 @@ struct SplitPlan {
   int split_len;  // keys per split
   int end;        // one past the last key any query sees
   int splits;     // splits in use (<= max_splits)
+  int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
 };
 
 __device__ SplitPlan plan_splits(const AttnArgs& a) {
@@ -73,12 +79,21 @@ __device__ SplitPlan plan_splits(const AttnArgs& a) {
     highest = max(highest, a.positions[t]);
   }
   SplitPlan plan;
-  plan.end = min(highest + 1, a.max_len);
+  plan.end = a.ring ? highest + 1 : min(highest + 1, a.slots);
   plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
+  // A ring holds the newest `slots` positions; the handler checked that every window lies within them.
+  if (a.ring) plan.begin = max(plan.begin, plan.end - a.slots);
+  plan.lap = a.ring ? plan.begin - plan.begin % a.slots : 0;
   const int keys = max(plan.end - plan.begin, 0);
   plan.splits = max(1, min(a.max_splits, (keys + a.min_split_keys - 1) / a.min_split_keys));
   plan.split_len = (keys + plan.splits - 1) / plan.splits;
   return plan;
+}
+
+// The slot of key position `key` in [plan.begin, plan.end), which spans at most one lap of a ring.
+__device__ __forceinline__ int slot_of(const SplitPlan& plan, int slots, int key) {
+  const int slot = key - plan.lap;
+  return slot < slots ? slot : slot - slots;
 }
 
 // Online-softmax state of one query row over the keys seen so far (exp2 domain).
@@ -172,7 +187,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
     for (int e = 0; e < 8; ++e) state[j].acc[e] = 0.0f;
   }
 
-  const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.max_len * HEAD_DIM;
+  const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.slots * HEAD_DIM;
   const Cache* keys = static_cast<const Cache*>(a.k_cache) + head_offset + dim0;
   const Cache* values = static_cast<const Cache*>(a.v_cache) + head_offset + dim0;
   const int key_stride = k_warps * kKeysPerWarp;  // between a lane's consecutive keys
@@ -185,8 +200,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
     for (int u = 0; u < kSteps; ++u) {
       key[u] = base + key_lane + u * key_stride;
       if (key[u] < key_end) {
-        k[u] = Read::load(keys + static_cast<size_t>(key[u]) * HEAD_DIM);
-        v[u] = Read::load(values + static_cast<size_t>(key[u]) * HEAD_DIM);
+        const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key[u])) * HEAD_DIM;
+        k[u] = Read::load(keys + at);
+        v[u] = Read::load(values + at);
       } else {
         k[u] = Read::zero();
         v[u] = k[u];
@@ -321,8 +337,8 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
                                  const ffi::Buffer<ffi::F32>* v_scale, ffi::Buffer<ffi::S32> positions,
                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                  ffi::Result<ffi::Buffer<ffi::F32>> split_out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
-                                 int64_t split_keys) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, bool ring,
+                                 int64_t splits, int64_t split_keys) {
   // Launch parameters from `lithos tune`'s table; 0 = the heuristic below.
   if (splits < 0 || splits > 4096 || split_keys < 0 || split_keys > (int64_t{1} << 20))
     return invalid("decode_attention: launch parameters splits=" + std::to_string(splits) + ", split_keys=" +
@@ -333,7 +349,7 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
   if (qd.size() != 3 || cd.size() != 5 || v_cache.dimensions().size() != 5 ||
       v_cache.element_count() != k_cache.element_count())
     return invalid("decode_attention: expected q [tokens, heads, head_dim] and k/v caches [layers, batch, kv_heads, "
-                   "max_len, head_dim]; got q " + shape_string(qd) + ", cache " + shape_string(cd));
+                   "slots, head_dim]; got q " + shape_string(qd) + ", cache " + shape_string(cd));
   if (cd[1] != 1) return invalid("decode_attention: the fused kernels decode batch 1, cache has batch " +
                                  std::to_string(cd[1]));
   if (qd[2] != cd[4] || cd[2] <= 0 || qd[1] % cd[2] != 0)
@@ -363,8 +379,13 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
   a.tokens = static_cast<int>(qd[0]);
   a.heads = static_cast<int>(qd[1]);
   a.kv_heads = static_cast<int>(cd[2]);
-  a.max_len = static_cast<int>(cd[3]);
+  a.slots = static_cast<int>(cd[3]);
   a.window = static_cast<int>(window);
+  a.ring = ring;
+  if (ring && (window < 1 || window + a.tokens - 1 > a.slots))
+    return invalid("decode_attention: a ring cache of " + std::to_string(a.slots) + " slots holds the newest " +
+                   std::to_string(a.slots) + " positions only; " + std::to_string(a.tokens) + " queries need a window "
+                   "W >= 1 with W + tokens - 1 <= slots, got " + std::to_string(window));
   const int head_dim = static_cast<int>(cd[4]);
   a.scale_log2 = static_cast<float>(kLog2e / std::sqrt(static_cast<double>(head_dim)));
 
@@ -378,7 +399,7 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
   const int wanted = (compute_unit_count() * kSplitBlocksPerUnit + a.kv_heads * row_blocks - 1) /
                      (a.kv_heads * row_blocks);
   a.min_split_keys = split_keys > 0 ? static_cast<int>(split_keys) : kMinKeysPerSplit;
-  const int by_length = (a.max_len + a.min_split_keys - 1) / a.min_split_keys;
+  const int by_length = (a.slots + a.min_split_keys - 1) / a.min_split_keys;
   a.max_splits = std::max(1, std::min({splits > 0 ? static_cast<int>(splits) : wanted, capacity, by_length}));
 
   if (!aligned16(a.q) || !aligned16(a.k_cache) || !aligned16(a.v_cache))
@@ -397,10 +418,10 @@ ffi::Error decode_attention_bf16(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
                                  ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> positions,
                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                  ffi::Result<ffi::Buffer<ffi::F32>> split_out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
-                                 int64_t split_keys) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, bool ring,
+                                 int64_t splits, int64_t split_keys) {
   return decode_attention_impl(stream, q, k_cache, v_cache, nullptr, nullptr, positions, layer, out, split_out,
-                               split_lse, window, splits, split_keys);
+                               split_lse, window, ring, splits, split_keys);
 }
 
 ffi::Error decode_attention_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::U8> k_cache,
@@ -408,10 +429,10 @@ ffi::Error decode_attention_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, ff
                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> positions,
                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> split_out,
-                                ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, int64_t splits,
-                                int64_t split_keys) {
+                                ffi::Result<ffi::Buffer<ffi::F32>> split_lse, int64_t window, bool ring,
+                                int64_t splits, int64_t split_keys) {
   return decode_attention_impl(stream, q, k_cache, v_cache, &k_scale, &v_scale, positions, layer, out, split_out,
-                               split_lse, window, splits, split_keys);
+                               split_lse, window, ring, splits, split_keys);
 }
 
 }  // namespace
@@ -431,6 +452,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttention, lithos::decode_attention_bf
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split outputs
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split log-sum-exp
                                   .Attr<int64_t>("window")
+                                  .Attr<bool>("ring")       // slot = position % slots
                                   .Attr<int64_t>("splits")  // launch parameters: 0 = heuristic
                                   .Attr<int64_t>("split_keys"),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -450,6 +472,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosDecodeAttentionFp8, lithos::decode_attention
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split outputs
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scratch: split log-sum-exp
                                   .Attr<int64_t>("window")
+                                  .Attr<bool>("ring")       // slot = position % slots
                                   .Attr<int64_t>("splits")  // launch parameters: 0 = heuristic
                                   .Attr<int64_t>("split_keys"),
                               {ffi::Traits::kCmdBufferCompatible});

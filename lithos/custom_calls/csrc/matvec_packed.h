@@ -183,6 +183,7 @@ struct PackedQkvArgs {
   bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
   bf16_t* v_cache;
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
+  bool ring;  // slot = position % max_len (lithos/kv_cache.py; else positions >= max_len are dropped)
   int k_split;
   float eps;
 };
@@ -241,9 +242,10 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
                 bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
                 out[j] = float_to_bf16(lo);
                 out[j + half] = float_to_bf16(hi);
-              } else if (position >= 0 && position < a.max_len) {
+              } else if (position >= 0 && (a.ring || position < a.max_len)) {
+                const int at = a.ring ? position % a.max_len : position;
                 bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
-                               (static_cast<size_t>(kv_head_of(head)) * a.max_len + position) * a.head_dim;
+                               (static_cast<size_t>(kv_head_of(head)) * a.max_len + at) * a.head_dim;
                 slot[j] = float_to_bf16(lo);
                 slot[j + half] = float_to_bf16(hi);
               }
@@ -262,7 +264,7 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
                                 ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
-                                ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps) {
+                                ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps, bool ring) {
   constexpr int32_t format = static_cast<int32_t>(F);
   const std::string op = "packed qkv_rope_append";
   auto hd = h.dimensions();
@@ -278,6 +280,7 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   a.heads = static_cast<int>(qd[1]);
   a.kv_heads = static_cast<int>(cd[2]);
   a.max_len = static_cast<int>(cd[3]);
+  a.ring = ring;
   a.head_dim = static_cast<int>(cd[4]);
   if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
     return invalid(op + ": head_dim must be a multiple of 4 and match q " + shape_string(qd));
@@ -379,5 +382,6 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* q */                          \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache */                    \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache */                    \
-                                    .Attr<float>("eps"),                                                      \
+                                    .Attr<float>("eps")                                                       \
+                                    .Attr<bool>("ring"), /* slot = position % max_len */                      \
                                 {xla::ffi::Traits::kCmdBufferCompatible})

@@ -132,7 +132,7 @@ ffi::Error megakernel_impl(
     ffi::Result<ffi::Buffer<ffi::BF16>> gated, ffi::Result<ffi::Buffer<ffi::F32>> part_out,
     ffi::Result<ffi::Buffer<ffi::F32>> part_lse, ffi::Result<ffi::Buffer<ffi::F32>> best_value,
     ffi::Result<ffi::Buffer<ffi::S32>> best_index, ffi::Result<ffi::Buffer<ffi::S32>> counters, float eps,
-    int64_t window, int64_t max_splits, int64_t n_counters) {
+    int64_t window, bool ring, int64_t max_splits, int64_t n_counters) {
   const HostStatus status = host_status();
   if (status.host == nullptr) return ffi::Error::Internal("lithos: megakernel: mapped host memory is unavailable");
   if (const int32_t failed = *status.host; failed != 0) {  // an earlier step timed out
@@ -145,7 +145,7 @@ ffi::Error megakernel_impl(
   auto wqd = wq.dimensions();
   auto wgd = w_gate.dimensions();
   if (hd.size() != 2 || cd.size() != 5 || wqd.size() != 3 || wgd.size() != 3 || lm_head.dimensions().size() != 2)
-    return invalid("megakernel: expected h0 [tokens, hidden], caches [layers, batch, kv_heads, max_len, head_dim], "
+    return invalid("megakernel: expected h0 [tokens, hidden], caches [layers, batch, kv_heads, slots, head_dim], "
                    "stacked weights [layers, out, in] and lm_head [vocab, hidden]; got h0 " + shape_string(hd) +
                    ", cache " + shape_string(cd) + ", wq " + shape_string(wqd));
   if (cd[1] != 1)
@@ -155,7 +155,7 @@ ffi::Error megakernel_impl(
   a.hidden = static_cast<int>(hd[1]);
   const int64_t layers = cd[0];
   a.kv_heads = static_cast<int>(cd[2]);
-  a.max_len = static_cast<int>(cd[3]);
+  a.slots = static_cast<int>(cd[3]);
   a.head_dim = static_cast<int>(cd[4]);
   a.heads = a.head_dim > 0 ? static_cast<int>(wqd[1] / a.head_dim) : 0;
   a.ffn = static_cast<int>(wgd[1]);
@@ -231,6 +231,11 @@ ffi::Error megakernel_impl(
   a.counters = counters->typed_data();
   a.host_status = status.device;
   a.window = static_cast<int>(window);
+  a.ring = ring;
+  if (ring && (window < 1 || window + a.tokens - 1 > a.slots))
+    return invalid("megakernel: a ring cache of " + std::to_string(a.slots) + " slots holds the newest " +
+                   std::to_string(a.slots) + " positions only; " + std::to_string(a.tokens) + " queries need a window "
+                   "W >= 1 with W + tokens - 1 <= slots, got " + std::to_string(window));
   a.max_splits = static_cast<int>(max_splits);
   a.n_counters = static_cast<int>(n_counters);
   a.eps = eps;
@@ -322,5 +327,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // counters + status
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("window")
+                                  .Attr<bool>("ring")  // slot = position % slots
                                   .Attr<int64_t>("max_splits")
                                   .Attr<int64_t>("n_counters"));

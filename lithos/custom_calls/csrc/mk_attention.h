@@ -5,6 +5,8 @@
 // combine stage exist.
 //
 // The split plan comes from the positions on the device: a 1K context inside a 1M cache reads 1K keys.
+// It iterates over key positions, each read from its slot: p in a linear cache, p % slots in a ring
+// (lithos/kv_cache.py), whose keys read span at most one lap.
 // The head dimension is a run-time value here (one kernel serves 64, 128 and 256): a key's head_dim
 // elements are spread over head_dim / 8 lanes of 16 bytes.
 #pragma once
@@ -26,6 +28,7 @@ struct SplitPlan {
   int split_len;  // keys per split
   int end;        // one past the last key any query sees
   int splits;     // splits in use (<= max_splits); tasks of later splits only arrive
+  int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
 };
 
 __device__ inline SplitPlan plan_splits(const Args& a) {
@@ -35,12 +38,21 @@ __device__ inline SplitPlan plan_splits(const Args& a) {
     highest = max(highest, a.positions[t]);
   }
   SplitPlan plan;
-  plan.end = min(highest + 1, a.max_len);
+  plan.end = a.ring ? highest + 1 : min(highest + 1, a.slots);
   plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
+  // A ring holds the newest `slots` positions; the handler checked that every window lies within them.
+  if (a.ring) plan.begin = max(plan.begin, plan.end - a.slots);
+  plan.lap = a.ring ? plan.begin - plan.begin % a.slots : 0;
   const int keys = max(plan.end - plan.begin, 0);
   plan.splits = max(1, min(a.max_splits, (keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
   plan.split_len = (keys + plan.splits - 1) / plan.splits;
   return plan;
+}
+
+// The slot of key position `key` in [plan.begin, plan.end), which spans at most one lap of a ring.
+__device__ __forceinline__ int slot_of(const SplitPlan& plan, int slots, int key) {
+  const int slot = key - plan.lap;
+  return slot < slots ? slot : slot - slots;
 }
 
 // Sum over aligned groups of `width` lanes (a power of two known at run time).
@@ -91,7 +103,7 @@ __device__ inline void attention_split(const Args& a, int layer, int kv_head, in
   const int warp_q = warp_id() % q_warps, warp_k = warp_id() / q_warps;
   const int key_lane = lane_id() / lanes_per_key, dim0 = (lane_id() % lanes_per_key) * 8;
 
-  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.max_len * d;
+  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.slots * d;
   const bf16_t* keys = a.k_cache + head_offset + dim0;
   const bf16_t* values = a.v_cache + head_offset + dim0;
   const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
@@ -127,8 +139,9 @@ __device__ inline void attention_split(const Args& a, int layer, int kv_head, in
         key[u] = base + key_lane + u * key_stride;
         if (key[u] < key_end) {
           // Weak loads (written by this step's Q/K/V tasks, ordered by the wait), streamed past L1.
-          k[u] = load_streaming<8>(keys + static_cast<size_t>(key[u]) * d);
-          v[u] = load_streaming<8>(values + static_cast<size_t>(key[u]) * d);
+          const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key[u])) * d;
+          k[u] = load_streaming<8>(keys + at);
+          v[u] = load_streaming<8>(values + at);
         } else {
           k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
           v[u] = k[u];

@@ -67,7 +67,7 @@ struct Args {
   const bf16_t* w_down;      // [layers, hidden, ffn]
   const bf16_t* final_norm;  // [hidden]
   const bf16_t* lm_head;     // [vocab, hidden]
-  bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
+  bf16_t* k_cache;           // [layers, 1, kv_heads, slots, head_dim], aliased
   bf16_t* v_cache;
   bf16_t* residual;          // [2, tokens, hidden]: after attention, after the MLP
   bf16_t* q;                 // [tokens, heads, head_dim]
@@ -81,7 +81,8 @@ struct Args {
   float* logits;             // [tokens, vocab] or nullptr
   int32_t* counters;         // [n_counters + kStatusWords]
   volatile int32_t* host_status;  // mapped host memory: 1 + the failing task, seen by the handler
-  int tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, max_len, window, max_splits, n_counters;
+  int tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots, window, max_splits, n_counters;
+  bool ring;                 // slot = position % slots (lithos/kv_cache.py; else slot = position)
   int64_t prefetch_bytes;    // per task, while it waits: the block's share of the L2
   float eps;
   float scale_log2;          // log2(e) / sqrt(head_dim)

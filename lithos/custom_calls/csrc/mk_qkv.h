@@ -1,5 +1,6 @@
 // Megakernel task kind 1: RMSNorm -> the Q, K and V rows of one KV group -> RoPE -> K and V appended
-// to the layer's cache slots (the fused twin is qkv_rope.cu).
+// to the layer's cache slots (the fused twin is qkv_rope.cu): slot = position in a linear cache
+// (positions past its end dropped), position % slots in a ring.
 //
 // Row groups are numbered KV group by KV group: the group's query heads, then its key head, then its
 // value head, each head_dim / 4 row groups of two rotary pairs (rows j, j + d/2, j + 1, j + 1 + d/2),
@@ -46,7 +47,7 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
     return false;
 
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   task_row_groups<TMAX>(
       in, task.first, task.count, task.k_split, rows_of,
       [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
@@ -76,9 +77,10 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
                 bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim;
                 out[j] = float_to_bf16(lo);
                 out[j + half] = float_to_bf16(hi);
-              } else if (position >= 0 && position < a.max_len) {
+              } else if (position >= 0 && (a.ring || position < a.slots)) {
+                const int at = a.ring ? position % a.slots : position;
                 bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
-                               (static_cast<size_t>(g.kv_head) * a.max_len + position) * a.head_dim;
+                               (static_cast<size_t>(g.kv_head) * a.slots + at) * a.head_dim;
                 slot[j] = float_to_bf16(lo);
                 slot[j + half] = float_to_bf16(hi);
               }

@@ -3,7 +3,8 @@
 //
 // A warp owns two rotary pairs of one head: rows (j, j + d/2, j + 1, j + 1 + d/2). Both halves of a
 // rotation are then in its registers and RoPE needs no shared memory or second pass. The cache is
-// updated in place (the handler's cache outputs alias its inputs); positions past max_len are dropped.
+// updated in place (the handler's cache outputs alias its inputs): linear (slot = position, positions
+// past its end dropped) or a ring (lithos/kv_cache.py: slot = position % slots).
 // An FP8 cache (lithos/kv_cache.py) gets E4M3 codes of K / scale and V / scale, the scales being the
 // row's, set at prefill; like the reference, values beyond 448 * scale saturate.
 #include <type_traits>
@@ -27,11 +28,12 @@ struct QkvArgs {
   const int32_t* layer;    // [] device scalar
   int64_t norm_layer_stride, q_layer_stride, kv_layer_stride;
   bf16_t* q;               // [tokens, heads, head_dim]
-  void* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased: bf16_t, or uint8_t E4M3 codes
+  void* k_cache;           // [layers, 1, kv_heads, slots, head_dim], aliased: bf16_t, or uint8_t E4M3 codes
   void* v_cache;
   const float* k_scale;    // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
   const float* v_scale;
-  int tokens, hidden, heads, kv_heads, head_dim, max_len;
+  int tokens, hidden, heads, kv_heads, head_dim, slots;
+  bool ring;    // slot = position % slots (else slot = position, positions >= slots dropped)
   int k_split;  // warps sharing a row group (row_group_grid)
   float eps;
 };
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
   const int half = a.head_dim / 2;
   const int units_per_head = half / 2;
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
 
   // Unit u: heads are q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of one.
   auto head_of = [&](int unit) { return unit / units_per_head; };
@@ -96,10 +98,11 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
                 bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
                 out[j] = float_to_bf16(lo);
                 out[j + half] = float_to_bf16(hi);
-              } else if (position >= 0 && position < a.max_len) {
+              } else if (position >= 0 && (a.ring || position < a.slots)) {
                 const int kv_head = kv_head_of(head);
+                const int at = a.ring ? position % a.slots : position;
                 Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
-                              (static_cast<size_t>(kv_head) * a.max_len + position) * a.head_dim;
+                              (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
                 if constexpr (std::is_same_v<Cache, uint8_t>) {
                   const float scale = (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head];
                   slot[j] = float_to_e4m3(lo / scale);  // a division, as the reference's
@@ -123,7 +126,8 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                 ffi::Result<ffi::Buffer<CacheType>> k_cache, ffi::Result<ffi::Buffer<CacheType>> v_cache,
                                 const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
-                                float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+                                float eps, bool ring, int64_t k_split, int64_t warps_per_block,
+                                int64_t blocks_per_unit) {
   using Cache = std::conditional_t<CacheType == ffi::U8, uint8_t, bf16_t>;
   const RowGroupLaunch launch{k_split, warps_per_block, blocks_per_unit};
   if (ffi::Error err = check_launch("qkv_rope_append", launch); err.failure()) return err;
@@ -132,7 +136,7 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   auto qd = q->dimensions();
   if (hd.size() != 2 || cd.size() != 5 || qd.size() != 3)
     return invalid("qkv_rope_append: expected h [tokens, hidden], q [tokens, heads, head_dim] and caches "
-                   "[layers, batch, kv_heads, max_len, head_dim]; got h " + shape_string(hd) + ", q " +
+                   "[layers, batch, kv_heads, slots, head_dim]; got h " + shape_string(hd) + ", q " +
                    shape_string(qd) + ", cache " + shape_string(cd));
   if (cd[1] != 1) return invalid("qkv_rope_append: the fused kernels decode batch 1, cache has batch " +
                                  std::to_string(cd[1]));
@@ -141,7 +145,8 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   a.hidden = static_cast<int>(hd[1]);
   a.heads = static_cast<int>(qd[1]);
   a.kv_heads = static_cast<int>(cd[2]);
-  a.max_len = static_cast<int>(cd[3]);
+  a.slots = static_cast<int>(cd[3]);
+  a.ring = ring;
   a.head_dim = static_cast<int>(cd[4]);
   if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
     return invalid("qkv_rope_append: head_dim must be a multiple of 4 and match q " + shape_string(qd));
@@ -201,9 +206,10 @@ ffi::Error qkv_rope_append_bf16(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
                                 ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> k_cache, ffi::Result<ffi::Buffer<ffi::BF16>> v_cache,
-                                float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+                                float eps, bool ring, int64_t k_split, int64_t warps_per_block,
+                                int64_t blocks_per_unit) {
   return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, nullptr,
-                              nullptr, eps, k_split, warps_per_block, blocks_per_unit);
+                              nullptr, eps, ring, k_split, warps_per_block, blocks_per_unit);
 }
 
 ffi::Error qkv_rope_append_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
@@ -213,9 +219,10 @@ ffi::Error qkv_rope_append_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
                                ffi::Buffer<ffi::U8> /*v_cache_in*/, ffi::Buffer<ffi::F32> k_scale,
                                ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                ffi::Result<ffi::Buffer<ffi::U8>> k_cache, ffi::Result<ffi::Buffer<ffi::U8>> v_cache,
-                               float eps, int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+                               float eps, bool ring, int64_t k_split, int64_t warps_per_block,
+                               int64_t blocks_per_unit) {
   return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, &k_scale,
-                              &v_scale, eps, k_split, warps_per_block, blocks_per_unit);
+                              &v_scale, eps, ring, k_split, warps_per_block, blocks_per_unit);
 }
 
 }  // namespace
@@ -240,6 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_bf16,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
                                   .Attr<float>("eps")
+                                  .Attr<bool>("ring")        // slot = position % slots
                                   .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
                                   .Attr<int64_t>("warps_per_block")
                                   .Attr<int64_t>("blocks_per_unit"),
@@ -265,6 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppendFp8, lithos::qkv_rope_append_fp
                                   .Ret<ffi::Buffer<ffi::U8>>()    // k cache
                                   .Ret<ffi::Buffer<ffi::U8>>()    // v cache
                                   .Attr<float>("eps")
+                                  .Attr<bool>("ring")        // slot = position % slots
                                   .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
                                   .Attr<int64_t>("warps_per_block")
                                   .Attr<int64_t>("blocks_per_unit"),

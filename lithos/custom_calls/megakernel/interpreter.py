@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lithos.custom_calls.dispatch import cache_slots
 from lithos.custom_calls.megakernel.schedule import Schedule, ScheduleError, describe_task
 from lithos.custom_calls.megakernel.tasks import NO_COUNTER, ROWS_PER_UNIT, Op, QkvRows, Task
 from lithos.custom_calls.numerics import f32, project, rms_normalize
+from lithos.kv_cache import slot_positions
 
 MIN_KEYS_PER_SPLIT = 64  # csrc/mk_attention.h kMinKeysPerSplit
 LOG2E = 1.4426950408889634
@@ -47,7 +49,7 @@ class StepWeights(NamedTuple):
 
 
 class StepOutputs(NamedTuple):
-    k_cache: jax.Array  # [layers, 1, kv_heads, max_len, head_dim]
+    k_cache: jax.Array  # [layers, 1, kv_heads, slots, head_dim]
     v_cache: jax.Array
     h: jax.Array  # [tokens, hidden]: the last layer's output, before the final norm
     tokens: jax.Array | None  # [tokens] int32 greedy tokens (schedules with a head)
@@ -61,10 +63,12 @@ class SplitPlan(NamedTuple):
     splits: jax.Array
 
 
-def plan_splits(positions: jax.Array, max_len: int, window: int, max_splits: int) -> SplitPlan:
-    """The keys the step's queries see and their cut into splits (csrc/mk_attention.h plan_splits)."""
-    end = jnp.minimum(jnp.max(positions) + 1, max_len)
+def plan_splits(positions: jax.Array, slots: int, window: int, ring: bool, max_splits: int) -> SplitPlan:
+    """The key positions the step's queries see and their cut into splits (csrc/mk_attention.h plan_splits)."""
+    end = jnp.max(positions) + 1 if ring else jnp.minimum(jnp.max(positions) + 1, slots)
     begin = jnp.maximum(0, jnp.min(positions) - window + 1) if window > 0 else jnp.zeros((), jnp.int32)
+    if ring:  # a ring holds the newest `slots` positions
+        begin = jnp.maximum(begin, end - slots)
     keys = jnp.maximum(end - begin, 0)
     splits = jnp.maximum(1, jnp.minimum(max_splits, (keys + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT))
     return SplitPlan(begin, (keys + splits - 1) // splits, end, splits)
@@ -82,14 +86,25 @@ class _Step:
     """The buffers of one step (as the kernel's global memory) and the task kinds acting on them."""
 
     def __init__(
-        self, schedule: Schedule, w: StepWeights, h0, positions, inv_freq, k_cache, v_cache, eps, window, with_logits
+        self,
+        schedule: Schedule,
+        w: StepWeights,
+        h0,
+        positions,
+        inv_freq,
+        k_cache,
+        v_cache,
+        eps,
+        window,
+        ring,
+        with_logits,
     ):
         s = self.shape = schedule.shape
-        self.schedule, self.w, self.eps, self.window = schedule, w, eps, int(window or 0)
+        self.schedule, self.w, self.eps, self.window, self.ring = schedule, w, eps, int(window or 0), ring
         self.h0, self.positions, self.inv_freq = h0, positions.astype(jnp.int32), f32(inv_freq)
         self.k_cache, self.v_cache = k_cache, v_cache
         T, act = h0.shape[0], h0.dtype
-        self.tokens, self.act, self.max_len = T, act, k_cache.shape[3]
+        self.tokens, self.act, self.slots = T, act, k_cache.shape[3]
         self.residual = [jnp.zeros((T, s.hidden), act), jnp.zeros((T, s.hidden), act)]  # after attention, after MLP
         self.q = jnp.zeros((T, s.heads * s.head_dim), act)
         self.attn = jnp.zeros((T, s.heads * s.head_dim), act)
@@ -101,7 +116,7 @@ class _Step:
         self.best_index = jnp.zeros((max(schedule.head_tasks, 1), T), jnp.int32)
         self.logits = jnp.zeros((T, s.vocab), jnp.float32) if with_logits else None
         self.tokens_out = None
-        self.plan = plan_splits(self.positions, self.max_len, self.window, schedule.max_splits)
+        self.plan = plan_splits(self.positions, self.slots, self.window, ring, schedule.max_splits)
 
     def layer_input(self, layer: int) -> jax.Array:
         return self.h0 if layer == 0 else self.residual[1]
@@ -130,8 +145,7 @@ class _Step:
             head = where.kv_head[is_q] * s.group + where.slot[is_q]
             columns = (head[:, None] * s.head_dim + dims[is_q]).reshape(-1)
             self.q = self.q.at[:, columns].set(values[:, is_q].reshape(self.tokens, -1).astype(self.act))
-        # Positions outside the cache are dropped (a negative one must not wrap around).
-        slots = jnp.where((self.positions >= 0) & (self.positions < self.max_len), self.positions, self.max_len)
+        slots = cache_slots(self.positions, self.slots, self.ring)
         for cache_name, slot in (("k_cache", s.group), ("v_cache", s.group + 1)):
             mine = where.slot == slot
             if not mine.any():
@@ -152,7 +166,8 @@ class _Step:
         values = f32(self.v_cache[layer, 0, kv_heads])
         scale_log2 = LOG2E / math.sqrt(d)
         scores = jnp.einsum("tngd,nsd->ntgs", q * jnp.float32(scale_log2), keys, precision=jax.lax.Precision.HIGHEST)
-        key = jnp.arange(self.max_len)
+        # The key position each slot holds; a ring's newest is the step's last query, stored by now.
+        key = slot_positions(jnp.max(self.positions), self.slots) if self.ring else jnp.arange(self.slots)
         first = plan.begin + jnp.asarray(splits) * plan.split_len  # [n]
         last = jnp.minimum(first + plan.split_len, plan.end)
         in_split = (key[None, :] >= first[:, None]) & (key[None, :] < last[:, None])  # [n, S]
@@ -255,12 +270,14 @@ def interpret(
     *,
     eps: float,
     window: int | None = None,
+    ring: bool = False,
     with_logits: bool = False,
     per_task: bool = False,
 ) -> StepOutputs:
     """Run `schedule` on h0 `[tokens, hidden]` (the embedded tokens) at `positions` `[tokens]`, with
-    the caches `[layers, 1, kv_heads, max_len, head_dim]`; returns what the kernel returns."""
-    step = _Step(schedule, weights, h0, positions, inv_freq, k_cache, v_cache, eps, window, with_logits)
+    the caches `[layers, 1, kv_heads, slots, head_dim]` (a ring with `ring`: slot = position % slots);
+    returns what the kernel returns."""
+    step = _Step(schedule, weights, h0, positions, inv_freq, k_cache, v_cache, eps, window, ring, with_logits)
     counters = np.zeros(schedule.n_counters, np.int64)
     index = 0
     for run in _runs([schedule.task(i) for i in range(len(schedule))], per_task):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lithos.custom_calls import build
-from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_tokens, dispatch, require_bf16
+from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
 from lithos.custom_calls.megakernel.schedule import Schedule, build_schedule
 from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, ModelShape
@@ -55,7 +55,17 @@ def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:
 
 
 def _kernel(
-    schedule: Schedule, eps: float, window: int, with_logits: bool, weights, h0, positions, inv_freq, k_cache, v_cache
+    schedule: Schedule,
+    eps: float,
+    window: int,
+    ring: bool,
+    with_logits: bool,
+    weights,
+    h0,
+    positions,
+    inv_freq,
+    k_cache,
+    v_cache,
 ) -> StepOutputs:
     s = schedule.shape
     T = h0.shape[0]
@@ -89,6 +99,7 @@ def _kernel(
         aliases={15: 0, 16: 1},
         eps=np.float32(eps),
         window=np.int64(window),
+        ring=bool(ring),
         max_splits=np.int64(schedule.max_splits),
         n_counters=np.int64(schedule.n_counters),
     )
@@ -98,11 +109,20 @@ def _kernel(
 
 
 def _reference(
-    schedule: Schedule, eps: float, window: int, with_logits: bool, weights, h0, positions, inv_freq, k_cache, v_cache
+    schedule: Schedule,
+    eps: float,
+    window: int,
+    ring: bool,
+    with_logits: bool,
+    weights,
+    h0,
+    positions,
+    inv_freq,
+    k_cache,
+    v_cache,
 ) -> StepOutputs:
-    return interpret(
-        schedule, weights, h0, positions, inv_freq, k_cache, v_cache, eps=eps, window=window, with_logits=with_logits
-    )
+    options = dict(eps=eps, window=window, ring=ring, with_logits=with_logits)
+    return interpret(schedule, weights, h0, positions, inv_freq, k_cache, v_cache, **options)
 
 
 def decode_step(
@@ -115,13 +135,15 @@ def decode_step(
     *,
     eps: float,
     window: int | None = None,
+    ring: bool = False,
     head: str | None = "argmax",
     path: str = "auto",
 ) -> StepOutputs:
     """Every decoder layer (and, with `head`, the final norm, LM head and greedy token; "logits" also
     returns the float32 logits) for h0 `[tokens, hidden]`, the embedded tokens at `positions`
     `[tokens]` (1..16 of them: a decode step or k+1 to verify), appending their keys and values to the
-    caches `[layers, 1, kv_heads, max_len, head_dim]` in place."""
+    caches `[layers, 1, kv_heads, slots, head_dim]` in place: linear, or (`ring`) a ring, slot =
+    position % slots (lithos.kv_cache), which needs a window with window + tokens - 1 <= slots."""
     if head not in HEADS:
         raise LithosError(f"megakernel: head must be one of {HEADS}, not {head!r}")
     layers, batch, kv_heads, _, head_dim = k_cache.shape
@@ -135,6 +157,7 @@ def decode_step(
             f"megakernel: wq {list(weights.wq.shape)} and inv_freq {list(inv_freq.shape)} do not fit h0 "
             f"{list(h0.shape)} and caches {list(k_cache.shape)}"
         )
+    check_ring("megakernel", ring, int(window or 0), h0.shape[0], k_cache.shape[3])
     shape = shape_of(weights, k_cache)
     schedule = step_schedule(shape, h0.shape[0], head is not None)
 
@@ -149,7 +172,7 @@ def decode_step(
                 f"{shape.ffn} (multiples of 8) have no kernel; use kernels='fused' or 'reference'"
             )
 
-    options = (schedule, float(eps), int(window or 0), head == "logits")
+    options = (schedule, float(eps), int(window or 0), ring, head == "logits")
     return dispatch(
         path,
         functools.partial(_reference, *options),

@@ -1,9 +1,9 @@
 // Batch-1 dot products over packed low-precision weights (lithos.quant formats), dequantised in
 // registers and accumulated in float32: the building block of matvec_packed.cu and expert_matvec.cu.
 //
-// A warp owns kRowsPerWarp weight rows; a lane loads 16 bytes of each row per step (32 weights of a
-// 4-bit row, 16 of an 8-bit one; 32 bytes of bf16) and works through them kChunk = 16 weights at a
-// time, so a warp reads each row contiguously and every weight byte once for all tokens. Every block of 32 weights shares one scale,
+// A warp owns kRowsPerWarp weight rows; a lane reads kChunk = 16 consecutive weights of each row per
+// step (8 bytes of a 4-bit row, 16 of an 8-bit one, 32 of bf16), so a warp reads each row
+// contiguously and every weight byte once for all tokens. Every block of 32 weights shares one scale,
 // so a chunk needs one scale per row: the lane sums x * code over its 16 weights, then applies the
 // block's scale (and Q4_1's min) once. That is the reference's arithmetic reordered: the scales
 // are powers of two (MX) or exact factors of every weight of the block.
@@ -46,7 +46,7 @@ enum class WeightFormat : int32_t {
   kQ4_1 = 6,
 };
 
-constexpr int kChunk = 16;        // weights of a row a lane decodes and multiplies at a time
+constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
 constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one scale
 
@@ -134,7 +134,6 @@ struct Packed<WeightFormat::kBf16> {
     uint4 lo, hi;
   };
   static constexpr int kUnroll = 1;  // 32 bytes per row per step already
-  static constexpr int kSubChunks = 1;
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
@@ -142,7 +141,7 @@ struct Packed<WeightFormat::kBf16> {
     const uint8_t* p = row + static_cast<size_t>(col) * 2;
     return {stream_u4(p), stream_u4(p + 16)};
   }
-  __device__ static bool decode(const Raw& r, int, float (&w)[kChunk]) {
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
     const uint32_t words[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -156,11 +155,9 @@ struct Packed<WeightFormat::kBf16> {
 
 // 4-bit rows: element 2k is the low nibble of byte k, so nibble j of a 32-bit word is element j.
 // Elements j and j + 4 of a word share a half2 (their bits are 16 apart, so one mask serves both).
-// A lane loads 16 bytes (32 weights, one whole block of 32) per step: one load and one scale per row
-// for two chunks. Half the load instructions of 8-byte loads, which measured faster (NOTES.md).
 template <class Decode4>
-__device__ __forceinline__ void decode_nibble_words(const uint4& raw, int sub, float (&w)[kChunk], Decode4 pair_of) {
-  const uint32_t words[2] = {sub == 0 ? raw.x : raw.z, sub == 0 ? raw.y : raw.w};
+__device__ __forceinline__ void decode_nibble_words(const uint2& raw, float (&w)[kChunk], Decode4 pair_of) {
+  const uint32_t words[2] = {raw.x, raw.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -173,15 +170,14 @@ __device__ __forceinline__ void decode_nibble_words(const uint4& raw, int sub, f
 
 template <>
 struct Packed<WeightFormat::kMxfp4> {
-  using Raw = uint4;
-  static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 2;
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
   static constexpr float kPre = 16384.0f;  // decoded values are v * 2^-14
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col / 2); }
-  __device__ static bool decode(const Raw& r, int sub, float (&w)[kChunk]) {
-    decode_nibble_words(r, sub, w, [](uint32_t t) {
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
       return half2_bits_to_float2(((t & 0x00070007u) << 9) | ((t & 0x00080008u) << 12));
     });
     return false;
@@ -193,15 +189,14 @@ struct Packed<WeightFormat::kMxfp4> {
 
 template <>
 struct Packed<WeightFormat::kQ4_0> {
-  using Raw = uint4;
-  static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 2;
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col / 2); }
-  __device__ static bool decode(const Raw& r, int sub, float (&w)[kChunk]) {
-    decode_nibble_words(r, sub, w, [](uint32_t t) {
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
       return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64086408u);  // (1024 + c) - 1032 = c - 8
     });
     return false;
@@ -213,15 +208,14 @@ struct Packed<WeightFormat::kQ4_0> {
 
 template <>
 struct Packed<WeightFormat::kQ4_1> {
-  using Raw = uint4;
-  static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 2;
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = true;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col / 2); }
-  __device__ static bool decode(const Raw& r, int sub, float (&w)[kChunk]) {
-    decode_nibble_words(r, sub, w, [](uint32_t t) {
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_nibble_words(r, w, [](uint32_t t) {
       return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
     });
     return false;
@@ -261,12 +255,11 @@ template <>
 struct Packed<WeightFormat::kMxfp8> {
   using Raw = uint4;
   static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 1;
   static constexpr float kPre = 256.0f;  // decoded values are v * 2^-8
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = true;
   __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, int, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
   __device__ static ChunkScale scale(const PackedRow& row, int col) {
     return {e8m0_to_float(row.scales[col / kPackedBlock]), 0.0f};
   }
@@ -276,12 +269,11 @@ template <>
 struct Packed<WeightFormat::kFp8Block128> {
   using Raw = uint4;
   static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 1;
   static constexpr float kPre = 256.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = true;
   __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, int, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
   __device__ static ChunkScale scale(const PackedRow& row, int col) {
     return {reinterpret_cast<const float*>(row.scales)[col / kFp8Tile], 0.0f};
   }
@@ -291,12 +283,11 @@ template <>
 struct Packed<WeightFormat::kQ8_0> {
   using Raw = uint4;
   static constexpr int kUnroll = 2;
-  static constexpr int kSubChunks = 1;
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
   __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, int, float (&w)[kChunk]) {
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
     // int8 c -> 1024 + (c + 128) as fp16 (flip the sign bit), minus 1152.
     decode_byte_words(r, w, [](uint32_t b, float2& even, float2& odd) {
       even = half2_bits_diff(((b & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
@@ -345,14 +336,13 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
                                                 int parts, float (&acc)[kRowsPerWarp][TMAX]) {
   using P = Packed<F>;
   constexpr int kUnroll = P::kUnroll;
-  constexpr int kSpan = kChunk * P::kSubChunks;  // weights of a row one load brings (one scale)
-  const int step = parts * WARP_SIZE * kSpan;
+  const int step = parts * WARP_SIZE * kChunk;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) acc[r][t] = 0.0f;
 
-  for (int base = (part * WARP_SIZE + lane_id()) * kSpan; base < in.n_in; base += step * kUnroll) {
+  for (int base = (part * WARP_SIZE + lane_id()) * kChunk; base < in.n_in; base += step * kUnroll) {
     // Every weight and scale load of this step is issued before the first use.
     typename P::Raw raw[kUnroll][kRowsPerWarp];
     ChunkScale scale[kUnroll][kRowsPerWarp];
@@ -374,56 +364,52 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * step >= in.n_in) continue;
+      const int k = base + u * step;
+      if (k >= in.n_in) continue;
+      float w[kRowsPerWarp][kChunk];
+      bool nan[kRowsPerWarp];
 #pragma unroll
-      for (int sub = 0; sub < P::kSubChunks; ++sub) {
-        // n_in is a multiple of kSpan for every format with kSubChunks > 1 (its block size).
-        const int k = base + u * step + sub * kChunk;
-        float w[kRowsPerWarp][kChunk];
-        bool nan[kRowsPerWarp];
+      for (int r = 0; r < kRowsPerWarp; ++r) nan[r] = P::decode(raw[u][r], w[r]);
+      float norm[kChunk];
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) nan[r] = P::decode(raw[u][r], sub, w[r]);
-        float norm[kChunk];
+      for (int v = 0; v < kChunk; ++v) norm[v] = 1.0f;
+      if (in.norm_w != nullptr) {
+        const Bf16Vec<8> n0 = load_cached<8>(in.norm_w + k), n1 = load_cached<8>(in.norm_w + k + 8);
 #pragma unroll
-        for (int v = 0; v < kChunk; ++v) norm[v] = 1.0f;
-        if (in.norm_w != nullptr) {
-          const Bf16Vec<8> n0 = load_cached<8>(in.norm_w + k), n1 = load_cached<8>(in.norm_w + k + 8);
+        for (int v = 0; v < 8; ++v) {
+          norm[v] = n0[v];
+          norm[v + 8] = n1[v];
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < TMAX; ++t) {
+        if (t < in.tokens) {
+          const bf16_t* xt = in.x + static_cast<size_t>(t) * in.n_in + k;
+          const Bf16Vec<8> x0 = load_cached<8>(xt), x1 = load_cached<8>(xt + 8);
+          float xf[kChunk];
 #pragma unroll
           for (int v = 0; v < 8; ++v) {
-            norm[v] = n0[v];
-            norm[v + 8] = n1[v];
+            xf[v] = x0[v] * norm[v];
+            xf[v + 8] = x1[v] * norm[v + 8];
           }
-        }
+          float x_sum = 0.0f;
+          if (P::kHasMin) {
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < in.tokens) {
-            const bf16_t* xt = in.x + static_cast<size_t>(t) * in.n_in + k;
-            const Bf16Vec<8> x0 = load_cached<8>(xt), x1 = load_cached<8>(xt + 8);
-            float xf[kChunk];
+            for (int v = 0; v < kChunk; ++v) x_sum += xf[v];
+          }
 #pragma unroll
-            for (int v = 0; v < 8; ++v) {
-              xf[v] = x0[v] * norm[v];
-              xf[v + 8] = x1[v] * norm[v + 8];
+          for (int r = 0; r < kRowsPerWarp; ++r) {
+            // Two chains: half the dependent-FMA latency per chunk.
+            float even = 0.0f, odd = 0.0f;
+#pragma unroll
+            for (int v = 0; v < kChunk; v += 2) {
+              even = fmaf(w[r][v], xf[v], even);
+              odd = fmaf(w[r][v + 1], xf[v + 1], odd);
             }
-            float x_sum = 0.0f;
-            if (P::kHasMin) {
-#pragma unroll
-              for (int v = 0; v < kChunk; ++v) x_sum += xf[v];
-            }
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) {
-              // Two chains: half the dependent-FMA latency per chunk.
-              float even = 0.0f, odd = 0.0f;
-#pragma unroll
-              for (int v = 0; v < kChunk; v += 2) {
-                even = fmaf(w[r][v], xf[v], even);
-                odd = fmaf(w[r][v + 1], xf[v + 1], odd);
-              }
-              float sum = even + odd;
-              if (P::kCanBeNaN && nan[r]) sum = __uint_as_float(0x7FC00000u);
-              acc[r][t] = fmaf(sum * P::kPre, scale[u][r].mul, acc[r][t]);
-              if (P::kHasMin) acc[r][t] = fmaf(x_sum, scale[u][r].add, acc[r][t]);
-            }
+            float sum = even + odd;
+            if (P::kCanBeNaN && nan[r]) sum = __uint_as_float(0x7FC00000u);
+            acc[r][t] = fmaf(sum * P::kPre, scale[u][r].mul, acc[r][t]);
+            if (P::kHasMin) acc[r][t] = fmaf(x_sum, scale[u][r].add, acc[r][t]);
           }
         }
       }

@@ -20,6 +20,8 @@ from lithos.kv_cache import FP8, init_cache
 from lithos.models import llama
 from lithos.quant.kv import dequantize_kv, kv_scales, quantize_kv
 
+from .test_custom_calls_gpu import assert_matches, both_paths
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(build.gpu_platform() is None, reason="needs a CUDA or ROCm GPU"),
@@ -39,21 +41,6 @@ def e4m3_values(codes: np.ndarray) -> np.ndarray:
 
 def keys(name: str, n: int):
     return jax.random.split(jax.random.PRNGKey(zlib.crc32(name.encode())), n)
-
-
-def assert_matches(kernel_out, reference_out, rel: float = 5e-3):
-    """Relative 2-norm error: both sides round a float32 result to bf16 once."""
-    k = np.asarray(jnp.asarray(kernel_out, jnp.float32), np.float64)
-    r = np.asarray(jnp.asarray(reference_out, jnp.float32), np.float64)
-    assert k.shape == r.shape
-    assert np.isfinite(k).all(), "non-finite output"
-    err = np.linalg.norm(k - r) / max(np.linalg.norm(r), 1e-30)
-    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
-
-
-def both_paths(op, *args, **kwargs):
-    run = jax.jit(lambda path, *a: op(*a, **kwargs, path=path), static_argnums=0)
-    return run("ffi", *args), run("reference", *args)
 
 
 def fp8_cache(key, layers: int, kv_heads: int, max_len: int, head_dim: int):

@@ -8,6 +8,7 @@ CPU), over tensor parallelism, and with bad inputs. tests/test_ring_cache_gpu.py
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from lithos.spec.loop import spec_prefill
 from lithos.spec.ngram import NGramDrafter
 
 from .conftest import byte_tokenizer, require
+from .test_kv_fp8 import TINY
 
 WINDOW = 8
 MAX_LEN = 128
@@ -250,20 +252,9 @@ def test_speculative_decoding_with_a_ring_equals_plain_greedy(windowed, plain, t
 # The kernels' reference twins with wrapping positions
 # --------------------------------------------------------------------------------------------
 
-TWIN_CFG = llama.Config(
-    architecture="MistralForCausalLM",
-    vocab_size=97,
-    hidden_size=128,
-    intermediate_size=192,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,  # a size the fused kernels exist for
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    sliding_window=WINDOW,
+# test_kv_fp8's tiny model (head_dim 64: a size the fused kernels exist for), windowed.
+TWIN_CFG = dataclasses.replace(
+    TINY, architecture="MistralForCausalLM", max_position_embeddings=512, sliding_window=WINDOW
 )
 
 

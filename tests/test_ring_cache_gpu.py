@@ -27,6 +27,7 @@ from lithos.custom_calls.packed_matvec import packed_qkv_rope_append
 from lithos.kv_cache import init_cache
 from lithos.models import llama
 
+from .test_custom_calls_gpu import assert_matches, both_paths, rand
 from .test_megakernel import SHAPES, random_step
 from .test_ring_cache import save_mistral
 
@@ -44,25 +45,6 @@ CASES = [(model, tokens, cache) for model in HEADS for tokens in (1, 4) for cach
 
 def keys(name: str, n: int):
     return jax.random.split(jax.random.PRNGKey(zlib.crc32(name.encode())), n)
-
-
-def rand(key, *shape, scale: float = 1.0) -> jax.Array:
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(BF16)
-
-
-def assert_matches(kernel_out, reference_out, rel: float = 5e-3):
-    """Relative 2-norm error: each side rounds a float32 result to bf16 once."""
-    k = np.asarray(jnp.asarray(kernel_out, jnp.float32), np.float64)
-    r = np.asarray(jnp.asarray(reference_out, jnp.float32), np.float64)
-    assert k.shape == r.shape
-    assert np.isfinite(k).all(), "non-finite output"
-    err = np.linalg.norm(k - r) / max(np.linalg.norm(r), 1e-30)
-    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
-
-
-def both_paths(op, *args, **kwargs):
-    run = jax.jit(lambda path, *a: op(*a, **kwargs, path=path), static_argnums=0)
-    return run("ffi", *args), run("reference", *args)
 
 
 def wrapping_positions(tokens: int, slots: int) -> jax.Array:

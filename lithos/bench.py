@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from lithos import decode
 from lithos.errors import LithosError
-from lithos.kv_cache import CACHE_DTYPES, cache_dtype, init_cache, is_fp8, ring_for
-from lithos.models import family_for_architecture
+from lithos.kv_cache import CACHE_DTYPES, cache_dtype, is_fp8, ring_for
+from lithos.models import family_for_architecture, init_model_cache
 from lithos.quant import bytes_by_format, quantize_params
 from lithos.sampling import SamplingParams
 
@@ -148,7 +148,7 @@ def time_decode_steps(
         placement = dataclasses.replace(placement, ring=ring_for(context + steps, window))
         cache = placement.init_cache(1, context + steps, dtype)
     else:
-        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, context + steps, cfg.head_dim, dtype, window=window)
+        cache = init_model_cache(cfg, 1, context + steps, dtype)
     if cache.quantized:
         # No prefill sets this cache's scales: scales of 1 stand in (step time does not depend on values).
         cache = cache.replace(k_scale=jnp.ones_like(cache.k_scale), v_scale=jnp.ones_like(cache.v_scale))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lithos
-from lithos import bench, engine
+from lithos import bench, engine, models
 from lithos.checkpoint import load_checkpoint
 from lithos.custom_calls import decode_attention, qkv_rope_append
 from lithos.custom_calls.packed_matvec import packed_qkv_rope_append
@@ -415,7 +415,7 @@ def test_bench_counts_the_window_for_windowed_dense_models():
 def test_bench_times_windowed_dense_models_on_their_ring(monkeypatch):
     """`lithos bench` decodes a windowed model from its ring, as lithos.Model does, so the timed step
     reads what the floor counts."""
-    made = record_slots(monkeypatch, bench)
+    made = record_slots(monkeypatch, models)
     params = llama.init_params(TWIN_CFG, jax.random.PRNGKey(0), jnp.float32)
     times = bench.time_decode_steps(params, TWIN_CFG, context=40, kernels="reference", steps=2, runs=1)
     assert len(times) == 1 and times[0] > 0

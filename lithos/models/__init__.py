@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import KVCache, init_cache
 from lithos.models import gpt_oss, llama, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
@@ -30,3 +31,12 @@ def family_for_gguf(gguf_arch: str) -> ModuleType:
 
 def family_of(cfg) -> ModuleType:
     return family_for_architecture(cfg.architecture)
+
+
+def init_model_cache(cfg, batch: int, max_len: int, dtype, step_tokens: int = 1) -> KVCache:
+    """An empty KV cache for `cfg`'s model and sequences of up to `max_len` positions: a ring when its family
+    says every layer is windowed (`cache_window`), made for forwards of up to `step_tokens` new tokens
+    (k + 1 to verify k drafts; lithos.kv_cache)."""
+    window = family_of(cfg).cache_window(cfg)
+    dims = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return init_cache(*dims, dtype, window=window, step_tokens=step_tokens)

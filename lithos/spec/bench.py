@@ -35,8 +35,7 @@ import numpy as np
 
 from lithos import bench
 from lithos.errors import LithosError
-from lithos.kv_cache import init_cache
-from lithos.models import family_for_architecture
+from lithos.models import family_for_architecture, init_model_cache
 from lithos.sampling import SamplingParams
 from lithos.spec import replay
 from lithos.spec.engine import SPEC_KINDS, SpecReport, Speculator, make_speculator
@@ -244,10 +243,7 @@ def time_rounds(
     max_len = context + rounds * (k + 1) + k + 2  # never full: every round is a full round
     dtype = params.embed.dtype
     tokens = jax.random.randint(jax.random.key(1), (1, context), 0, cfg.vocab_size, jnp.int32)
-    window = family_for_architecture(cfg.architecture).cache_window(cfg)  # a ring for windowed models
-    cache = init_cache(
-        cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, window=window, step_tokens=k + 1
-    )
+    cache = init_model_cache(cfg, 1, max_len, dtype, step_tokens=k + 1)  # a ring for windowed models
     start, _ = spec_prefill(
         params,
         speculator.draft_params,

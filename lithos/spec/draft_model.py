@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from lithos.kv_cache import KVCache, init_cache, prompt_positions
-from lithos.models import family_of
+from lithos.kv_cache import KVCache, prompt_positions
+from lithos.models import family_of, init_model_cache
 from lithos.sampling import SamplingParams
 from lithos.spec.drafter import DraftContext, PromptContext, Proposal, Verified, autoregress, match_vocab
 
@@ -42,9 +42,7 @@ class DraftModelDrafter:
         writes its pair, then one token at a time, up to k - 1 past the newest: lithos.kv_cache)."""
         cfg = self.cfg
         batch = prompt.history.shape[0]
-        window = family_of(cfg).cache_window(cfg)
-        dims = (cfg.num_layers, batch, cfg.num_kv_heads, prompt.max_len, cfg.head_dim)
-        cache = init_cache(*dims, draft_params.embed.dtype, window=window, step_tokens=prompt.draft_tokens + 1)
+        cache = init_model_cache(cfg, batch, prompt.max_len, draft_params.embed.dtype, prompt.draft_tokens + 1)
         tokens = prompt.history[:, : prompt.bucket]
         positions = prompt_positions(prompt.lengths, prompt.bucket)
         # The prompt runs on the reference path, as the target's prefill does.

@@ -49,8 +49,32 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+class HeadSizes:
+    """The projection widths of any family's config with num_heads, num_kv_heads and head_dim."""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class AttentionBias(HeadSizes):
+    """A config whose one `attention_bias` flag covers the Q/K/V and output projections (GPT-OSS, Qwen3-MoE)."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(HeadSizes):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -75,14 +99,6 @@ class Config:
     @property
     def family(self) -> str:
         return "llama"
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def describe(self) -> str:
         return (

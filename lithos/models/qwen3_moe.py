@@ -38,7 +38,7 @@ RopeScaling = llama.RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(llama.AttentionBias):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -74,22 +74,6 @@ class Config:
     @property
     def qk_norm(self) -> bool:
         return True
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -227,12 +227,24 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.0", "sm_100a")),
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.1", "sm_90a")),
         build.library_path("matvec", dataclasses.replace(base, opt_level=1)),  # a check build is never loaded
+        build.library_path("matvec", dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2",))),
         build.library_path("attention", base),
     }
-    assert len(paths) == 5 and all(p.parent == tmp_path for p in paths)
+    assert len(paths) == 6 and all(p.parent == tmp_path for p in paths)
     assert "-O3" in base.command(Path("k.cu"), Path("k.so"))
     monkeypatch.setattr(build, "jaxlib_version", lambda: "0.0.0")
     assert build.library_path("matvec", base) not in paths
+
+
+def test_kernel_defines_come_from_the_environment(monkeypatch):
+    monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
+    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_MIN_BLOCKS=2  LITHOS_MK_PREFETCH_DIVISOR=0")
+    tc = build.toolchain("cuda", "sm_90a")
+    command = tc.command(Path("k.cu"), Path("k.so"))
+    assert "-DLITHOS_MK_MIN_BLOCKS=2" in command and "-DLITHOS_MK_PREFETCH_DIVISOR=0" in command
+    monkeypatch.delenv("LITHOS_KERNEL_DEFINES")
+    assert not any(part.startswith("-D") for part in build.toolchain("cuda", "sm_90a").command(Path("k.cu"), Path("k.so")))
 
 
 COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}

@@ -14,6 +14,7 @@ import pytest
 
 import lithos
 from lithos.custom_calls.megakernel import decode_step, step_schedule
+from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 
 from .test_megakernel import SHAPES, random_step
@@ -95,3 +96,24 @@ def test_a_stuck_task_ends_in_an_error_not_a_hang(monkeypatch):
     monkeypatch.undo()
     # The GPU is usable afterwards and the next step is right.
     assert relative_error(run("ffi", args, head="argmax").h, run("reference", args, head="argmax").h) < 2e-2
+
+
+def test_trace_records_every_task_in_causal_order(monkeypatch, tmp_path):
+    """LITHOS_MEGAKERNEL_TRACE: one record per task, in the kernel's block assignment, with every task's
+    inputs ready only after the producers it waits for had theirs; tracing does not change the step."""
+    shape = dataclasses.replace(SHAPES["llama-3.2-1b"], layers=2)
+    args = random_step(shape, 1, 1000, jnp.bfloat16, seed=3)
+    plain = run("ffi", args, head="argmax")
+    path = tmp_path / "step.json"
+    monkeypatch.setenv("LITHOS_MEGAKERNEL_TRACE", str(path))
+    traced = run("ffi", args, head="argmax")
+    monkeypatch.delenv("LITHOS_MEGAKERNEL_TRACE")
+    np.testing.assert_array_equal(np.asarray(traced.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(traced.h), np.asarray(plain.h))
+    trace = mk_trace.load(path)
+    schedule = step_schedule(shape_of(args[0], args[4]), 1, True)
+    np.testing.assert_array_equal(trace.tasks, schedule.tasks)
+    np.testing.assert_array_equal(trace.block, np.arange(len(schedule)) % trace.grid)
+    assert np.all(trace.begin <= trace.ready) and np.all(trace.ready < trace.end)
+    assert mk_trace.causality_violations(trace, slack_ns=100) == []
+    assert trace.context == 1001 and 0 < trace.step_ns < 1e8

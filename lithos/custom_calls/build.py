@@ -8,6 +8,10 @@ is compiled against). Build them all ahead of time, e.g. for a container image:
     python -m lithos.custom_calls.build --platform cuda --arch sm_90a
     python -m lithos.custom_calls.build --platform rocm --arch gfx942
 
+Variants for experiments: `LITHOS_KERNEL_DEFINES="NAME=VALUE ..."` passes `-DNAME=VALUE` to every
+compile (the knobs a source declares with #ifndef, e.g. csrc/megakernel.cu's LITHOS_MK_MIN_BLOCKS);
+the defines are part of the key, so each variant is cached beside the default build.
+
 A GPU with no compiler is an error that says what to install: the kernels never fall back to the
 reference path unless the caller asks for it (`path="reference"`).
 """
@@ -95,9 +99,10 @@ class Toolchain:
     # 3 for kernels that run. A compile check (CI, where no GPU runs them) may ask for 1: every phase
     # still runs (front end, device code generation, assembler, link) in about two thirds of the time.
     opt_level: int = 3
+    defines: tuple[str, ...] = ()  # NAME=VALUE, from $LITHOS_KERNEL_DEFINES
 
     def command(self, source: Path, output: Path) -> list[str]:
-        include = [f"-I{jax.ffi.include_dir()}", f"-I{CSRC}"]
+        include = [f"-I{jax.ffi.include_dir()}", f"-I{CSRC}", *(f"-D{d}" for d in self.defines)]
         optimize = [f"-O{self.opt_level}"]
         if self.platform == "cuda":
             # -gencode, not -arch=sm_90a: the shorthand also runs a plain sm_90 pass (HOPPER.md).
@@ -202,7 +207,8 @@ def toolchain(platform: str, arch: str | None = None) -> Toolchain:
             "elsewhere with `python -m lithos.custom_calls.build` into the same LITHOS_CACHE_DIR, or run "
             "the reference path explicitly (kernels='reference')."
         )
-    return Toolchain(platform, compiler, compiler_version(compiler), arch or detect_arch(platform))
+    defines = tuple(os.environ.get("LITHOS_KERNEL_DEFINES", "").split())
+    return Toolchain(platform, compiler, compiler_version(compiler), arch or detect_arch(platform), defines=defines)
 
 
 def source_key(kernel: str, tc: Toolchain) -> str:

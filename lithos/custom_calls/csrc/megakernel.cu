@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "ffi_util.h"
 #include "mk_attention.h"
@@ -35,24 +37,41 @@
 #define gpuHostAllocMapped(p, n) hipHostMalloc(p, n, hipHostMallocMapped)
 #define gpuHostGetDevicePointer hipHostGetDevicePointer
 #define gpuAttrL2CacheSize hipDeviceAttributeL2CacheSize
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpyToHost(dst, src, n) hipMemcpy(dst, src, n, hipMemcpyDeviceToHost)
 #else
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuHostAllocMapped(p, n) cudaHostAlloc(p, n, cudaHostAllocMapped)
 #define gpuHostGetDevicePointer cudaHostGetDevicePointer
 #define gpuAttrL2CacheSize cudaDevAttrL2CacheSize
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpyToHost(dst, src, n) cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost)
 #endif
 
 namespace lithos {
 namespace mk {
 namespace {
 
-// One 256-thread block per SM at 234-243 registers (everything inlined, no spills: NOTES.md); the
-// occupancy API sizes the grid from whatever the compiler chose.
+// Blocks per SM/CU the compiler must leave registers for. 1: one 256-thread block per SM at 232-243
+// registers, no spills (NOTES.md); the occupancy API sizes the grid from whatever the compiler chose.
+// A build may ask for more (LITHOS_KERNEL_DEFINES="LITHOS_MK_MIN_BLOCKS=2", lithos/custom_calls/build.py).
+#ifndef LITHOS_MK_MIN_BLOCKS
+#define LITHOS_MK_MIN_BLOCKS 1
+#endif
+// Share of the L2 that waiting blocks prefetch the next weights into: 1 / LITHOS_MK_PREFETCH_DIVISOR
+// (0: no prefetch).
+#ifndef LITHOS_MK_PREFETCH_DIVISOR
+#define LITHOS_MK_PREFETCH_DIVISOR 2
+#endif
+
 template <int TMAX>
-__global__ void __launch_bounds__(kMatvecThreads) megakernel(Args a) {
+__global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
     const Task task = a.tasks[index];
+    trace_mark(a, index, kTraceBegin);
     bool ok = false;
     switch (task.op) {
       case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
@@ -65,6 +84,7 @@ __global__ void __launch_bounds__(kMatvecThreads) megakernel(Args a) {
         if (threadIdx.x == 0) abort_step(a, index);
     }
     if (!ok) return;  // the step aborted: every block leaves
+    trace_mark(a, index, kTraceEnd);
   }
 }
 
@@ -114,6 +134,87 @@ ffi::Error timed_out(int32_t task_plus_one) {
       "larger than the GPU holds at once). lithos.custom_calls.megakernel.describe_task(schedule, " +
       std::to_string(task_plus_one - 1) + ") names the task; decode with kernels='fused' meanwhile");
 }
+
+// Nanoseconds per trace_clock tick: CUDA's global timer counts ns; HIP's wall clock runs at the
+// device's wall-clock rate (kHz; HIP before 5.4 cannot ask, and CDNA's `s_memrealtime` runs at 100 MHz).
+double trace_ns_per_tick() {
+#if defined(LITHOS_HIP)
+  int khz = 100000;
+#if HIP_VERSION >= 50400000
+  int device = 0;
+  if (hipGetDevice(&device) != hipSuccess ||
+      hipDeviceGetAttribute(&khz, hipDeviceAttributeWallClockRate, device) != hipSuccess || khz <= 0)
+    return 0.0;
+#endif
+  return 1e6 / khz;
+#else
+  return 1.0;
+#endif
+}
+
+// LITHOS_MEGAKERNEL_TRACE=path: the step records per task which block ran it and when it began, had
+// its inputs and had signalled (mk_common.h trace_mark); the handler waits for the step and writes
+// that record, with the task list and the model's sizes, to `path` as JSON, replacing the last
+// step's. lithos.custom_calls.megakernel.trace reads it. A research tool: every traced step
+// synchronises with the host.
+class StepTrace {
+ public:
+  explicit StepTrace(const char* path) : path_(path != nullptr ? path : "") {}
+  ~StepTrace() {
+    if (buffer_ != nullptr) (void)gpuFree(buffer_);
+  }
+  bool enabled() const { return !path_.empty(); }
+
+  // The device record for n_tasks tasks, zeroed on the stream; nullptr when tracing is off.
+  ffi::Error start(int n_tasks, gpuStream_t stream, int64_t** record) {
+    *record = nullptr;
+    if (!enabled()) return ffi::Error::Success();
+    bytes_ = sizeof(int64_t) * kTraceFields * static_cast<size_t>(n_tasks);
+    if (gpuMalloc(reinterpret_cast<void**>(&buffer_), bytes_) != gpuSuccess ||
+        gpuMemsetAsync(buffer_, 0, bytes_, stream) != gpuSuccess)
+      return ffi::Error::Internal("lithos: megakernel trace: no device memory for " + std::to_string(bytes_) +
+                                  " bytes of records; unset LITHOS_MEGAKERNEL_TRACE");
+    *record = buffer_;
+    return ffi::Error::Success();
+  }
+
+  ffi::Error write(const Args& a, int64_t layers, int grid, gpuStream_t stream) {
+    std::vector<int64_t> record(bytes_ / sizeof(int64_t));
+    std::vector<int32_t> tasks(static_cast<size_t>(a.n_tasks) * kFields);
+    std::vector<int32_t> positions(a.tokens);
+    if (gpuStreamSynchronize(stream) != gpuSuccess || gpuMemcpyToHost(record.data(), buffer_, bytes_) != gpuSuccess ||
+        gpuMemcpyToHost(tasks.data(), a.tasks, tasks.size() * sizeof(int32_t)) != gpuSuccess ||
+        gpuMemcpyToHost(positions.data(), a.positions, positions.size() * sizeof(int32_t)) != gpuSuccess)
+      return launch_status("megakernel (trace read-back)");
+    std::ofstream out(path_, std::ios::trunc);
+    out << "{\"ns_per_tick\": " << trace_ns_per_tick() << ", \"grid\": " << grid << ", \"layers\": " << layers
+        << ", \"tokens\": " << a.tokens << ", \"hidden\": " << a.hidden << ", \"heads\": " << a.heads
+        << ", \"kv_heads\": " << a.kv_heads << ", \"head_dim\": " << a.head_dim << ", \"ffn\": " << a.ffn
+        << ", \"vocab\": " << a.vocab << ", \"slots\": " << a.slots << ", \"ring\": " << (a.ring ? "true" : "false")
+        << ", \"positions\": [";
+    for (int t = 0; t < a.tokens; ++t) out << (t ? ", " : "") << positions[t];
+    // The task's fields (mk_common.h Task, tasks.py FIELDS), then its block and times.
+    out << "],\n\"fields\": [\"op\", \"layer\", \"first\", \"count\", \"k_split\", \"wait_counter\", "
+           "\"wait_target\", \"signal_counter\", \"arrivals\", \"aux\", \"block\", \"begin\", \"ready\", "
+           "\"end\"],\n\"tasks\": [";
+    for (int i = 0; i < a.n_tasks; ++i) {
+      out << (i ? ",\n" : "\n") << "[";
+      for (int f = 0; f < kFields; ++f) out << tasks[static_cast<size_t>(i) * kFields + f] << ", ";
+      const int64_t* times = &record[static_cast<size_t>(i) * kTraceFields];
+      out << times[kTraceBlock] << ", " << times[kTraceBegin] << ", " << times[kTraceReady] << ", "
+          << times[kTraceEnd] << "]";
+    }
+    out << "]}\n";
+    out.close();
+    if (!out) return ffi::Error::Internal("lithos: megakernel trace: could not write " + path_);
+    return ffi::Error::Success();
+  }
+
+ private:
+  std::string path_;
+  int64_t* buffer_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 bool same_elements(const ffi::Buffer<ffi::BF16>& buffer, int64_t expected) {
   return static_cast<int64_t>(buffer.element_count()) == expected;
@@ -254,15 +355,19 @@ ffi::Error megakernel_impl(
   // Counters start at zero every step; the memset runs on the stream, before the kernel.
   if (gpuMemsetAsync(a.counters, 0, sizeof(int32_t) * (n_counters + kStatusWords), stream) != gpuSuccess)
     return launch_status("megakernel (counter reset)");
+  StepTrace trace(std::getenv("LITHOS_MEGAKERNEL_TRACE"));
+  if (const ffi::Error started = trace.start(a.n_tasks, stream, &a.trace); started.failure()) return started;
+  int grid = 0;
   const ffi::Error launched = with_token_bucket(a.tokens, [&](auto tmax) {
     constexpr int kTmax = decltype(tmax)::value;
-    const int grid = std::min(grid_capacity<kTmax>(), std::max(a.n_tasks, 1));
-    // Prefetch into at most half the L2 at once, shared by the blocks.
-    a.prefetch_bytes = l2_bytes() / 2 / std::max(grid, 1);
+    grid = std::min(grid_capacity<kTmax>(), std::max(a.n_tasks, 1));
+    a.prefetch_bytes = LITHOS_MK_PREFETCH_DIVISOR > 0 ? l2_bytes() / LITHOS_MK_PREFETCH_DIVISOR / grid : 0;
     megakernel<kTmax><<<grid, kMatvecThreads, 0, stream>>>(a);
     return launch_status("megakernel");
   });
   if (launched.failure()) return launched;
+  if (trace.enabled())
+    if (const ffi::Error written = trace.write(a, layers, grid, stream); written.failure()) return written;
   const char* sync = std::getenv("LITHOS_MEGAKERNEL_SYNC");
   if (sync != nullptr && sync[0] == '1') {
     if (gpuStreamSynchronize(stream) != gpuSuccess) return launch_status("megakernel (synchronised check)");

@@ -80,6 +80,7 @@ struct Args {
   int32_t* tokens_out;       // [tokens]
   float* logits;             // [tokens, vocab] or nullptr
   int32_t* counters;         // [n_counters + kStatusWords]
+  int64_t* trace;            // nullptr, or [n_tasks, kTraceFields] (LITHOS_MEGAKERNEL_TRACE, megakernel.cu)
   volatile int32_t* host_status;  // mapped host memory: 1 + the failing task, seen by the handler
   int tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots, window, max_splits, n_counters;
   bool ring;                 // slot = position % slots (lithos/kv_cache.py; else slot = position)
@@ -87,6 +88,32 @@ struct Args {
   float eps;
   float scale_log2;          // log2(e) / sqrt(head_dim)
 };
+
+// A traced step records, per task: the block that ran it, when the block reached it, when its
+// inputs were ready (the wait ended), and when it had signalled (trace_clock ticks).
+constexpr int kTraceFields = 4;
+enum TraceField { kTraceBlock = 0, kTraceBegin = 1, kTraceReady = 2, kTraceEnd = 3 };
+
+// A clock every SM/CU reads alike, so times of different blocks compare: CUDA's global timer (ns),
+// CDNA's constant-rate real-time counter (`s_memrealtime`; the host converts its ticks).
+__device__ __forceinline__ int64_t trace_clock() {
+#if defined(LITHOS_HIP)
+  return static_cast<int64_t>(__builtin_amdgcn_s_memrealtime());
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+#endif
+}
+
+// Thread 0 of a traced step stamps `field` of task `task_index` with the time (kTraceBegin also
+// names the block).
+__device__ __forceinline__ void trace_mark(const Args& a, int task_index, TraceField field) {
+  if (a.trace == nullptr || threadIdx.x != 0) return;
+  int64_t* record = a.trace + static_cast<size_t>(task_index) * kTraceFields;
+  record[field] = trace_clock();
+  if (field == kTraceBegin) record[kTraceBlock] = blockIdx.x;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Device-scope synchronisation (CUDA: PTX acquire/release at .gpu scope; HIP: agent scope)
@@ -171,7 +198,10 @@ __device__ void prefetch_row_groups(RowsOf rows_of, int first, int count, int ro
 template <class Prefetch>
 __device__ bool block_wait(const Args& a, const Task& task, int task_index, Prefetch prefetch) {
   __shared__ int ready;
-  if (task.wait_counter < 0) return true;
+  if (task.wait_counter < 0) {
+    trace_mark(a, task_index, kTraceReady);
+    return true;
+  }
   const int32_t* counter = a.counters + task.wait_counter;
   if (threadIdx.x == 0) ready = load_acquire(counter) >= task.wait_target ? 1 : 0;
   __syncthreads();
@@ -203,6 +233,7 @@ __device__ bool block_wait(const Args& a, const Task& task, int task_index, Pref
   __syncthreads();
   const bool ok = !waiting || ready == 1;
   __syncthreads();
+  trace_mark(a, task_index, kTraceReady);
   return ok;
 }
 

@@ -1,0 +1,231 @@
+"""Where a megakernel step's time goes, from a trace the kernel records.
+
+With `LITHOS_MEGAKERNEL_TRACE=path` set, every megakernel step stamps, per task, the block that ran
+it and three times on a clock all SMs share: when the block reached the task, when its inputs were
+ready, and when it had signalled its outputs (csrc/mk_common.h `trace_mark`). The handler writes the
+last step's record to `path` (JSON, csrc/megakernel.cu `StepTrace`); every traced step waits for the
+GPU, so trace a few steps, not a benchmark:
+
+    LITHOS_MEGAKERNEL_TRACE=/tmp/step.json lithos bench --shape llama-3.2-1b --kernels megakernel --steps 2 --runs 1
+    python -m lithos.custom_calls.megakernel.trace /tmp/step.json
+
+A stage is one task kind of one layer (the list is stage by stage). Per stage: its span, from the
+first task having its inputs to the last one signalling; the hand-off before it, from the previous
+stage's last signal to this stage's first start (negative where the stage depends on part of the
+previous one only: attention of KV head g starts when group g's Q/K/V are done); and the rate its
+bytes streamed at over the span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, ModelShape, Op
+
+TIMES = ("block", "begin", "ready", "end")
+BF16_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """One traced step: the task list `tasks` `[n, len(FIELDS)]` and, per task, its block and its
+    times in ns from the step's first begin."""
+
+    shape: ModelShape
+    grid: int
+    tokens: int
+    context: int  # keys the step's last query sees (its position + 1, at most the cache's slots)
+    tasks: np.ndarray
+    block: np.ndarray
+    begin: np.ndarray
+    ready: np.ndarray
+    end: np.ndarray
+
+    @property
+    def step_ns(self) -> float:
+        return float(self.end.max() - self.begin.min())
+
+
+def load(path: str | Path) -> StepTrace:
+    record = json.loads(Path(path).read_text())
+    fields = list(record["fields"])
+    if fields != [*FIELDS, *TIMES]:
+        raise ValueError(f"{path}: trace fields {fields} are not this lithos's {[*FIELDS, *TIMES]}")
+    rows = np.asarray(record["tasks"], np.int64).reshape(-1, len(fields))
+    if (rows[:, len(FIELDS) + 1 :] == 0).any():
+        raise ValueError(f"{path}: some tasks have no times: the step did not finish (it aborted)")
+    ticks = rows[:, len(FIELDS) + 1 :].astype(np.float64)
+    ticks = (ticks - ticks[:, 0].min()) * float(record["ns_per_tick"])
+    shape = ModelShape(
+        **{k: int(record[k]) for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")}
+    )
+    context = min(max(record["positions"]) + 1, int(record["slots"]))
+    return StepTrace(
+        shape,
+        int(record["grid"]),
+        int(record["tokens"]),
+        context,
+        rows[:, : len(FIELDS)],
+        rows[:, len(FIELDS)],
+        ticks[:, 0],
+        ticks[:, 1],
+        ticks[:, 2],
+    )
+
+
+def stage_bytes(shape: ModelShape, op: Op, context: int) -> int:
+    """Bytes one stage of `op` must read: its bf16 weights, or for attention the keys and values."""
+    s = shape
+    if op == Op.ATTENTION:
+        return 2 * s.kv_heads * context * s.head_dim * BF16_BYTES
+    rows = {
+        Op.QKV: (s.heads + 2 * s.kv_heads) * s.head_dim,
+        Op.O_PROJ: s.hidden,
+        Op.GATE_UP: 2 * s.ffn,
+        Op.DOWN: s.hidden,
+        Op.HEAD: s.vocab,
+    }[op]
+    return rows * s.input_size(op) * BF16_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    op: Op
+    layer: int
+    tasks: int
+    start: float  # first task's inputs ready, ns
+    finish: float  # last task's signal, ns
+    handoff: float  # start minus the previous stage's finish, ns
+    work: float  # mean per task of end - ready, ns
+    slowest: float  # the longest task's end - ready, ns
+    wait: float  # mean per task of ready - begin, ns
+    bytes: int
+
+    @property
+    def span(self) -> float:
+        return self.finish - self.start
+
+
+def stages(trace: StepTrace) -> list[Stage]:
+    """The step's stages in list order: runs of consecutive tasks of one kind and layer."""
+    ops, layers = trace.tasks[:, FIELDS.index("op")], trace.tasks[:, FIELDS.index("layer")]
+    cuts = np.flatnonzero((np.diff(ops) != 0) | (np.diff(layers) != 0)) + 1
+    out: list[Stage] = []
+    previous_finish = 0.0
+    for run in np.split(np.arange(len(ops)), cuts):
+        op = Op(int(ops[run[0]]))
+        ready, end = trace.ready[run], trace.end[run]
+        start, finish = float(ready.min()), float(end.max())
+        out.append(
+            Stage(
+                op,
+                int(layers[run[0]]),
+                len(run),
+                start,
+                finish,
+                start - previous_finish,
+                float((end - ready).mean()),
+                float((end - ready).max()),
+                float((ready - trace.begin[run]).mean()),
+                stage_bytes(trace.shape, op, trace.context),
+            )
+        )
+        previous_finish = finish
+    return out
+
+
+def _signal_times(trace: StepTrace) -> dict[int, np.ndarray]:
+    """Per counter, the earliest each of its signals can have been sent: a task's signal comes after its
+    inputs were ready; an attention head's combine signal (`aux`) after every split of the head was."""
+    col = {name: trace.tasks[:, FIELDS.index(name)] for name in ("op", "signal_counter", "aux")}
+    times: dict[int, list[float]] = {}
+    for i in range(len(trace.tasks)):
+        times.setdefault(int(col["signal_counter"][i]), []).append(float(trace.ready[i]))
+    attention = col["op"] == Op.ATTENTION
+    for head_counter in np.unique(col["signal_counter"][attention]):
+        splits = attention & (col["signal_counter"] == head_counter)
+        combined = int(col["aux"][splits][0])
+        times.setdefault(combined, []).append(float(trace.ready[splits].max()))
+    return {c: np.sort(np.asarray(t)) for c, t in times.items()}
+
+
+def causality_violations(trace: StepTrace, slack_ns: float = 0.0) -> list[int]:
+    """Tasks whose inputs were ready before enough producers could have signalled: task i waits for
+    `wait_target` signals on `wait_counter`, so the wait_target-th earliest of those signals must precede
+    i's ready time. Empty for a correct kernel (the hand-off protocol of csrc/mk_common.h); `slack_ns`
+    allows for the clock's granularity."""
+    wait_c, target = trace.tasks[:, FIELDS.index("wait_counter")], trace.tasks[:, FIELDS.index("wait_target")]
+    signals = _signal_times(trace)
+    bad = []
+    for i in np.flatnonzero(wait_c != NO_COUNTER):
+        sent = signals.get(int(wait_c[i]), np.empty(0))
+        if len(sent) < target[i] or sent[target[i] - 1] > trace.ready[i] + slack_ns:
+            bad.append(int(i))
+    return bad
+
+
+def summary(trace: StepTrace) -> list[dict]:
+    """Per task kind, averaged over its stages (the layers): what the table of `main` prints."""
+    rows = []
+    all_stages = stages(trace)
+    for op in Op:
+        of_op = [s for s in all_stages if s.op == op]
+        if not of_op:
+            continue
+        span = float(np.mean([s.span for s in of_op]))
+        rows.append(
+            {
+                "op": op.name.lower(),
+                "stages": len(of_op),
+                "tasks": of_op[0].tasks,
+                "span_us": span / 1e3,
+                "handoff_us": float(np.mean([s.handoff for s in of_op])) / 1e3,
+                "task_us": float(np.mean([s.work for s in of_op])) / 1e3,
+                "slowest_task_us": float(np.mean([s.slowest for s in of_op])) / 1e3,
+                "wait_us": float(np.mean([s.wait for s in of_op])) / 1e3,
+                "mb": of_op[0].bytes / 1e6,
+                "gb_per_s": of_op[0].bytes / span if span > 0 else float("nan"),
+                "total_us": sum(s.span + max(s.handoff, 0.0) for s in of_op) / 1e3,
+            }
+        )
+    return rows
+
+
+def format_summary(trace: StepTrace) -> str:
+    s = trace.shape
+    lines = [
+        f"step {trace.step_ns / 1e3:.1f} us: {s.layers} layers, hidden {s.hidden}, ffn {s.ffn}, {trace.tokens} "
+        f"token(s), context {trace.context}, grid {trace.grid} blocks",
+        f"{'stage':<10}{'n':>4}{'tasks':>6}{'span us':>9}{'handoff':>9}{'task us':>9}{'slowest':>9}"
+        f"{'wait us':>9}{'MB':>8}{'GB/s':>7}{'total us':>10}",
+    ]
+    for r in summary(trace):
+        lines.append(
+            f"{r['op']:<10}{r['stages']:>4}{r['tasks']:>6}{r['span_us']:>9.2f}{r['handoff_us']:>9.2f}"
+            f"{r['task_us']:>9.2f}{r['slowest_task_us']:>9.2f}{r['wait_us']:>9.2f}{r['mb']:>8.2f}"
+            f"{r['gb_per_s']:>7.0f}{r['total_us']:>10.1f}"
+        )
+    lines.append(
+        "span: first input ready to last signal; handoff: previous stage's last signal to this one's first "
+        "start; total: spans + positive hand-offs over the layers"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Summarise a megakernel step trace (LITHOS_MEGAKERNEL_TRACE).")
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the per-kind summary as JSON")
+    args = parser.parse_args(argv)
+    trace = load(args.trace)
+    print(json.dumps(summary(trace), indent=1) if args.json else format_summary(trace))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

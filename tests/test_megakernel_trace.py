@@ -1,0 +1,141 @@
+"""The megakernel trace reader (lithos.custom_calls.megakernel.trace) on traces in the kernel's JSON
+format, made here by running a schedule on simulated blocks with known task durations. The kernel's
+own traces are checked on the GPU (tests/test_megakernel_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lithos.custom_calls.megakernel import build_schedule
+from lithos.custom_calls.megakernel import trace as mk_trace
+from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, Op
+
+from .test_megakernel import SHAPES
+
+DURATION_NS = {Op.QKV: 3000, Op.ATTENTION: 2000, Op.O_PROJ: 2500, Op.GATE_UP: 9000, Op.DOWN: 5000, Op.HEAD: 20000}
+HANDOFF_NS = 700  # from a producer's signal to a waiting consumer's start
+EPOCH = 5_000_000_000  # the global timer does not start at zero
+
+
+def simulated_trace(schedule, grid: int, context: int) -> dict:
+    """Block b runs tasks b, b + grid, ... as the kernel does; a task starts when its block is free and
+    its counter has its signals (plus the hand-off), and signals DURATION_NS[op] later."""
+    free = [0] * grid
+    sent: dict[int, list[int]] = {}
+    rows = []
+    for i, row in enumerate(schedule.tasks):
+        task = dict(zip(FIELDS, (int(v) for v in row), strict=True))
+        block = i % grid
+        begin = free[block]
+        ready = begin
+        if task["wait_counter"] != NO_COUNTER:
+            ready = max(begin, sorted(sent[task["wait_counter"]])[task["wait_target"] - 1] + HANDOFF_NS)
+        end = ready + DURATION_NS[Op(task["op"])]
+        sent.setdefault(task["signal_counter"], []).append(end)
+        if task["op"] == Op.ATTENTION and len(sent[task["signal_counter"]]) == task["arrivals"]:
+            sent.setdefault(task["aux"], []).append(end)
+        free[block] = end
+        rows.append([*row.tolist(), block, EPOCH + begin, EPOCH + ready, EPOCH + end])
+    s = schedule.shape
+    return {
+        "ns_per_tick": 1.0,
+        "grid": grid,
+        "layers": s.layers,
+        "tokens": 1,
+        "hidden": s.hidden,
+        "heads": s.heads,
+        "kv_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "ffn": s.ffn,
+        "vocab": s.vocab,
+        "slots": 4096,
+        "ring": False,
+        "positions": [context - 1],
+        "fields": [*FIELDS, *mk_trace.TIMES],
+        "tasks": rows,
+    }
+
+
+@pytest.fixture
+def traced(tmp_path):
+    shape = SHAPES["smollm2-like"]
+    schedule = build_schedule(shape, 16)
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(simulated_trace(schedule, 16, context=1000)))
+    return schedule, path
+
+
+def test_stages_spans_and_handoffs_follow_the_simulated_step(traced):
+    schedule, path = traced
+    trace = mk_trace.load(path)
+    shape = schedule.shape
+    assert trace.context == 1000 and trace.grid == 16 and len(trace.tasks) == len(schedule)
+    assert trace.begin.min() == 0.0  # times are relative to the step's first task
+    stages = mk_trace.stages(trace)
+    assert [s.op for s in stages[:5]] == [Op.QKV, Op.ATTENTION, Op.O_PROJ, Op.GATE_UP, Op.DOWN]
+    assert len(stages) == 5 * shape.layers + 1 and stages[-1].op == Op.HEAD
+    assert sum(s.tasks for s in stages) == len(schedule)
+    for stage in stages:
+        assert stage.work == DURATION_NS[stage.op]  # every task of a kind took its duration
+        if stage.op in (Op.O_PROJ, Op.GATE_UP, Op.DOWN, Op.HEAD):
+            # Each waits for the whole previous stage: it starts one hand-off after that stage's end.
+            assert stage.handoff == HANDOFF_NS
+    gate_up = next(s for s in stages if s.op == Op.GATE_UP)
+    assert gate_up.bytes == 2 * shape.ffn * shape.hidden * 2
+    attention = next(s for s in stages if s.op == Op.ATTENTION)
+    assert attention.bytes == 2 * shape.kv_heads * 1000 * shape.head_dim * 2
+    assert trace.step_ns == stages[-1].finish
+
+
+def test_summary_averages_each_kind_over_its_layers(traced, capsys):
+    schedule, path = traced
+    trace = mk_trace.load(path)
+    rows = {r["op"]: r for r in mk_trace.summary(trace)}
+    assert set(rows) == {op.name.lower() for op in Op}
+    assert rows["gate_up"]["stages"] == schedule.shape.layers and rows["head"]["stages"] == 1
+    assert rows["down"]["task_us"] == pytest.approx(DURATION_NS[Op.DOWN] / 1e3)
+    assert rows["down"]["handoff_us"] == pytest.approx(HANDOFF_NS / 1e3)
+    down = next(s for s in mk_trace.stages(trace) if s.op == Op.DOWN)
+    assert rows["down"]["gb_per_s"] == pytest.approx(down.bytes / down.span)
+    assert mk_trace.main([str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"step {trace.step_ns / 1e3:.1f} us") and "gate_up" in printed
+
+
+def test_causality_check_accepts_the_protocol_and_flags_an_early_start(traced):
+    schedule, path = traced
+    record = json.loads(path.read_text())
+    assert mk_trace.causality_violations(mk_trace.load(path)) == []
+    # The first O projection task claims its inputs were ready before any attention head combined.
+    first_o = next(i for i, row in enumerate(record["tasks"]) if row[0] == Op.O_PROJ)
+    ready = len(FIELDS) + 2  # after the task fields: block, begin, ready, end
+    record["tasks"][first_o][ready] = EPOCH + 1
+    path.write_text(json.dumps(record))
+    assert mk_trace.causality_violations(mk_trace.load(path)) == [first_o]
+
+
+def test_an_unfinished_step_or_another_format_is_refused(traced):
+    _, path = traced
+    record = json.loads(path.read_text())
+    record["tasks"][3][-1] = 0  # the step aborted before task 3 signalled
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="did not finish"):
+        mk_trace.load(path)
+    record["fields"] = record["fields"][1:]
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="trace fields"):
+        mk_trace.load(path)
+
+
+def test_times_use_the_clock_rate(traced, tmp_path):
+    _, path = traced
+    record = json.loads(path.read_text())
+    record["ns_per_tick"] = 10.0  # a 100 MHz wall clock (HIP)
+    slow_path = tmp_path / "slow.json"
+    slow_path.write_text(json.dumps(record))
+    slow, fast = mk_trace.load(slow_path), mk_trace.load(path)
+    assert slow.step_ns == pytest.approx(10 * fast.step_ns)
+    np.testing.assert_allclose(slow.ready, 10 * fast.ready)

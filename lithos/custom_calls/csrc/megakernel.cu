@@ -36,7 +36,6 @@
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuHostAllocMapped(p, n) hipHostMalloc(p, n, hipHostMallocMapped)
 #define gpuHostGetDevicePointer hipHostGetDevicePointer
-#define gpuAttrL2CacheSize hipDeviceAttributeL2CacheSize
 #define gpuMalloc hipMalloc
 #define gpuFree hipFree
 #define gpuMemcpyToHost(dst, src, n) hipMemcpy(dst, src, n, hipMemcpyDeviceToHost)
@@ -45,7 +44,6 @@
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuHostAllocMapped(p, n) cudaHostAlloc(p, n, cudaHostAllocMapped)
 #define gpuHostGetDevicePointer cudaHostGetDevicePointer
-#define gpuAttrL2CacheSize cudaDevAttrL2CacheSize
 #define gpuMalloc cudaMalloc
 #define gpuFree cudaFree
 #define gpuMemcpyToHost(dst, src, n) cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost)
@@ -60,11 +58,6 @@ namespace {
 // A build may ask for more (LITHOS_KERNEL_DEFINES="LITHOS_MK_MIN_BLOCKS=2", lithos/custom_calls/build.py).
 #ifndef LITHOS_MK_MIN_BLOCKS
 #define LITHOS_MK_MIN_BLOCKS 1
-#endif
-// Share of the L2 that waiting blocks prefetch the next weights into: 1 / LITHOS_MK_PREFETCH_DIVISOR
-// (0: no prefetch).
-#ifndef LITHOS_MK_PREFETCH_DIVISOR
-#define LITHOS_MK_PREFETCH_DIVISOR 2
 #endif
 
 template <int TMAX>
@@ -92,13 +85,6 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
 template <int TMAX>
 int grid_capacity() {
   return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads);
-}
-
-int64_t l2_bytes() {
-  int device = 0, bytes = 0;
-  if (gpuGetDevice(&device) != gpuSuccess || gpuDeviceGetAttribute(&bytes, gpuAttrL2CacheSize, device) != gpuSuccess)
-    return 0;
-  return bytes;
 }
 
 // One word of mapped host memory per device: the kernel writes 1 + the index of a task that waited
@@ -361,7 +347,6 @@ ffi::Error megakernel_impl(
   const ffi::Error launched = with_token_bucket(a.tokens, [&](auto tmax) {
     constexpr int kTmax = decltype(tmax)::value;
     grid = std::min(grid_capacity<kTmax>(), std::max(a.n_tasks, 1));
-    a.prefetch_bytes = LITHOS_MK_PREFETCH_DIVISOR > 0 ? l2_bytes() / LITHOS_MK_PREFETCH_DIVISOR / grid : 0;
     megakernel<kTmax><<<grid, kMatvecThreads, 0, stream>>>(a);
     return launch_status("megakernel");
   });

@@ -29,6 +29,7 @@ struct SplitPlan {
   int end;        // one past the last key any query sees
   int splits;     // splits in use (<= max_splits); tasks of later splits only arrive
   int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
+  int fresh;      // the lowest position this step appends: keys from here on are this step's
 };
 
 __device__ inline SplitPlan plan_splits(const Args& a) {
@@ -38,6 +39,7 @@ __device__ inline SplitPlan plan_splits(const Args& a) {
     highest = max(highest, a.positions[t]);
   }
   SplitPlan plan;
+  plan.fresh = lowest;
   plan.end = a.ring ? highest + 1 : min(highest + 1, a.slots);
   plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
   // A ring holds the newest `slots` positions; the handler checked that every window lies within them.
@@ -84,13 +86,19 @@ __device__ __forceinline__ size_t partial_row(const Args& a, int kv_head, int sp
   return (static_cast<size_t>(kv_head) * a.max_splits + split) * rows + row;
 }
 
-__device__ inline void attention_split(const Args& a, int layer, int kv_head, int split) {
+// One split's partial output. `wait()` (the task's wait for its Q/K/V) is called once by every thread,
+// after the split's first keys that earlier steps wrote are loaded: those loads fly during the wait.
+// False when the step aborted.
+template <class Wait>
+__device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
+                                       Wait wait) {
   __shared__ float shared_acc[kMatvecWarps][kAttnRowsPerWarp][kMaxHeadDim];
   __shared__ float shared_max[kMatvecWarps][kAttnRowsPerWarp];
   __shared__ float shared_sum[kMatvecWarps][kAttnRowsPerWarp];
 
-  const SplitPlan plan = plan_splits(a);
-  if (split >= plan.splits) return;  // the combine reads only the splits in use
+  // A split past the plan's count writes nothing: it need not wait (the last split of a head to
+  // arrive combines, and arrives after every split that wrote).
+  if (split >= plan.splits) return true;
   const int key_begin = plan.begin + split * plan.split_len;
   const int key_end = min(key_begin + plan.split_len, plan.end);
 
@@ -107,6 +115,29 @@ __device__ inline void attention_split(const Args& a, int layer, int kv_head, in
   const bf16_t* keys = a.k_cache + head_offset + dim0;
   const bf16_t* values = a.v_cache + head_offset + dim0;
   const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
+
+  // The keys of a loop step: key[u] for u < kAttnKeysPerStep, from `base`. Keys from `from` on are
+  // loaded, earlier ones kept (the first step loads the older keys before the wait, the rest after).
+  int key[kAttnKeysPerStep];
+  Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
+  auto load_step = [&](int base, int from, int to) {
+#pragma unroll
+    for (int u = 0; u < kAttnKeysPerStep; ++u) {
+      key[u] = base + key_lane + u * key_stride;
+      if (key[u] >= from && key[u] < to) {
+        // Weak loads (this step's keys written by its Q/K/V tasks, ordered by the wait), past L1.
+        const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key[u])) * d;
+        k[u] = load_streaming<8>(keys + at);
+        v[u] = load_streaming<8>(values + at);
+      } else if (key[u] >= key_end) {
+        k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+        v[u] = k[u];
+      }
+    }
+  };
+  const int first_base = key_begin + warp_k * keys_per_warp;
+  load_step(first_base, INT_MIN, min(key_end, plan.fresh));
+  if (!wait()) return false;
 
   for (int pass_first = 0; pass_first < rows; pass_first += rows_per_pass) {
     const int first_row = pass_first + warp_q * kAttnRowsPerWarp;
@@ -131,22 +162,11 @@ __device__ inline void attention_split(const Args& a, int layer, int kv_head, in
     }
 
     // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
-    for (int base = key_begin + warp_k * keys_per_warp; base < key_end; base += key_stride * kAttnKeysPerStep) {
-      int key[kAttnKeysPerStep];
-      Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
-#pragma unroll
-      for (int u = 0; u < kAttnKeysPerStep; ++u) {
-        key[u] = base + key_lane + u * key_stride;
-        if (key[u] < key_end) {
-          // Weak loads (written by this step's Q/K/V tasks, ordered by the wait), streamed past L1.
-          const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key[u])) * d;
-          k[u] = load_streaming<8>(keys + at);
-          v[u] = load_streaming<8>(values + at);
-        } else {
-          k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
-          v[u] = k[u];
-        }
-      }
+    for (int base = first_base; base < key_end; base += key_stride * kAttnKeysPerStep) {
+      if (pass_first == 0 && base == first_base)
+        load_step(base, max(plan.fresh, key_begin), key_end);  // this step's own keys, now written
+      else
+        load_step(base, INT_MIN, key_end);
 #pragma unroll
       for (int j = 0; j < kAttnRowsPerWarp; ++j) {
         float score[kAttnKeysPerStep];
@@ -227,25 +247,46 @@ __device__ inline void attention_split(const Args& a, int layer, int kv_head, in
     }
     __syncthreads();  // shared memory is reused by the next pass
   }
+  return true;
 }
 
 // Weight each split's output by its share of the softmax mass; a row that sees no key gets zeros.
-// Writes the group's heads of the attention output [tokens, heads * head_dim].
-__device__ inline void attention_combine(const Args& a, int kv_head) {
-  const SplitPlan plan = plan_splits(a);
+// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread loads
+// kCombineChunk splits' values before using any (one memory round trip per chunk, not per split) and
+// folds the chunks online.
+__device__ inline void attention_combine(const Args& a, const SplitPlan& plan, int kv_head) {
+  constexpr int kCombineChunk = 16;
   const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
   for (int i = threadIdx.x; i < rows * d; i += blockDim.x) {
     const int row = i / d, e = i % d;
-    float best = -INFINITY;
-    for (int s = 0; s < plan.splits; ++s) best = fmaxf(best, a.part_lse[partial_row(a, kv_head, s, row)]);
-    float sum = 0.0f, acc = 0.0f;
-    if (best != -INFINITY) {
-      for (int s = 0; s < plan.splits; ++s) {
-        const size_t at = partial_row(a, kv_head, s, row);
-        const float weight = exp2f(a.part_lse[at] - best);
-        sum += weight;
-        acc += weight * a.part_out[at * d + e];
+    float best = -INFINITY, sum = 0.0f, acc = 0.0f;
+    for (int first = 0; first < plan.splits; first += kCombineChunk) {
+      float lse[kCombineChunk], out[kCombineChunk];
+      float chunk_best = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kCombineChunk; ++c) {
+        lse[c] = -INFINITY;
+        out[c] = 0.0f;
+        if (first + c < plan.splits) {
+          const size_t at = partial_row(a, kv_head, first + c, row);
+          lse[c] = a.part_lse[at];
+          out[c] = a.part_out[at * d + e];
+        }
       }
+#pragma unroll
+      for (int c = 0; c < kCombineChunk; ++c) chunk_best = fmaxf(chunk_best, lse[c]);
+      const float new_best = fmaxf(best, chunk_best);
+      if (new_best == -INFINITY) continue;  // no split so far saw a visible key
+      const float rescale = exp2f(best - new_best);
+      sum *= rescale;
+      acc *= rescale;
+#pragma unroll
+      for (int c = 0; c < kCombineChunk; ++c) {
+        const float weight = exp2f(lse[c] - new_best);
+        sum += weight;
+        acc += weight * out[c];
+      }
+      best = new_best;
     }
     const int token = row / group, head = kv_head * group + row % group;
     a.attn[(static_cast<size_t>(token) * a.heads + head) * d + e] = float_to_bf16(sum > 0.0f ? acc / sum : 0.0f);
@@ -253,11 +294,12 @@ __device__ inline void attention_combine(const Args& a, int kv_head) {
 }
 
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
-  if (!block_wait(a, task, index, [] {})) return false;
-  attention_split(a, task.layer, task.first, task.count);
+  const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
+  if (!attention_split(a, plan, task.layer, task.first, task.count, [&] { return block_wait(a, task, index); }))
+    return false;
   if (block_signal(a, task.signal_counter) == task.arrivals - 1) {
-    attention_combine(a, task.first);
-    block_signal(a, task.aux);
+    attention_combine(a, plan, task.first);
+    block_release(a, task.aux);
   }
   return true;
 }

@@ -22,17 +22,18 @@ namespace mk {
 struct Task {
   int32_t op;
   int32_t layer;
-  int32_t first;           // first row group (matvec tasks) or KV head (attention)
-  int32_t count;           // row groups (matvec tasks) or split index (attention)
+  int32_t first;           // matvec tasks: the stage's first row group; attention: the KV head
+  int32_t count;           // matvec tasks: the stage's row groups; attention: the split index
   int32_t k_split;         // warps sharing a row group
   int32_t wait_counter;    // -1: no input to wait for
   int32_t wait_target;     // the task may start once counters[wait_counter] >= wait_target
   int32_t signal_counter;  // counter this task adds 1 to when its outputs are written
   int32_t arrivals;        // > 0: the task that brings signal_counter to this count reduces (attention, head)
   int32_t aux;             // attention: counter signalled after the combine; head: this task's slot
+  int32_t claim;           // matvec tasks: the stage's claim counter (rounds of row groups handed out)
 };
 constexpr int kFields = sizeof(Task) / sizeof(int32_t);
-static_assert(kFields == 10, "tasks.py FIELDS must match");
+static_assert(kFields == 11, "tasks.py FIELDS must match");
 
 enum Op : int32_t {
   kOpQkv = 1,        // RMSNorm + Q/K/V rows + RoPE + cache append, row groups of one KV group
@@ -84,7 +85,6 @@ struct Args {
   volatile int32_t* host_status;  // mapped host memory: 1 + the failing task, seen by the handler
   int tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, slots, window, max_splits, n_counters;
   bool ring;                 // slot = position % slots (lithos/kv_cache.py; else slot = position)
-  int64_t prefetch_bytes;    // per task, while it waits: the block's share of the L2
   float eps;
   float scale_log2;          // log2(e) / sqrt(head_dim)
 };
@@ -140,6 +140,15 @@ __device__ __forceinline__ int fetch_add_acq_rel(int32_t* p) {
 #endif
 }
 
+// Adds 1 with release semantics at device scope, without waiting for the old value.
+__device__ __forceinline__ void add_release(int32_t* p) {
+#if defined(LITHOS_HIP)
+  (void)__hip_atomic_fetch_add(p, 1, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);  // no-return atomic
+#else
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void pause_briefly() {
 #if defined(LITHOS_HIP)
   __builtin_amdgcn_s_sleep(1);  // 64 clocks
@@ -160,79 +169,37 @@ __device__ inline void abort_step(const Args& a, int task_index) {
 
 __device__ __forceinline__ bool aborted(const Args& a) { return load_acquire(a.counters + a.n_counters) != 0; }
 
-// Issue L2 prefetches for the weight rows of row groups [first, first + count) (`rows_of` as in
-// task_row_groups; rows of `row_len` elements), at most `budget` bytes, the leading part of every row
-// first: what the task will stream once its inputs are ready. Every thread of the block calls it.
-template <class RowsOf>
-__device__ void prefetch_row_groups(RowsOf rows_of, int first, int count, int row_len, int64_t budget) {
-  constexpr int kLine = 128;
-  const int rows = count * kRowsPerWarp;
-  if (rows <= 0 || budget <= 0) return;
-  const int64_t row_bytes = int64_t{row_len} * 2;
-  const int64_t share = budget / rows > kLine ? budget / rows : kLine;
-  const int lines_per_row = static_cast<int>(((row_bytes < share ? row_bytes : share) + kLine - 1) / kLine);
-  const int64_t total = int64_t{lines_per_row} * rows;
-#if defined(LITHOS_HIP)
-  // CDNA has no L2 prefetch instruction: touch one word per line, every load in flight at once.
-  uint32_t sink = 0;
-#endif
-  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const int row = static_cast<int>(i / lines_per_row), line = static_cast<int>(i % lines_per_row);
-    const bf16_t* group_rows[kRowsPerWarp];
-    rows_of(first + row / kRowsPerWarp, group_rows);
-    const char* p = reinterpret_cast<const char*>(group_rows[row % kRowsPerWarp]) + int64_t{line} * kLine;
-#if defined(LITHOS_HIP)
-    sink ^= __builtin_nontemporal_load(reinterpret_cast<const uint32_t*>(p));
-#else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-  }
-#if defined(LITHOS_HIP)
-  asm volatile("" ::"v"(sink));  // the loads stay: their value is "used"
-#endif
-}
-
 // Wait (thread 0 polls, the block meets at a barrier) until the task's input counter reaches its
-// target; while it is not ready, the block prefetches the task's weights. False when the step
-// aborted. `prefetch()` is called by every thread.
-template <class Prefetch>
-__device__ bool block_wait(const Args& a, const Task& task, int task_index, Prefetch prefetch) {
+// target. False when the step aborted. Every thread of the block calls it.
+__device__ bool block_wait(const Args& a, const Task& task, int task_index) {
   __shared__ int ready;
   if (task.wait_counter < 0) {
     trace_mark(a, task_index, kTraceReady);
     return true;
   }
   const int32_t* counter = a.counters + task.wait_counter;
-  if (threadIdx.x == 0) ready = load_acquire(counter) >= task.wait_target ? 1 : 0;
-  __syncthreads();
-  const bool waiting = ready == 0;
-  __syncthreads();  // everyone has read `ready` before thread 0 writes it again
-  if (waiting) {
-    prefetch();
-    if (threadIdx.x == 0) {
-      int outcome = 0;
-      for (int64_t poll = 0; outcome == 0; ++poll) {
-        if (load_acquire(counter) >= task.wait_target) {
-          outcome = 1;
-        } else if ((poll & 255) == 255 && aborted(a)) {
-          outcome = -1;
-        } else if (poll >= kMaxPolls) {
-          abort_step(a, task_index);
-          outcome = -1;
-        } else {
-          pause_briefly();
-        }
+  if (threadIdx.x == 0) {
+    int outcome = 0;
+    for (int64_t poll = 0; outcome == 0; ++poll) {
+      if (load_acquire(counter) >= task.wait_target) {
+        outcome = 1;
+      } else if ((poll & 255) == 255 && aborted(a)) {
+        outcome = -1;
+      } else if (poll >= kMaxPolls) {
+        abort_step(a, task_index);
+        outcome = -1;
+      } else {
+        pause_briefly();
       }
-      ready = outcome;
     }
-    __syncthreads();
+    // The acquire load orders thread 0's later reads; this fence and the barrier extend that to every
+    // thread of the block (and invalidate stale L1 lines on both vendors).
+    __threadfence();
+    ready = outcome;
   }
-  // The acquire load above orders thread 0's later reads; this fence and the barrier extend that to
-  // every thread of the block (and invalidate stale L1 lines on both vendors).
-  if (threadIdx.x == 0) __threadfence();
   __syncthreads();
-  const bool ok = !waiting || ready == 1;
-  __syncthreads();
+  const bool ok = ready == 1;
+  __syncthreads();  // everyone has read `ready` before a later wait rewrites it
   trace_mark(a, task_index, kTraceReady);
   return ok;
 }
@@ -253,29 +220,88 @@ __device__ inline int block_signal(const Args& a, int counter) {
   return result;
 }
 
+// Publish this task's outputs when no one needs the arrival order: a release reduction that thread 0
+// does not wait for, so the block goes on to its next task (claims, first weight loads) while the
+// signal travels. The barrier orders the block's writes before the release (cumulativity, NOTES.md).
+__device__ inline void block_release(const Args& a, int counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) add_release(a.counters + counter);
+}
+
+// Claim the next piece of a stage's work: the previous value of `counter`, incremented.
+__device__ __forceinline__ int claim_next(const Args& a, int counter) { return atomicAdd(a.counters + counter, 1); }
+
 // ---------------------------------------------------------------------------------------------
 // Row groups of a task: the matvec tasks' common loop
 // ---------------------------------------------------------------------------------------------
 
-// Runs `epilogue(unit, acc)` for every row group `unit` in [first, first + count), acc[r][t] the full
-// dot product of rows_of(unit)[r] with token t (activations read coherently: other blocks wrote them
-// in this launch). k_split consecutive warps share a group. `before_epilogue()` runs once, by the whole
-// block, after the first dot products and before the first epilogue (the RMSNorm factor: its pass over
-// x then hits L1). Every thread of the block calls it.
+// 16-byte chunks per row a lane loads at once in the megakernel's matvecs (rowdot.h Unroll by
+// default; a build may ask for another, LITHOS_KERNEL_DEFINES="LITHOS_MK_UNROLL=2").
+#ifndef LITHOS_MK_UNROLL
+#define LITHOS_MK_UNROLL 0
+#endif
+template <int TMAX>
+constexpr int kMkUnroll = LITHOS_MK_UNROLL > 0 ? LITHOS_MK_UNROLL : Unroll<TMAX>::value;
+// 1: a matvec task issues its first weight loads before its wait and each next round's before the
+// current epilogue (64 more live registers at T = 1: ptxas spills about 0.7 KB per thread).
+#ifndef LITHOS_MK_PRELOAD
+#define LITHOS_MK_PRELOAD 0
+#endif
+
+// The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for the row
+// groups the block claims, acc[r][t] the full dot product of rows_of(unit)[r] with token t
+// (activations read coherently: other blocks wrote them in this launch).
+//
+// Every task of a stage names the stage's row groups [first, first + count) and its claim counter;
+// blocks claim rounds of `slots` groups (one per warp, or per team of k_split warps sharing a group)
+// until none is left, so a block that streams faster takes more rounds and the stage ends with its
+// last round, whatever the blocks' speeds. The block claims its first round before it waits and the
+// next round while it computes the current one (a memory round trip is about 2 us while the GPU
+// streams, NOTES.md); with LITHOS_MK_PRELOAD it also issues each round's first weight loads early
+// (weights do not depend on the step): before the wait, and before the previous epilogue.
+// `before_epilogue()` runs once, by the whole block, after the first dot
+// products (the RMSNorm factor: its pass over x then hits L1). Every thread of the block calls it.
 template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
-__device__ void task_row_groups(const TokenRows& in, int first, int count, int k_split, RowsOf rows_of,
-                                BeforeEpilogue before_epilogue, Epilogue epilogue) {
+__device__ bool stream_row_groups(const Args& a, const Task& task, int index, const TokenRows& in, RowsOf rows_of,
+                                  BeforeEpilogue before_epilogue, Epilogue epilogue) {
+  constexpr int kUnrollMk = kMkUnroll<TMAX>;
   __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
-  const int slots = kMatvecWarps / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
-  const int end = first + count;
+  __shared__ int claimed;
+  const int k_split = task.k_split, slots = kMatvecWarps / k_split;
+  const int slot = warp_id() / k_split, part = warp_id() % k_split;
+  const int rounds = (task.count + slots - 1) / slots, last = task.first + task.count - 1;
+  // A surplus warp of the last round redoes the stage's last group; its result is not written.
+  auto unit_of = [&](int round) { return min(task.first + round * slots + slot, last); };
+  auto claim_round = [&]() {  // every thread: the round thread 0 claimed
+    if (threadIdx.x == 0) claimed = claim_next(a, task.claim);
+    __syncthreads();
+    const int round = claimed;
+    __syncthreads();  // read by all before thread 0 writes it again
+    return round;
+  };
+
+  int round = claim_round();
+  const bf16_t* rows[kRowsPerWarp];
+  RowChunks<8, kUnrollMk> chunks;
+  auto preload = [&]() {  // the first chunks of round `round`'s rows
+    rows_of(unit_of(round), rows);
+    load_row_chunks<8, kUnrollMk>(chunks, rows, first_chunk<8>(part), chunk_stride<8>(k_split), in.n_in);
+  };
+  if (LITHOS_MK_PRELOAD && round < rounds) preload();
+  if (!block_wait(a, task, index)) return false;
+
   bool first_round = true;
-  // The loop bound is block-uniform so the warps sharing a group can meet at the barriers.
-  for (int base = first; base < end; base += slots) {
-    const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
-    const bf16_t* rows[kRowsPerWarp];
-    rows_of(unit, rows);
+  while (round < rounds) {
+    int next = 0;
+    if (threadIdx.x == 0) next = claim_next(a, task.claim);  // its value is used after the dot products
     float acc[kRowsPerWarp][TMAX];
-    warp_rows_dot<TMAX, 8, true>(rows, in, part, k_split, acc);
+    if constexpr (LITHOS_MK_PRELOAD) {
+      warp_rows_dot<TMAX, 8, true, kUnrollMk, true>(rows, in, part, k_split, acc, &chunks);
+    } else {
+      rows_of(unit_of(round), rows);
+      warp_rows_dot<TMAX, 8, true, kUnrollMk>(rows, in, part, k_split, acc);
+    }
+    const int unit = task.first + round * slots + slot;
     if (k_split > 1) {
       if (lane_id() == 0) {
 #pragma unroll
@@ -283,7 +309,12 @@ __device__ void task_row_groups(const TokenRows& in, int first, int count, int k
 #pragma unroll
           for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
       }
-      __syncthreads();
+    }
+    if (threadIdx.x == 0) claimed = next;
+    __syncthreads();
+    round = claimed;
+    if (LITHOS_MK_PRELOAD && round < rounds) preload();  // flies during this round's epilogue
+    if (k_split > 1) {
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
@@ -292,14 +323,15 @@ __device__ void task_row_groups(const TokenRows& in, int first, int count, int k
           for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
           acc[r][t] = sum;
         }
-      __syncthreads();
     }
     if (first_round) {
       before_epilogue();
       first_round = false;
     }
-    if (base + slot < end && part == 0) epilogue(unit, acc);
+    if (unit <= last && part == 0) epilogue(unit, acc);
+    __syncthreads();  // `partial` and `claimed` are rewritten next round
   }
+  return true;
 }
 
 // The residual stream: after layer l's attention half (slot 0) and after its MLP (slot 1); layer 0

@@ -24,13 +24,9 @@ __device__ bool gate_up_task(const Args& a, const Task& task, int index) {
       rows[r] = (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
     }
   };
-  if (!block_wait(a, task, index,
-                  [&] { prefetch_row_groups(rows_of, task.first, task.count, a.hidden, a.prefetch_bytes); }))
-    return false;
-
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
-  task_row_groups<TMAX>(
-      in, task.first, task.count, task.k_split, rows_of,
+  if (!stream_row_groups<TMAX>(
+          a, task, index, in, rows_of,
       [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
@@ -46,8 +42,9 @@ __device__ bool gate_up_task(const Args& a, const Task& task, int index) {
             }
           }
         }
-      });
-  block_signal(a, task.signal_counter);
+      }))
+    return false;
+  block_release(a, task.signal_counter);
   return true;
 }
 

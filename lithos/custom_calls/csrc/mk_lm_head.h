@@ -53,16 +53,12 @@ __device__ bool head_task(const Args& a, const Task& task, int index) {
     for (int r = 0; r < kRowsPerWarp; ++r)
       rows[r] = a.lm_head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
   };
-  if (!block_wait(a, task, index,
-                  [&] { prefetch_row_groups(rows_of, task.first, task.count, a.hidden, a.prefetch_bytes); }))
-    return false;
-
   Best best[TMAX];
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
   const TokenRows in{after_mlp(a), a.final_norm, a.tokens, a.hidden};
-  task_row_groups<TMAX>(
-      in, task.first, task.count, task.k_split, rows_of,
+  if (!stream_row_groups<TMAX>(
+          a, task, index, in, rows_of,
       [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
@@ -80,7 +76,8 @@ __device__ bool head_task(const Args& a, const Task& task, int index) {
             }
           }
         }
-      });
+      }))
+    return false;
 
   // This task's best per token (warps that only helped a k-split hold kNoBest).
 #pragma unroll

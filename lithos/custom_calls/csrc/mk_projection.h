@@ -20,15 +20,11 @@ __device__ bool projection_task(const Args& a, const Task& task, int index) {
     for (int r = 0; r < kRowsPerWarp; ++r)  // rows past the end re-read the last row, results unused
       rows[r] = w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
   };
-  if (!block_wait(a, task, index,
-                  [&] { prefetch_row_groups(rows_of, task.first, task.count, n_in, a.prefetch_bytes); }))
-    return false;
-
   const TokenRows in{o_proj ? a.attn : a.gated, nullptr, a.tokens, n_in};
   const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
   bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
-  task_row_groups<TMAX>(
-      in, task.first, task.count, task.k_split, rows_of, [] {},
+  if (!stream_row_groups<TMAX>(
+          a, task, index, in, rows_of, [] {},
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {
@@ -43,8 +39,9 @@ __device__ bool projection_task(const Args& a, const Task& task, int index) {
             }
           }
         }
-      });
-  block_signal(a, task.signal_counter);
+      }))
+    return false;
+  block_release(a, task.signal_counter);
   return true;
 }
 

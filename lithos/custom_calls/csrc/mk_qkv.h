@@ -42,14 +42,10 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
     for (int r = 0; r < kRowsPerWarp; ++r)
       rows[r] = matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
   };
-  if (!block_wait(a, task, index,
-                  [&] { prefetch_row_groups(rows_of, task.first, task.count, a.hidden, a.prefetch_bytes); }))
-    return false;
-
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
-  task_row_groups<TMAX>(
-      in, task.first, task.count, task.k_split, rows_of,
+  if (!stream_row_groups<TMAX>(
+          a, task, index, in, rows_of,
       [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
@@ -87,8 +83,9 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
             }
           }
         }
-      });
-  block_signal(a, task.signal_counter);
+      }))
+    return false;
+  block_release(a, task.signal_counter);
   return true;
 }
 

@@ -5,6 +5,8 @@ own traces are checked on the GPU (tests/test_megakernel_gpu.py)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +141,11 @@ def test_times_use_the_clock_rate(traced, tmp_path):
     slow, fast = mk_trace.load(slow_path), mk_trace.load(path)
     assert slow.step_ns == pytest.approx(10 * fast.step_ns)
     np.testing.assert_allclose(slow.ready, 10 * fast.ready)
+
+
+def test_the_kernel_names_the_fields_as_the_task_format_does():
+    """The trace's field names come from csrc/mk_common.h kFieldNames: the same list as tasks.py FIELDS."""
+    header = Path(mk_trace.__file__).parents[1] / "csrc" / "mk_common.h"
+    names = re.search(r"kFieldNames\[kFields\] = \{([^}]*)\}", header.read_text())
+    assert names is not None
+    assert tuple(re.findall(r'"(\w+)"', names.group(1))) == FIELDS

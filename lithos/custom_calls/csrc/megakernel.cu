@@ -180,9 +180,9 @@ class StepTrace {
         << ", \"positions\": [";
     for (int t = 0; t < a.tokens; ++t) out << (t ? ", " : "") << positions[t];
     // The task's fields (mk_common.h Task, tasks.py FIELDS), then its block and times.
-    out << "],\n\"fields\": [\"op\", \"layer\", \"first\", \"count\", \"k_split\", \"wait_counter\", "
-           "\"wait_target\", \"signal_counter\", \"arrivals\", \"aux\", \"block\", \"begin\", \"ready\", "
-           "\"end\"],\n\"tasks\": [";
+    out << "],\n\"fields\": [";
+    for (const char* name : kFieldNames) out << "\"" << name << "\", ";
+    out << "\"block\", \"begin\", \"ready\", \"end\"],\n\"tasks\": [";
     for (int i = 0; i < a.n_tasks; ++i) {
       out << (i ? ",\n" : "\n") << "[";
       for (int f = 0; f < kFields; ++f) out << tasks[static_cast<size_t>(i) * kFields + f] << ", ";

@@ -22,18 +22,20 @@ namespace mk {
 struct Task {
   int32_t op;
   int32_t layer;
-  int32_t first;           // matvec tasks: the stage's first row group; attention: the KV head
-  int32_t count;           // matvec tasks: the stage's row groups; attention: the split index
+  int32_t first;           // first row group (matvec tasks) or KV head (attention)
+  int32_t count;           // row groups (matvec tasks) or split index (attention)
   int32_t k_split;         // warps sharing a row group
   int32_t wait_counter;    // -1: no input to wait for
   int32_t wait_target;     // the task may start once counters[wait_counter] >= wait_target
   int32_t signal_counter;  // counter this task adds 1 to when its outputs are written
   int32_t arrivals;        // > 0: the task that brings signal_counter to this count reduces (attention, head)
   int32_t aux;             // attention: counter signalled after the combine; head: this task's slot
-  int32_t claim;           // matvec tasks: the stage's claim counter (rounds of row groups handed out)
 };
 constexpr int kFields = sizeof(Task) / sizeof(int32_t);
-static_assert(kFields == 11, "tasks.py FIELDS must match");
+static_assert(kFields == 10, "tasks.py FIELDS must match");
+// The fields' names, for the trace (megakernel.cu StepTrace), in tasks.py FIELDS order.
+constexpr const char* kFieldNames[kFields] = {"op",           "layer",          "first",    "count", "k_split",
+                                              "wait_counter", "wait_target",    "signal_counter", "arrivals", "aux"};
 
 enum Op : int32_t {
   kOpQkv = 1,        // RMSNorm + Q/K/V rows + RoPE + cache append, row groups of one KV group
@@ -221,15 +223,12 @@ __device__ inline int block_signal(const Args& a, int counter) {
 }
 
 // Publish this task's outputs when no one needs the arrival order: a release reduction that thread 0
-// does not wait for, so the block goes on to its next task (claims, first weight loads) while the
-// signal travels. The barrier orders the block's writes before the release (cumulativity, NOTES.md).
+// does not wait for, so the block goes on to its next task while the signal travels. The barrier
+// orders the block's writes before the release (cumulativity, NOTES.md).
 __device__ inline void block_release(const Args& a, int counter) {
   __syncthreads();
   if (threadIdx.x == 0) add_release(a.counters + counter);
 }
-
-// Claim the next piece of a stage's work: the previous value of `counter`, incremented.
-__device__ __forceinline__ int claim_next(const Args& a, int counter) { return atomicAdd(a.counters + counter, 1); }
 
 // ---------------------------------------------------------------------------------------------
 // Row groups of a task: the matvec tasks' common loop
@@ -242,94 +241,75 @@ __device__ __forceinline__ int claim_next(const Args& a, int counter) { return a
 #endif
 template <int TMAX>
 constexpr int kMkUnroll = LITHOS_MK_UNROLL > 0 ? LITHOS_MK_UNROLL : Unroll<TMAX>::value;
-// 1: a matvec task issues its first weight loads before its wait and each next round's before the
-// current epilogue (64 more live registers at T = 1: ptxas spills about 0.7 KB per thread).
-#ifndef LITHOS_MK_PRELOAD
-#define LITHOS_MK_PRELOAD 0
-#endif
 
-// The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for the row
-// groups the block claims, acc[r][t] the full dot product of rows_of(unit)[r] with token t
-// (activations read coherently: other blocks wrote them in this launch).
+// The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
+// row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] with
+// token t (activations read coherently: other blocks wrote them in this launch). Every thread of the
+// block calls it.
 //
-// Every task of a stage names the stage's row groups [first, first + count) and its claim counter;
-// blocks claim rounds of `slots` groups (one per warp, or per team of k_split warps sharing a group)
-// until none is left, so a block that streams faster takes more rounds and the stage ends with its
-// last round, whatever the blocks' speeds. The block claims its first round before it waits and the
-// next round while it computes the current one (a memory round trip is about 2 us while the GPU
-// streams, NOTES.md); with LITHOS_MK_PRELOAD it also issues each round's first weight loads early
-// (weights do not depend on the step): before the wait, and before the previous epilogue.
-// `before_epilogue()` runs once, by the whole block, after the first dot
-// products (the RMSNorm factor: its pass over x then hits L1). Every thread of the block calls it.
+// The block's warps take the groups in rounds; k_split consecutive warps (a team) share a group, each
+// reading an interleaved share of the input. Warps never meet at a block barrier inside the loop:
+// one that waits there drains its loads while the slowest warp finishes, and the block streams in
+// bursts. A team adds its partial sums through shared memory instead; the member that arrives last
+// reduces them and runs the epilogue. Partials and arrival counters are double-buffered by round
+// parity, and a member about to write round n's buffer first waits until round n - 2 is reduced
+// (rare: a team's warps stream alike), so a counter never mixes two rounds' arrivals.
+// `before_epilogue()` runs once, by the whole block, after the first dot products (the RMSNorm
+// factor: its pass over x then hits L1).
 template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, const Task& task, int index, const TokenRows& in, RowsOf rows_of,
                                   BeforeEpilogue before_epilogue, Epilogue epilogue) {
-  constexpr int kUnrollMk = kMkUnroll<TMAX>;
-  __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
-  __shared__ int claimed;
+  __shared__ float partial[2][kMatvecWarps][kRowsPerWarp][TMAX];
+  __shared__ int arrivals[2][kMatvecWarps];  // per parity and team: members that wrote a partial
+  __shared__ int reduced[kMatvecWarps];      // per team: rounds reduced
   const int k_split = task.k_split, slots = kMatvecWarps / k_split;
   const int slot = warp_id() / k_split, part = warp_id() % k_split;
-  const int rounds = (task.count + slots - 1) / slots, last = task.first + task.count - 1;
-  // A surplus warp of the last round redoes the stage's last group; its result is not written.
-  auto unit_of = [&](int round) { return min(task.first + round * slots + slot, last); };
-  auto claim_round = [&]() {  // every thread: the round thread 0 claimed
-    if (threadIdx.x == 0) claimed = claim_next(a, task.claim);
-    __syncthreads();
-    const int round = claimed;
-    __syncthreads();  // read by all before thread 0 writes it again
-    return round;
-  };
-
-  int round = claim_round();
-  const bf16_t* rows[kRowsPerWarp];
-  RowChunks<8, kUnrollMk> chunks;
-  auto preload = [&]() {  // the first chunks of round `round`'s rows
-    rows_of(unit_of(round), rows);
-    load_row_chunks<8, kUnrollMk>(chunks, rows, first_chunk<8>(part), chunk_stride<8>(k_split), in.n_in);
-  };
-  if (LITHOS_MK_PRELOAD && round < rounds) preload();
-  if (!block_wait(a, task, index)) return false;
+  const int end = task.first + task.count;
+  if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
+  if (!block_wait(a, task, index)) return false;  // its barriers also publish the zeroed counters
 
   bool first_round = true;
-  while (round < rounds) {
-    int next = 0;
-    if (threadIdx.x == 0) next = claim_next(a, task.claim);  // its value is used after the dot products
+  // The loop bound is block-uniform: before_epilogue's barriers need every warp in the first round.
+  for (int base = task.first, round = 0; base < end; base += slots, ++round) {
+    const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
+    const bf16_t* rows[kRowsPerWarp];
+    rows_of(unit, rows);
     float acc[kRowsPerWarp][TMAX];
-    if constexpr (LITHOS_MK_PRELOAD) {
-      warp_rows_dot<TMAX, 8, true, kUnrollMk, true>(rows, in, part, k_split, acc, &chunks);
-    } else {
-      rows_of(unit_of(round), rows);
-      warp_rows_dot<TMAX, 8, true, kUnrollMk>(rows, in, part, k_split, acc);
-    }
-    const int unit = task.first + round * slots + slot;
+    warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(rows, in, part, k_split, acc);
+    bool mine = part == 0;  // the member that runs the epilogue
     if (k_split > 1) {
+      float(&buffer)[kMatvecWarps][kRowsPerWarp][TMAX] = partial[round & 1];
+      int order = 0;
       if (lane_id() == 0) {
+        while (*static_cast<volatile int*>(&reduced[slot]) < round - 1) {
+        }
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
-          for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
+          for (int t = 0; t < TMAX; ++t) buffer[warp_id()][r][t] = acc[r][t];
+        __threadfence_block();
+        order = atomicAdd(&arrivals[round & 1][slot], 1);
       }
-    }
-    if (threadIdx.x == 0) claimed = next;
-    __syncthreads();
-    round = claimed;
-    if (LITHOS_MK_PRELOAD && round < rounds) preload();  // flies during this round's epilogue
-    if (k_split > 1) {
+      mine = shfl_from(order, 0) == (round / 2 + 1) * k_split - 1;  // the last of this round's team
+      if (mine) {
+        __threadfence_block();
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
+        for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          float sum = 0.0f;
-          for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
-          acc[r][t] = sum;
-        }
+          for (int t = 0; t < TMAX; ++t) {
+            float sum = 0.0f;
+            for (int p = 0; p < k_split; ++p) sum += static_cast<volatile float*>(&buffer[slot * k_split + p][r][0])[t];
+            acc[r][t] = sum;
+          }
+        __threadfence_block();  // the reads are done before the buffer is released
+        if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
+      }
     }
     if (first_round) {
       before_epilogue();
       first_round = false;
     }
-    if (unit <= last && part == 0) epilogue(unit, acc);
-    __syncthreads();  // `partial` and `claimed` are rewritten next round
+    if (base + slot < end && mine) epilogue(unit, acc);
   }
   return true;
 }

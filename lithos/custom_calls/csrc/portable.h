@@ -78,6 +78,15 @@ __device__ __forceinline__ int shfl_xor(int v, int mask) {
 #endif
 }
 
+// Lane `source`'s v, to every lane of the warp.
+__device__ __forceinline__ int shfl_from(int v, int source) {
+#if defined(LITHOS_HIP)
+  return __shfl(v, source, WARP_SIZE);
+#else
+  return __shfl_sync(0xffffffffu, v, source, WARP_SIZE);
+#endif
+}
+
 // Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= WARP_SIZE); every lane of a group
 // ends with the group's total.
 template <int WIDTH = WARP_SIZE>

@@ -61,88 +61,56 @@ __device__ __forceinline__ Bf16Vec<VEC> load_activation(const bf16_t* p) {
   }
 }
 
-// One step of a warp's row-dot loop: UNROLL 16-byte chunks of each of its rows (chunks base,
-// base + stride, ...), all loaded before the first is used: the loads are what the warp waits on.
-template <int VEC, int UNROLL>
-using RowChunks = Bf16Vec<VEC>[UNROLL][kRowsPerWarp];
-
-template <int VEC, int UNROLL>
-__device__ __forceinline__ void load_row_chunks(RowChunks<VEC, UNROLL>& w, const bf16_t* const (&rows)[kRowsPerWarp],
-                                                int base, int stride, int n_in) {
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const int k = base + u * stride;
-    if (k < n_in) {
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) w[u][r] = load_streaming<VEC>(rows[r] + k);
-    }
-  }
-}
-
-// acc[r][t] += sum over the step's chunks of w * x[t] (* norm_w).
-template <int TMAX, int VEC, int UNROLL, bool COHERENT>
-__device__ __forceinline__ void accumulate_row_chunks(const RowChunks<VEC, UNROLL>& w, const TokenRows& in, int base,
-                                                      int stride, float (&acc)[kRowsPerWarp][TMAX]) {
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const int k = base + u * stride;
-    if (k < in.n_in) {
-      float norm[VEC];
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
-      if (in.norm_w != nullptr) {
-        const Bf16Vec<VEC> nw = load_cached<VEC>(in.norm_w + k);
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
-      }
-#pragma unroll
-      for (int t = 0; t < TMAX; ++t) {
-        if (t < in.tokens) {
-          const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) {
-            const float xf = xv[v] * norm[v];
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[u][r][v], xf, acc[r][t]);
-          }
-        }
-      }
-    }
-  }
-}
-
-// Where a warp's share of the input dimension starts, and the stride between its chunks.
-template <int VEC>
-__device__ __forceinline__ int first_chunk(int part) {
-  return (part * WARP_SIZE + lane_id()) * VEC;
-}
-template <int VEC>
-__device__ __forceinline__ int chunk_stride(int parts) {
-  return parts * WARP_SIZE * VEC;
-}
-
 // acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i]; the share is
-// chunks part, part + parts, ... Every lane of the warp ends with every sum. With PRELOADED, `first`
-// holds the first step's chunks, loaded earlier (the megakernel issues them before its wait).
-template <int TMAX, int VEC, bool COHERENT = false, int UNROLL = Unroll<TMAX>::value, bool PRELOADED = false>
+// chunks part, part + parts, ... Every lane of the warp ends with every sum. UNROLL chunks per row are
+// loaded at once.
+template <int TMAX, int VEC, bool COHERENT = false, int UNROLL = Unroll<TMAX>::value>
 __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsPerWarp], const TokenRows& in,
-                                              int part, int parts, float (&acc)[kRowsPerWarp][TMAX],
-                                              const RowChunks<VEC, UNROLL>* first = nullptr) {
-  const int stride = chunk_stride<VEC>(parts);
+                                              int part, int parts, float (&acc)[kRowsPerWarp][TMAX]) {
+  constexpr int kUnroll = UNROLL;
+  const int step = parts * WARP_SIZE * VEC;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) acc[r][t] = 0.0f;
 
-  int base = first_chunk<VEC>(part);
-  if constexpr (PRELOADED) {
-    accumulate_row_chunks<TMAX, VEC, UNROLL, COHERENT>(*first, in, base, stride, acc);
-    base += stride * UNROLL;
-  }
-  for (; base < in.n_in; base += stride * UNROLL) {
-    RowChunks<VEC, UNROLL> w;
-    load_row_chunks<VEC, UNROLL>(w, rows, base, stride, in.n_in);
-    accumulate_row_chunks<TMAX, VEC, UNROLL, COHERENT>(w, in, base, stride, acc);
+  for (int base = (part * WARP_SIZE + lane_id()) * VEC; base < in.n_in; base += step * kUnroll) {
+    // Issue every weight load of this step before the first use: the loads are what we wait on.
+    Bf16Vec<VEC> w[kUnroll][kRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = base + u * step;
+      if (k < in.n_in) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) w[u][r] = load_streaming<VEC>(rows[r] + k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = base + u * step;
+      if (k < in.n_in) {
+        float norm[VEC];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
+        if (in.norm_w != nullptr) {
+          const Bf16Vec<VEC> nw = load_cached<VEC>(in.norm_w + k);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
+        }
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < in.tokens) {
+            const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              const float xf = xv[v] * norm[v];
+#pragma unroll
+              for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[u][r][v], xf, acc[r][t]);
+            }
+          }
+        }
+      }
+    }
   }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)

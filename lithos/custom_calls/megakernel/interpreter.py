@@ -113,7 +113,7 @@ class _Step:
         self.part_out = jnp.zeros((s.kv_heads, schedule.max_splits, rows, s.head_dim), jnp.float32)
         self.part_lse = jnp.full((s.kv_heads, schedule.max_splits, rows), -jnp.inf, jnp.float32)
         self.best_value = jnp.full((max(schedule.head_tasks, 1), T), -jnp.inf, jnp.float32)
-        self.best_index = jnp.full((max(schedule.head_tasks, 1), T), jnp.iinfo(jnp.int32).max, jnp.int32)
+        self.best_index = jnp.zeros((max(schedule.head_tasks, 1), T), jnp.int32)
         self.logits = jnp.zeros((T, s.vocab), jnp.float32) if with_logits else None
         self.tokens_out = None
         self.plan = plan_splits(self.positions, self.slots, self.window, ring, schedule.max_splits)
@@ -255,16 +255,8 @@ def _runs(tasks: list[Task], per_task: bool) -> list[list[Task]]:
     return runs
 
 
-def _claim(run: list[Task], claimed: set[int]) -> list[Task]:
-    """The tasks of `run` that get row groups: executed in order, the first task of a stage claims every
-    round of its claim counter and the stage's later tasks find none left."""
-    first = [t for t in run if t.claim not in claimed]
-    claimed.update(t.claim for t in first)
-    return first
-
-
 def _units(run: list[Task]) -> np.ndarray:
-    return np.concatenate([np.arange(t.first, t.first + t.count) for t in run] or [np.zeros(0, int)])
+    return np.concatenate([np.arange(t.first, t.first + t.count) for t in run])
 
 
 def interpret(
@@ -287,7 +279,6 @@ def interpret(
     returns what the kernel returns."""
     step = _Step(schedule, weights, h0, positions, inv_freq, k_cache, v_cache, eps, window, ring, with_logits)
     counters = np.zeros(schedule.n_counters, np.int64)
-    claimed: set[int] = set()
     index = 0
     for run in _runs([schedule.task(i) for i in range(len(schedule))], per_task):
         for offset, task in enumerate(run):
@@ -297,16 +288,16 @@ def interpret(
                     f"({counters[task.wait_counter]} of {task.wait_target} signals)"
                 )
         op, layer = run[0].op, run[0].layer
-        if op == Op.ATTENTION:
+        if op == Op.QKV:
+            step.qkv(layer, _units(run))
+        elif op == Op.ATTENTION:
             step.attention_splits(layer, np.array([t.first for t in run]), np.array([t.count for t in run]))
-        elif (working := _claim(run, claimed)) and op == Op.QKV:
-            step.qkv(layer, _units(working))
-        elif working and op in (Op.O_PROJ, Op.DOWN):
-            step.projection(op, layer, _units(working))
-        elif working and op == Op.GATE_UP:
-            step.gate_up(layer, _units(working))
-        elif working and op == Op.HEAD:
-            step.head(working)
+        elif op in (Op.O_PROJ, Op.DOWN):
+            step.projection(op, layer, _units(run))
+        elif op == Op.GATE_UP:
+            step.gate_up(layer, _units(run))
+        elif op == Op.HEAD:
+            step.head(run)
         completed = []
         for task in run:
             counters[task.signal_counter] += 1

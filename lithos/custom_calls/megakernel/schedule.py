@@ -8,9 +8,9 @@ its inputs and its block is at it. Dependencies are the real ones: the attention
 for the Q/K/V tasks of group g only; a projection waits for the whole vector it reads (an RMSNorm
 or a matvec needs every input element).
 
-Each matvec stage has at most `workers` tasks (the kernel's resident blocks: one task per block per
-stage, so each block pays one wait and one signal per stage) and no more than it has rounds of the
-block's warps; they share the stage's row groups through its claim counter (tasks.py).
+Each matvec stage is cut into at most `workers` tasks (the kernel's resident blocks: one task per
+block per stage, so each block pays one wait and one signal per stage), in whole rounds of the
+block's warps.
 """
 
 from __future__ import annotations
@@ -67,18 +67,37 @@ def describe_task(schedule: Schedule, index: int) -> str:
     return f"task {index}: {layer}{t.op.name.lower()} {what}; waits for {waits}"
 
 
-def k_split_for(units: int, n_in: int, workers: int, warp_size: int) -> int:
-    """Warps that share a row group: split the input dimension while the grid's warps outnumber the row
-    groups and each share still spans a few warp-wide 16-byte chunks (as csrc/rowdot.h row_group_grid)."""
-    k = 1
-    while k < WARPS_PER_BLOCK and units * k < workers * WARPS_PER_BLOCK and n_in >= 2 * k * warp_size * 8 * 2:
-        k *= 2
-    return k
+def k_split_for(units: int, n_in: int, tasks: int, warp_size: int) -> int:
+    """Warps that share a row group (1, 2, 4 or 8): the fewest that minimise the busiest task's work,
+    ceil(rounds / tasks) rounds of n_in / k inputs per warp, where a round is 8 / k row groups. A stage
+    ends with its slowest task, so a QKV group of 24 rounds over 16 tasks (two rounds for some, one for
+    others) costs as much as 32: with k = 2, 48 rounds of half the inputs split 3 per task. More warps
+    per group must save an eighth of that work at least (each team adds its sums once per round), and
+    each warp's share keeps at least one 16-byte chunk per lane."""
+    best_work, best_k = None, 1
+    for k in (1, 2, 4, 8):
+        if k > WARPS_PER_BLOCK or n_in < k * warp_size * 8:
+            break
+        rounds = -(-units // (WARPS_PER_BLOCK // k))
+        work = -(-rounds // tasks) * -(-n_in // k)
+        if best_work is None or 8 * work < 7 * best_work:
+            best_work, best_k = work, k
+    return best_k
 
 
-def stage_tasks(units: int, slots: int, tasks: int) -> int:
-    """Tasks of a stage of `units` row groups claimed `slots` at a time, for at most `tasks` blocks."""
-    return max(1, min(tasks, -(-units // slots)))
+def split_units(units: int, slots: int, tasks: int) -> list[tuple[int, int]]:
+    """Cut `units` row groups into at most `tasks` contiguous (first, count) ranges of whole rounds of
+    `slots` row groups, as even as rounds allow."""
+    rounds = -(-units // slots)
+    n = max(1, min(tasks, rounds))
+    base, extra = divmod(rounds, n)
+    ranges, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        first, last = start * slots, min(end * slots, units)
+        ranges.append((first, last - first))
+        start = end
+    return ranges
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,20 +119,22 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
     def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str) -> tuple[int, int]:
         units = shape.units(op)
         k = k_split_for(units, shape.input_size(op), workers, warp_size)
-        done, claim = counter(name), counter(f"{name} claims")
-        n = stage_tasks(units, WARPS_PER_BLOCK // k, workers)
-        tasks.extend(Task(op, layer, 0, units, k, *after, done, claim=claim) for _ in range(n))
-        return done, n
+        done = counter(name)
+        ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+        for first, count in ranges:
+            tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
+        return done, len(ranges)
 
     for layer in range(shape.layers):
         per_group = shape.qkv_units_per_group
-        k = k_split_for(shape.units(Op.QKV), shape.hidden, workers, warp_size)
+        k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size)
         qkv_done = []
         for g in range(shape.kv_heads):
-            done, claim = counter(f"layer {layer} qkv group {g}"), counter(f"layer {layer} qkv group {g} claims")
-            n = stage_tasks(per_group, WARPS_PER_BLOCK // k, max(1, workers // shape.kv_heads))
-            tasks.extend(Task(Op.QKV, layer, g * per_group, per_group, k, *waits, done, claim=claim) for _ in range(n))
-            qkv_done.append((done, n))
+            done = counter(f"layer {layer} qkv group {g}")
+            ranges = split_units(per_group, WARPS_PER_BLOCK // k, max(1, workers // shape.kv_heads))
+            for first, count in ranges:
+                tasks.append(Task(Op.QKV, layer, g * per_group + first, count, k, *waits, done))
+            qkv_done.append((done, len(ranges)))
         attention_done = counter(f"layer {layer} attention")
         for g in range(shape.kv_heads):
             arrived = counter(f"layer {layer} attention splits of KV head {g}")
@@ -127,10 +148,11 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
     if with_head:
         units = shape.units(Op.HEAD)
         k = k_split_for(units, shape.hidden, workers, warp_size)
-        arrived, claim = counter("head"), counter("head claims")
-        head_tasks = stage_tasks(units, WARPS_PER_BLOCK // k, workers)
-        for slot in range(head_tasks):
-            tasks.append(Task(Op.HEAD, shape.layers, 0, units, k, *waits, arrived, head_tasks, slot, claim))
+        arrived = counter("head")
+        ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+        head_tasks = len(ranges)
+        for slot, (first, count) in enumerate(ranges):
+            tasks.append(Task(Op.HEAD, shape.layers, first, count, k, *waits, arrived, head_tasks, slot))
 
     table = np.array([t.row() for t in tasks], np.int32).reshape(-1, len(FIELDS))
     table.setflags(write=False)

@@ -7,10 +7,6 @@ both execute it. A task waits until `counters[wait_counter] >= wait_target`, doe
 `arrivals` also reduces what all of them wrote (the attention combine, the head's argmax).
 
 Row groups ("units") are the matvec tasks' granularity: four weight rows a warp reads together.
-Every task of a matvec stage names the stage's row groups `[first, first + count)` and its `claim`
-counter; the tasks share them by claiming rounds of row groups from that counter as they go, so
-which task computes which row depends on the blocks' speeds (the kernel) or on the order (the
-interpreter: the first task claims every round), never the result.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ FIELDS = (
     "signal_counter",
     "arrivals",  # attention and head: how many tasks signal the counter; the last one reduces
     "aux",  # attention: the counter signalled after the combine; head: this task's slot
-    "claim",  # matvec tasks: the stage's claim counter, from which blocks take rounds of row groups
 )
 NO_COUNTER = -1
 ROWS_PER_UNIT = 4  # csrc/rowdot.h kRowsPerWarp
@@ -60,7 +55,6 @@ class Task:
     signal_counter: int = NO_COUNTER
     arrivals: int = 0
     aux: int = 0
-    claim: int = NO_COUNTER
 
     def row(self) -> tuple[int, ...]:
         return tuple(int(getattr(self, name)) for name in FIELDS)

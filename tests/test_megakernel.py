@@ -119,7 +119,8 @@ def test_k_split_balances_the_busiest_task():
     assert k_split_for(192, 4096, 16, 32) == 2
     assert k_split_for(7168, 4096, 132, 32) == 1  # gate/up: no split shortens the busiest task enough
     assert k_split_for(512, 8192, 132, 32) == 2  # 1B down: one warp per group leaves half the grid idle
-    assert k_split_for(96, 256, 16, 32) == 1  # rows too short to share: a lane needs a whole chunk
+    assert k_split_for(96, 2048, 16, 32) == 1  # 1B QKV: shares of 512 inputs are too short to pay
+    assert k_split_for(96, 256, 16, 32) == 1
 
 
 def simulate_grid(schedule, grid: int) -> int:

@@ -234,13 +234,16 @@ __device__ inline void block_release(const Args& a, int counter) {
 // Row groups of a task: the matvec tasks' common loop
 // ---------------------------------------------------------------------------------------------
 
-// 16-byte chunks per row a lane loads at once in the megakernel's matvecs (rowdot.h Unroll by
-// default; a build may ask for another, LITHOS_KERNEL_DEFINES="LITHOS_MK_UNROLL=2").
+// 16-byte chunks per row a lane loads at once in the megakernel's matvecs: 2, half of what the fused
+// kernels use at T <= 2. Loads in flight beyond what the bandwidth needs only queue, and every memory
+// round trip on the step's critical path (hand-offs, attention, epilogues) waits behind them:
+// measured on the H200, 2 is 5-7% faster per step than 4 (NOTES.md). A build may ask for another
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_UNROLL=1").
 #ifndef LITHOS_MK_UNROLL
-#define LITHOS_MK_UNROLL 0
+#define LITHOS_MK_UNROLL 2
 #endif
 template <int TMAX>
-constexpr int kMkUnroll = LITHOS_MK_UNROLL > 0 ? LITHOS_MK_UNROLL : Unroll<TMAX>::value;
+constexpr int kMkUnroll = LITHOS_MK_UNROLL;
 
 // The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
 // row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] with

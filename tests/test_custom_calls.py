@@ -239,12 +239,22 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
 def test_kernel_defines_come_from_the_environment(monkeypatch):
     monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
     monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
-    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_MIN_BLOCKS=2  LITHOS_MK_PREFETCH_DIVISOR=0")
-    tc = build.toolchain("cuda", "sm_90a")
-    command = tc.command(Path("k.cu"), Path("k.so"))
-    assert "-DLITHOS_MK_MIN_BLOCKS=2" in command and "-DLITHOS_MK_PREFETCH_DIVISOR=0" in command
+    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_MIN_BLOCKS=2  LITHOS_MK_UNROLL=1")
+    command = build.toolchain("cuda", "sm_90a").command(Path("k.cu"), Path("k.so"))
+    assert "-DLITHOS_MK_MIN_BLOCKS=2" in command and "-DLITHOS_MK_UNROLL=1" in command
     monkeypatch.delenv("LITHOS_KERNEL_DEFINES")
-    assert not any(part.startswith("-D") for part in build.toolchain("cuda", "sm_90a").command(Path("k.cu"), Path("k.so")))
+    command = build.toolchain("cuda", "sm_90a").command(Path("k.cu"), Path("k.so"))
+    assert not any(part.startswith("-D") for part in command)
+
+
+def test_build_command_builds_check_libraries_at_opt_level_1(monkeypatch, capsys):
+    monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
+    built = []
+    monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "matvec", "--opt-level", "1"]) == 0
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "matvec"]) == 0
+    assert [(kernel, tc.opt_level) for kernel, tc in built] == [("matvec", 1), ("matvec", 3)]
 
 
 COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}

@@ -277,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         help="build only these (repeatable; default: all)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
+    parser.add_argument(
+        "--opt-level",
+        type=int,
+        choices=(1, 3),
+        default=3,
+        help="3: the libraries the GPU loads; 1: a compile check (every compiler phase, a third faster)",
+    )
     args = parser.parse_args(argv)
 
     platform = args.platform or gpu_platform() or "cuda"
     try:
-        tc = toolchain(platform, args.arch)
+        tc = dataclasses.replace(toolchain(platform, args.arch), opt_level=args.opt_level)
         kernels = args.kernel or list(KERNELS)
         with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
             paths = list(pool.map(lambda k: build(k, tc, args.force), kernels))

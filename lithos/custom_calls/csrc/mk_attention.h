@@ -96,9 +96,9 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   __shared__ float shared_max[kMatvecWarps][kAttnRowsPerWarp];
   __shared__ float shared_sum[kMatvecWarps][kAttnRowsPerWarp];
 
-  // A split past the plan's count writes nothing: it need not wait (the last split of a head to
-  // arrive combines, and arrives after every split that wrote).
-  if (split >= plan.splits) return true;
+  // A split past the plan's count writes nothing; it still waits, so that every task's wait is in
+  // the trace and its signal comes after its head's Q/K/V, like every split's.
+  if (split >= plan.splits) return wait();
   const int key_begin = plan.begin + split * plan.split_len;
   const int key_end = min(key_begin + plan.split_len, plan.end);
 

@@ -34,8 +34,8 @@ struct Task {
 constexpr int kFields = sizeof(Task) / sizeof(int32_t);
 static_assert(kFields == 10, "tasks.py FIELDS must match");
 // The fields' names, for the trace (megakernel.cu StepTrace), in tasks.py FIELDS order.
-constexpr const char* kFieldNames[kFields] = {"op",           "layer",          "first",    "count", "k_split",
-                                              "wait_counter", "wait_target",    "signal_counter", "arrivals", "aux"};
+constexpr const char* kFieldNames[kFields] = {"op",           "layer",       "first",          "count",    "k_split",
+                                              "wait_counter", "wait_target", "signal_counter", "arrivals", "aux"};
 
 enum Op : int32_t {
   kOpQkv = 1,        // RMSNorm + Q/K/V rows + RoPE + cache append, row groups of one KV group
@@ -269,7 +269,8 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index, co
   const int slot = warp_id() / k_split, part = warp_id() % k_split;
   const int end = task.first + task.count;
   if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
-  if (!block_wait(a, task, index)) return false;  // its barriers also publish the zeroed counters
+  __syncthreads();  // the counters are zero before any team adds to them
+  if (!block_wait(a, task, index)) return false;
 
   bool first_round = true;
   // The loop bound is block-uniform: before_epilogue's barriers need every warp in the first round.

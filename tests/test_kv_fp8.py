@@ -439,14 +439,17 @@ def test_smollm2_fp8_cache_quality(smollm2_model):
         fp8 = fp8_model.generate(prompt, max_new_tokens=24)
         print(f"\n{prompt!r}\n  float32 cache: {plain.text!r}\n  fp8 cache:     {fp8.text!r}")
         following = plain.token_ids[:-1] if plain.finish_reason == "stop" else plain.token_ids
+        # The continuation padded to one length, so each cache kind compiles once for every prompt; the
+        # padding comes after every position whose logits count (causal attention).
+        continuation = following + [0] * (24 - len(following))
         logits = {}
         for kind in ("model", "fp8"):
             cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 96, cfg.head_dim, cache_dtype(kind, jnp.float32))
             padded = jnp.asarray([ids + [0] * (bucket - len(ids))])
             prefill, cache = forward(model.params, padded, jnp.arange(bucket)[None], cache)
-            positions = len(ids) + jnp.arange(len(following))[None]
-            later, _ = forward(model.params, jnp.asarray([following]), positions, cache)
-            logits[kind] = jnp.concatenate([prefill[0, len(ids) - 1 : len(ids)], later[0]])
+            positions = len(ids) + jnp.arange(len(continuation))[None]
+            later, _ = forward(model.params, jnp.asarray([continuation]), positions, cache)
+            logits[kind] = jnp.concatenate([prefill[0, len(ids) - 1 : len(ids)], later[0, : len(following)]])
         kl = next_token_kl(logits["model"], logits["fp8"])
         print(f"  next-token KL over {len(kl)} positions: mean {kl.mean():.2e}, max {kl.max():.2e}")
         assert kl.mean() < 0.02

@@ -53,7 +53,7 @@ namespace lithos {
 namespace mk {
 namespace {
 
-// Blocks per SM/CU the compiler must leave registers for. 1: one 256-thread block per SM at 232-243
+// Blocks per SM/CU the compiler must leave registers for. 1: one 256-thread block per SM at 219-255
 // registers, no spills (NOTES.md); the occupancy API sizes the grid from whatever the compiler chose.
 // A build may ask for more (LITHOS_KERNEL_DEFINES="LITHOS_MK_MIN_BLOCKS=2", lithos/custom_calls/build.py).
 #ifndef LITHOS_MK_MIN_BLOCKS

@@ -4,9 +4,10 @@ With `LITHOS_MEGAKERNEL_TRACE=path` set, every megakernel step stamps, per task,
 it and three times on a clock all SMs share: when the block reached the task, when its inputs were
 ready, and when it had signalled its outputs (csrc/mk_common.h `trace_mark`). The handler writes the
 last step's record to `path` (JSON, csrc/megakernel.cu `StepTrace`); every traced step waits for the
-GPU, so trace a few steps, not a benchmark:
+GPU, so a traced run's timings are not the benchmark's (write them elsewhere):
 
-    LITHOS_MEGAKERNEL_TRACE=/tmp/step.json lithos bench --shape llama-3.2-1b --kernels megakernel --steps 2 --runs 1
+    LITHOS_MEGAKERNEL_TRACE=/tmp/step.json lithos bench --shape llama-3.2-1b --kernels megakernel \
+        --context 1024 --steps 128 --runs 1 --out /tmp/traced
     python -m lithos.custom_calls.megakernel.trace /tmp/step.json
 
 A stage is one task kind of one layer (the list is stage by stage). Per stage: its span, from the

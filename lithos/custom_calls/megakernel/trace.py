@@ -1,4 +1,4 @@
-"""Where a megakernel step's time goes, from a trace the kernel records.
+r"""Where a megakernel step's time goes, from a trace the kernel records.
 
 With `LITHOS_MEGAKERNEL_TRACE=path` set, every megakernel step stamps, per task, the block that ran
 it and three times on a clock all SMs share: when the block reached the task, when its inputs were

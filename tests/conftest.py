@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -24,6 +26,18 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_on_cpu_devices(devices: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run `python args...` from the repository in a fresh process with `devices` CPU devices (jax fixes
+    its device count when it starts, and this process has one); its output is captured."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def require(module: str):

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +26,7 @@ from lithos.kv_cache import FP8, append, cache_bytes, cache_dtype, init_cache
 from lithos.models import llama
 from lithos.quant.kv import HEADROOM, dequantize_kv, kv_scales, quantize_kv
 
-from .conftest import require
+from .conftest import require, run_on_cpu_devices
 from .test_spec import PROMPTS, oracle
 
 RNG = np.random.default_rng(8)
@@ -389,17 +385,7 @@ def test_tensor_parallel_fp8_cache(hf_checkpoint):
     """tp=2 over two CPU devices (a fresh process, since jax fixes its device count at start): the scales
     are laid out by KV head like the codes, and greedy output equals one device's."""
     path = hf_checkpoint("llama3", tied=True)
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
-    run = subprocess.run(
-        [sys.executable, "-c", TENSOR_PARALLEL, str(path)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = run_on_cpu_devices(2, ["-c", TENSOR_PARALLEL, str(path)])
     assert run.returncode == 0, run.stderr[-4000:]
     assert "tp=2 fp8 ok" in run.stdout
 

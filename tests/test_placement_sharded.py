@@ -13,32 +13,21 @@ started with 8 or more devices runs the tests directly).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import jax
 import pytest
 
+from .conftest import run_on_cpu_devices
+
 DEVICES = 8
-REPO = Path(__file__).resolve().parents[1]
 
 if jax.device_count() < DEVICES:
 
     def test_sharded_suite_in_a_process_with_8_cpu_devices():
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-        env = dict(
-            os.environ,
-            XLA_FLAGS=flags,
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        )
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", __file__]
         t = time.perf_counter()
-        run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        run = run_on_cpu_devices(DEVICES, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", __file__])
         print(run.stdout[-3000:], f"\n(sharded suite: {time.perf_counter() - t:.0f} s)")
         assert run.returncode == 0, f"sharded suite failed:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
 

@@ -9,9 +9,6 @@ CPU), over tensor parallelism, and with bad inputs. tests/test_ring_cache_gpu.py
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +31,7 @@ from lithos.spec import engine as spec_engine
 from lithos.spec.loop import spec_prefill
 from lithos.spec.ngram import NGramDrafter
 
-from .conftest import byte_tokenizer, require
+from .conftest import byte_tokenizer, require, run_on_cpu_devices
 from .test_kv_fp8 import TINY
 
 WINDOW = 8
@@ -362,17 +359,7 @@ def test_tensor_parallel_ring_cache(tmp_path_factory):
     """tp=2 over two CPU devices (a fresh process: jax fixes its device count at start), the KV heads split;
     head_dim 64 for the fused path."""
     path = save_mistral(tmp_path_factory.mktemp("mistral-w8-hd64"), WINDOW, seed=2, hidden=128, head_dim=64)
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
-    run = subprocess.run(
-        [sys.executable, "-c", TENSOR_PARALLEL, str(path)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = run_on_cpu_devices(2, ["-c", TENSOR_PARALLEL, str(path)])
     assert run.returncode == 0, run.stderr[-4000:]
     assert "tp=2 ring ok" in run.stdout
 

@@ -14,6 +14,8 @@
 //   mk_projection.h O projection + residual, down projection + residual
 //   mk_gate_up.h    RMSNorm + gate/up rows + SiLU
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
+// and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task
+// reads) and mk_weight_pipe.h (those rows copied into shared memory ahead of the tasks, CUDA).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -53,38 +55,49 @@ namespace lithos {
 namespace mk {
 namespace {
 
-// Blocks per SM/CU the compiler must leave registers for. 1: one 256-thread block per SM at 219-255
-// registers, no spills (NOTES.md); the occupancy API sizes the grid from whatever the compiler chose.
-// A build may ask for more (LITHOS_KERNEL_DEFINES="LITHOS_MK_MIN_BLOCKS=2", lithos/custom_calls/build.py).
+// Blocks per SM/CU the compiler must leave registers for. 1: one 256-thread block per SM (NOTES.md);
+// the occupancy API sizes the grid from whatever the compiler chose. A build may ask for more
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_MIN_BLOCKS=2", lithos/custom_calls/build.py).
 #ifndef LITHOS_MK_MIN_BLOCKS
 #define LITHOS_MK_MIN_BLOCKS 1
 #endif
 
 template <int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
+  WeightPipe pipe = weight_pipe();
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
     const Task task = a.tasks[index];
     trace_mark(a, index, kTraceBegin);
     bool ok = false;
     switch (task.op) {
-      case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
-      case kOpAttention: ok = attention_task(a, task, index); break;
+      case kOpQkv: ok = qkv_task<TMAX>(a, pipe, task, index); break;
+      case kOpAttention: ok = attention_task(a, pipe, task, index); break;
       case kOpOProj:
-      case kOpDown: ok = projection_task<TMAX>(a, task, index); break;
-      case kOpGateUp: ok = gate_up_task<TMAX>(a, task, index); break;
-      case kOpHead: ok = head_task<TMAX>(a, task, index); break;
+      case kOpDown: ok = projection_task<TMAX>(a, pipe, task, index); break;
+      case kOpGateUp: ok = gate_up_task<TMAX>(a, pipe, task, index); break;
+      case kOpHead: ok = head_task<TMAX>(a, pipe, task, index); break;
       default:
         if (threadIdx.x == 0) abort_step(a, index);
     }
-    if (!ok) return;  // the step aborted: every block leaves
+    if (!ok) {  // the step aborted: every block leaves, once its weight copies have landed
+      drain_weights(pipe);
+      return;
+    }
     trace_mark(a, index, kTraceEnd);
   }
 }
 
 // Blocks of megakernel<TMAX> that fit on the GPU at once: the grid, and the scheduler's worker count.
+// Staged builds first allow the kernel its dynamic shared memory (above the default 48 KB).
 template <int TMAX>
 int grid_capacity() {
-  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads);
+  if constexpr (kDynamicSmemBytes > 0) {
+    static const bool allowed = gpuFuncSetAttribute(reinterpret_cast<const void*>(megakernel<TMAX>),
+                                                    gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                                    kDynamicSmemBytes) == gpuSuccess;
+    if (!allowed) return 0;
+  }
+  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads, kDynamicSmemBytes);
 }
 
 // One word of mapped host memory per device: the kernel writes 1 + the index of a task that waited
@@ -346,8 +359,13 @@ ffi::Error megakernel_impl(
   int grid = 0;
   const ffi::Error launched = with_token_bucket(a.tokens, [&](auto tmax) {
     constexpr int kTmax = decltype(tmax)::value;
-    grid = std::min(grid_capacity<kTmax>(), std::max(a.n_tasks, 1));
-    megakernel<kTmax><<<grid, kMatvecThreads, 0, stream>>>(a);
+    const int capacity = grid_capacity<kTmax>();
+    if (capacity <= 0)
+      return invalid("megakernel: this GPU cannot hold a block with " + std::to_string(kDynamicSmemBytes / 1024) +
+                     " KB of shared memory for the weight pipeline; decode with kernels='fused', or rebuild with "
+                     "LITHOS_KERNEL_DEFINES=\"LITHOS_MK_STAGED=0\"");
+    grid = std::min(capacity, std::max(a.n_tasks, 1));
+    megakernel<kTmax><<<grid, kMatvecThreads, kDynamicSmemBytes, stream>>>(a);
     return launch_status("megakernel");
   });
   if (launched.failure()) return launched;

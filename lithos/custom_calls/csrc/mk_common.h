@@ -171,33 +171,42 @@ __device__ inline void abort_step(const Args& a, int task_index) {
 
 __device__ __forceinline__ bool aborted(const Args& a) { return load_acquire(a.counters + a.n_counters) != 0; }
 
-// Wait (thread 0 polls, the block meets at a barrier) until the task's input counter reaches its
-// target. False when the step aborted. Every thread of the block calls it.
-__device__ bool block_wait(const Args& a, const Task& task, int task_index) {
+// Wait (warp 0 polls, the block meets at a barrier) until the task's input counter reaches its
+// target; between polls warp 0 runs `idle()` (all its lanes: the weight pipeline's copies,
+// mk_weight_pipe.h). False when the step aborted. Every thread of the block calls it.
+template <class Idle>
+__device__ bool block_wait(const Args& a, const Task& task, int task_index, Idle idle) {
   __shared__ int ready;
   if (task.wait_counter < 0) {
     trace_mark(a, task_index, kTraceReady);
     return true;
   }
   const int32_t* counter = a.counters + task.wait_counter;
-  if (threadIdx.x == 0) {
+  if (warp_id() == 0) {
     int outcome = 0;
     for (int64_t poll = 0; outcome == 0; ++poll) {
-      if (load_acquire(counter) >= task.wait_target) {
-        outcome = 1;
-      } else if ((poll & 255) == 255 && aborted(a)) {
-        outcome = -1;
-      } else if (poll >= kMaxPolls) {
-        abort_step(a, task_index);
-        outcome = -1;
-      } else {
+      if (lane_id() == 0) {
+        if (load_acquire(counter) >= task.wait_target) {
+          outcome = 1;
+        } else if ((poll & 255) == 255 && aborted(a)) {
+          outcome = -1;
+        } else if (poll >= kMaxPolls) {
+          abort_step(a, task_index);
+          outcome = -1;
+        }
+      }
+      outcome = shfl_from(outcome, 0);
+      if (outcome == 0) {
+        idle();
         pause_briefly();
       }
     }
     // The acquire load orders thread 0's later reads; this fence and the barrier extend that to every
     // thread of the block (and invalidate stale L1 lines on both vendors).
-    __threadfence();
-    ready = outcome;
+    if (lane_id() == 0) {
+      __threadfence();
+      ready = outcome;
+    }
   }
   __syncthreads();
   const bool ok = ready == 1;
@@ -228,94 +237,6 @@ __device__ inline int block_signal(const Args& a, int counter) {
 __device__ inline void block_release(const Args& a, int counter) {
   __syncthreads();
   if (threadIdx.x == 0) add_release(a.counters + counter);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Row groups of a task: the matvec tasks' common loop
-// ---------------------------------------------------------------------------------------------
-
-// 16-byte chunks per row a lane loads at once in the megakernel's matvecs: 2, half of what the fused
-// kernels use at T <= 2. Loads in flight beyond what the bandwidth needs only queue, and every memory
-// round trip on the step's critical path (hand-offs, attention, epilogues) waits behind them:
-// measured on the H200, 2 is 5-7% faster per step than 4 (NOTES.md). A build may ask for another
-// (LITHOS_KERNEL_DEFINES="LITHOS_MK_UNROLL=1").
-#ifndef LITHOS_MK_UNROLL
-#define LITHOS_MK_UNROLL 2
-#endif
-template <int TMAX>
-constexpr int kMkUnroll = LITHOS_MK_UNROLL;
-
-// The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
-// row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] with
-// token t (activations read coherently: other blocks wrote them in this launch). Every thread of the
-// block calls it.
-//
-// The block's warps take the groups in rounds; k_split consecutive warps (a team) share a group, each
-// reading an interleaved share of the input. Warps never meet at a block barrier inside the loop:
-// one that waits there drains its loads while the slowest warp finishes, and the block streams in
-// bursts. A team adds its partial sums through shared memory instead; the member that arrives last
-// reduces them and runs the epilogue. Partials and arrival counters are double-buffered by round
-// parity, and a member about to write round n's buffer first waits until round n - 2 is reduced
-// (rare: a team's warps stream alike), so a counter never mixes two rounds' arrivals.
-// `before_epilogue()` runs once, by the whole block, after the first dot products (the RMSNorm
-// factor: its pass over x then hits L1).
-template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
-__device__ bool stream_row_groups(const Args& a, const Task& task, int index, const TokenRows& in, RowsOf rows_of,
-                                  BeforeEpilogue before_epilogue, Epilogue epilogue) {
-  __shared__ float partial[2][kMatvecWarps][kRowsPerWarp][TMAX];
-  __shared__ int arrivals[2][kMatvecWarps];  // per parity and team: members that wrote a partial
-  __shared__ int reduced[kMatvecWarps];      // per team: rounds reduced
-  const int k_split = task.k_split, slots = kMatvecWarps / k_split;
-  const int slot = warp_id() / k_split, part = warp_id() % k_split;
-  const int end = task.first + task.count;
-  if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
-  __syncthreads();  // the counters are zero before any team adds to them
-  if (!block_wait(a, task, index)) return false;
-
-  bool first_round = true;
-  // The loop bound is block-uniform: before_epilogue's barriers need every warp in the first round.
-  for (int base = task.first, round = 0; base < end; base += slots, ++round) {
-    const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
-    const bf16_t* rows[kRowsPerWarp];
-    rows_of(unit, rows);
-    float acc[kRowsPerWarp][TMAX];
-    warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(rows, in, part, k_split, acc);
-    bool mine = part == 0;  // the member that runs the epilogue
-    if (k_split > 1) {
-      float(&buffer)[kMatvecWarps][kRowsPerWarp][TMAX] = partial[round & 1];
-      int order = 0;
-      if (lane_id() == 0) {
-        while (*static_cast<volatile int*>(&reduced[slot]) < round - 1) {
-        }
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-          for (int t = 0; t < TMAX; ++t) buffer[warp_id()][r][t] = acc[r][t];
-        __threadfence_block();
-        order = atomicAdd(&arrivals[round & 1][slot], 1);
-      }
-      mine = shfl_from(order, 0) == (round / 2 + 1) * k_split - 1;  // the last of this round's team
-      if (mine) {
-        __threadfence_block();
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-          for (int t = 0; t < TMAX; ++t) {
-            float sum = 0.0f;
-            for (int p = 0; p < k_split; ++p) sum += static_cast<volatile float*>(&buffer[slot * k_split + p][r][0])[t];
-            acc[r][t] = sum;
-          }
-        __threadfence_block();  // the reads are done before the buffer is released
-        if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
-      }
-    }
-    if (first_round) {
-      before_epilogue();
-      first_round = false;
-    }
-    if (base + slot < end && mine) epilogue(unit, acc);
-  }
-  return true;
 }
 
 // The residual stream: after layer l's attention half (slot 0) and after its MLP (slot 1); layer 0

@@ -1,9 +1,10 @@
 // Megakernel task kind 4: RMSNorm -> gate and up rows side by side -> silu(gate) * up (the fused twin
-// is matvec.cu's gated variant). A row group is two outputs f, f + 1 as (gate f, up f, gate f + 1,
-// up f + 1), so the product is formed in registers.
+// is matvec.cu's gated variant). A row group (mk_weight_rows.h, gate_up_rows) is two outputs side by
+// side, so the product is formed in registers.
 #pragma once
 
-#include "mk_common.h"
+#include "mk_matvec.h"
+#include "mk_weight_rows.h"
 
 namespace lithos {
 namespace mk {
@@ -11,23 +12,15 @@ namespace mk {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 template <int TMAX>
-__device__ bool gate_up_task(const Args& a, const Task& task, int index) {
+__device__ bool gate_up_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
-  const size_t layer_offset = static_cast<size_t>(layer) * a.ffn * a.hidden;
-  constexpr int kOuts = kRowsPerWarp / 2;
-
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int f = min(unit * kOuts + r / 2, a.ffn - 1);  // past the end: the last row again, unused
-      rows[r] = (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
-    }
-  };
+  constexpr int kOuts = kGatedPerGroup;
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { gate_up_rows(a, layer, unit, rows); };
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   if (!stream_row_groups<TMAX>(
-          a, task, index, in, rows_of,
-      [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
+          a, pipe, task, index, in, rows_of,
+      [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {

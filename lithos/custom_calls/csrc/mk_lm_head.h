@@ -6,7 +6,8 @@
 
 #include <climits>
 
-#include "mk_common.h"
+#include "mk_matvec.h"
+#include "mk_weight_rows.h"
 
 namespace lithos {
 namespace mk {
@@ -44,22 +45,18 @@ __device__ Best block_best(int n, BestOf best_of) {
 }
 
 template <int TMAX>
-__device__ bool head_task(const Args& a, const Task& task, int index) {
+__device__ bool head_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   __shared__ Best warp_bests[kMatvecWarps][TMAX];
 
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
-      rows[r] = a.lm_head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
-  };
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { head_rows(a, unit, rows); };
   Best best[TMAX];
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
   const TokenRows in{after_mlp(a), a.final_norm, a.tokens, a.hidden};
   if (!stream_row_groups<TMAX>(
-          a, task, index, in, rows_of,
-      [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
+          a, pipe, task, index, in, rows_of,
+      [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
 #pragma unroll

@@ -3,28 +3,23 @@
 // activations). Row groups are four consecutive output rows.
 #pragma once
 
-#include "mk_common.h"
+#include "mk_matvec.h"
+#include "mk_weight_rows.h"
 
 namespace lithos {
 namespace mk {
 
 template <int TMAX>
-__device__ bool projection_task(const Args& a, const Task& task, int index) {
+__device__ bool projection_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   const bool o_proj = task.op == kOpOProj;
   const int layer = task.layer;
-  const int n_in = o_proj ? a.heads * a.head_dim : a.ffn;
-  const bf16_t* w = (o_proj ? a.wo : a.w_down) + static_cast<size_t>(layer) * a.hidden * n_in;
-
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)  // rows past the end re-read the last row, results unused
-      rows[r] = w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
-  };
+  const int n_in = projection_inputs(a, task.op);
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { projection_rows(a, task.op, layer, unit, rows); };
   const TokenRows in{o_proj ? a.attn : a.gated, nullptr, a.tokens, n_in};
   const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
   bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
   if (!stream_row_groups<TMAX>(
-          a, task, index, in, rows_of, [] {},
+          a, pipe, task, index, in, rows_of, [](const TokenRows&) {},
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {

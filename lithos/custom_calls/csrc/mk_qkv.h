@@ -2,51 +2,28 @@
 // to the layer's cache slots (the fused twin is qkv_rope.cu): slot = position in a linear cache
 // (positions past its end dropped), position % slots in a ring.
 //
-// Row groups are numbered KV group by KV group: the group's query heads, then its key head, then its
-// value head, each head_dim / 4 row groups of two rotary pairs (rows j, j + d/2, j + 1, j + 1 + d/2),
-// so a warp holds both halves of each rotation. A task covers row groups of one KV group only, and
-// the attention of that group waits for exactly those tasks.
+// Row groups (mk_weight_rows.h, qkv_rows) hold two rotary pairs of one head, so a warp holds both
+// halves of each rotation. A task covers row groups of one KV group only, and the attention of that
+// group waits for exactly those tasks.
 #pragma once
 
-#include "mk_common.h"
+#include "mk_matvec.h"
+#include "mk_weight_rows.h"
 
 namespace lithos {
 namespace mk {
 
-struct QkvRowGroup {
-  int kv_head;
-  int slot;        // < group: the group's query head `slot`; group: its key head; group + 1: its value head
-  int first_pair;  // rotary pairs first_pair and first_pair + 1
-};
-
-__device__ __forceinline__ QkvRowGroup qkv_row_group(const Args& a, int unit) {
-  const int per_head = a.head_dim / 4;
-  const int per_group = (a.heads / a.kv_heads + 2) * per_head;
-  const int within = unit % per_group;
-  return {unit / per_group, within / per_head, (within % per_head) * 2};
-}
-
 template <int TMAX>
-__device__ bool qkv_task(const Args& a, const Task& task, int index) {
+__device__ bool qkv_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
-  const size_t head_rows = static_cast<size_t>(a.head_dim) * a.hidden;
-
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
-    const QkvRowGroup g = qkv_row_group(a, unit);
-    const bf16_t* matrix =
-        g.slot < group ? a.wq + (static_cast<size_t>(layer) * a.heads + g.kv_head * group + g.slot) * head_rows
-                       : (g.slot == group ? a.wk : a.wv) + (static_cast<size_t>(layer) * a.kv_heads + g.kv_head) * head_rows;
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
-      rows[r] = matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
-  };
+  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { qkv_rows(a, layer, unit, rows); };
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   if (!stream_row_groups<TMAX>(
-          a, task, index, in, rows_of,
-      [&] { block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale); },
+          a, pipe, task, index, in, rows_of,
+      [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
         const bool is_q = g.slot < group, is_v = g.slot == group + 1;

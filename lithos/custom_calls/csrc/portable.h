@@ -21,6 +21,8 @@ using gpuError_t = hipError_t;
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuAttrComputeUnitCount hipDeviceAttributeMultiprocessorCount
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #ifndef LITHOS_WARP_SIZE
 // CDNA (gfx90a, gfx942, gfx950) runs wave64. RDNA builds would pass -DLITHOS_WARP_SIZE=32.
 #define LITHOS_WARP_SIZE 64
@@ -39,6 +41,8 @@ using gpuError_t = cudaError_t;
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuAttrComputeUnitCount cudaDevAttrMultiProcessorCount
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define LITHOS_WARP_SIZE 32
 #endif
 
@@ -219,16 +223,17 @@ inline int compute_unit_count() {
   return cached[device];
 }
 
-// Blocks of `Kernel` (launched with `threads` threads) that fit on one SM/CU at once, read once per
-// kernel and block size: a persistent grid of exactly that many per SM/CU runs in one wave.
+// Blocks of `Kernel` (launched with `threads` threads and `dynamic_smem` bytes of dynamic shared
+// memory, fixed per kernel) that fit on one SM/CU at once, read once per kernel and block size: a
+// persistent grid of exactly that many per SM/CU runs in one wave.
 template <auto Kernel>
-inline int resident_blocks_per_unit(int threads) {
+inline int resident_blocks_per_unit(int threads, size_t dynamic_smem = 0) {
   // One slot per block size in warps; 0 = not read yet. Racing first readers store the same value.
   static std::atomic<int> cached[1024 / WARP_SIZE + 1];
   const int slot = std::min(std::max(threads / WARP_SIZE, 0), 1024 / WARP_SIZE);
   int n = cached[slot].load(std::memory_order_relaxed);
   if (n == 0) {
-    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, 0) != gpuSuccess || n < 1) n = 1;
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, dynamic_smem) != gpuSuccess || n < 1) n = 1;
     cached[slot].store(n, std::memory_order_relaxed);
   }
   return n;

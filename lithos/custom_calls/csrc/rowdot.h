@@ -40,7 +40,9 @@ struct TokenRows {
 };
 
 // Activations written earlier in the same launch (by other blocks of the megakernel) are read with
-// plain coherent loads: the read-only path of load_cached (ld.global.nc) may serve stale lines.
+// plain coherent loads: the read-only path of load_cached (ld.global.nc) may serve stale lines. The
+// load is generic, so `p` may also point at a copy in shared memory (the megakernel stages its
+// inputs there).
 template <int VEC, bool COHERENT>
 __device__ __forceinline__ Bf16Vec<VEC> load_activation(const bf16_t* p) {
   if constexpr (!COHERENT) {
@@ -51,7 +53,7 @@ __device__ __forceinline__ Bf16Vec<VEC> load_activation(const bf16_t* p) {
     const u32x4_t v = *reinterpret_cast<const u32x4_t*>(p);
     out.pair[0] = v.x; out.pair[1] = v.y; out.pair[2] = v.z; out.pair[3] = v.w;
 #else
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(out.pair[0]), "=r"(out.pair[1]), "=r"(out.pair[2]), "=r"(out.pair[3])
                  : "l"(p));
 #endif

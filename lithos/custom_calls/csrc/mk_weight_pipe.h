@@ -50,7 +50,7 @@
 #if LITHOS_MK_STAGED && defined(LITHOS_HIP)
 #error "LITHOS_MK_STAGED needs bulk copies (CUDA sm_90); HIP builds stream weights through registers"
 #endif
-// Stages in the ring (16 KB each) and tiles a block keeps in flight; a build may ask for
+// Stages in the ring (a tile each, LITHOS_MK_TILE_KB) and tiles a block keeps in flight; a build may ask for
 // others (LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGES=6 LITHOS_MK_IN_FLIGHT=2").
 #ifndef LITHOS_MK_STAGES
 #define LITHOS_MK_STAGES 8

@@ -260,9 +260,8 @@ def test_build_command_builds_check_libraries_at_opt_level_1(monkeypatch, capsys
 COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}
 
 
-@pytest.fixture(scope="module", params=sorted(COMPILERS))
-def toolchain(request):
-    platform = request.param
+def compiler_toolchain(platform):
+    """The toolchain for COMPILERS[platform]; a missing compiler skips (fails under STRICT)."""
     name, arch = COMPILERS[platform]
     if build.find_compiler(platform) is None:
         reason = f"{name} is not installed ({build.INSTALL_HINT[platform]})"
@@ -270,6 +269,11 @@ def toolchain(request):
             pytest.fail(reason)
         pytest.skip(reason)
     return build.toolchain(platform, arch)
+
+
+@pytest.fixture(scope="module", params=sorted(COMPILERS))
+def toolchain(request):
+    return compiler_toolchain(request.param)
 
 
 @pytest.mark.parametrize("kernel", sorted(build.KERNELS))
@@ -292,12 +296,7 @@ HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 def test_staged_megakernel_compiles():
     """The megakernel's opt-in weight pipeline (bulk copies into shared memory, CUDA only) builds too,
     so the variant measured in NOTES.md stays buildable."""
-    if build.find_compiler("cuda") is None:
-        reason = f"nvcc is not installed ({build.INSTALL_HINT['cuda']})"
-        if STRICT:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    staged = dataclasses.replace(build.toolchain("cuda", "sm_90a"), opt_level=1, defines=("LITHOS_MK_STAGED=1",))
+    staged = dataclasses.replace(compiler_toolchain("cuda"), opt_level=1, defines=("LITHOS_MK_STAGED=1",))
     library = build.build("megakernel", staged)
     assert library != build.library_path("megakernel", dataclasses.replace(staged, defines=()))
     assert b"LithosMegakernel" in library.read_bytes()

@@ -42,8 +42,9 @@
 
 // Off by default: as built so far it streams at about 1.2 TB/s on the H200, against 3.3-3.7 TB/s
 // for the same bulk copies in benchmarks/probes/bulk_copy.cu, and the step is 2.4x slower than the
-// register path (NOTES.md, "Weights through shared memory"). A build turns it on with
-// LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA only).
+// register path. Measured cause: warp 0 spends about 1200 cycles issuing each tile besides reading
+// its share, so it paces the ring at about 1.2 us per 16 KB tile (NOTES.md, "Weights through shared
+// memory", run 11). A build turns it on with LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA only).
 #ifndef LITHOS_MK_STAGED
 #define LITHOS_MK_STAGED 0
 #endif

@@ -341,3 +341,33 @@ def test_megakernel_rejects_what_it_does_not_implement(hf_checkpoint):
         llama.forward_argmax(
             params, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache, cfg, "megakernel"
         )
+
+
+@pytest.mark.parametrize(
+    "blocks, message",
+    [
+        (0, r"cannot hold one block of this build \(LITHOS_KERNEL_DEFINES='LITHOS_MK_STAGED=1 LITHOS_MK_TILE_KB=32'\)"),
+        (-1, r"no grid for 1 query positions"),
+    ],
+)
+def test_a_grid_that_cannot_be_had_is_a_clear_error(monkeypatch, blocks, message):
+    """A build variant whose block does not fit on the GPU names its defines and what to change,
+    rather than a grid of 0 reaching the scheduler."""
+    from lithos.custom_calls import build
+    from lithos.custom_calls.megakernel import kernel
+
+    class Library:
+        @staticmethod
+        def LithosMegakernelBlocks(tokens):  # noqa: N802 (the C symbol's name)
+            return blocks
+
+    variant = build.Toolchain("cuda", "nvcc", "13.0", "sm_90a", defines=("LITHOS_MK_STAGED=1", "LITHOS_MK_TILE_KB=32"))
+    monkeypatch.setattr(build, "toolchain", lambda platform: variant)
+    monkeypatch.setattr(build, "build", lambda name, toolchain: "unused.so")
+    monkeypatch.setattr(kernel.ctypes.cdll, "LoadLibrary", lambda path: Library)
+    kernel.resident_blocks.cache_clear()
+    try:
+        with pytest.raises(lithos.LithosError, match=message):
+            kernel.resident_blocks("cuda", 1)
+    finally:
+        kernel.resident_blocks.cache_clear()

@@ -296,7 +296,7 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
 
 __device__ inline bool attention_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
-  auto wait = [&] { return block_wait(a, task, index, [&] { pump_weights(a, pipe); }); };
+  auto wait = [&] { return block_wait(a, task, index, [&] { try_pump_weights(a, pipe); }); };
   if (!attention_split(a, plan, task.layer, task.first, task.count, wait))
     return false;
   if (block_signal(a, task.signal_counter) == task.arrivals - 1) {

@@ -50,7 +50,7 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
   const int end = task.first + task.count;
   if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
   __syncthreads();  // the counters are zero before any team adds to them
-  if (!block_wait(a, task, index, [&] { pump_weights(a, pipe); })) return false;
+  if (!block_wait(a, task, index, [&] { try_pump_weights(a, pipe); })) return false;
 #if LITHOS_MK_STAGED
   const TokenRows in = stage_inputs(pipe, task_in);
 #else

@@ -13,17 +13,20 @@
 // of k_split warps, as in stream_row_groups; by default one team of the whole block, team_warps); a
 // round's rows (4 per group) are cut along the input dimension into tiles of tile_columns(k_split)
 // columns, kTileElements bf16 in all, so each lane of a team reads whole 16-byte chunks of each of
-// its 4 rows per tile. A tile is one bulk copy per row (lane 31 - i of warp 0 copies row i); rows of groups past the task's end are not copied (their
-// results are not used). The copies walk the block's tasks in the order the block runs them (block b:
-// tasks b, b + grid, ...), so the copies and the compute number the tiles alike.
+// its 4 rows per tile. A tile is one bulk copy per row (lane 31 - i of the issuing warp copies row
+// i); rows of groups past the task's end are not copied (their results are not used). The copies
+// walk the block's tasks in the order the block runs them (block b: tasks b, b + grid, ...), so the
+// copies and the compute number the tiles alike.
 //
-// Who copies: warp 0, whenever it would otherwise wait (between polls of a hand-off counter, while a
-// tile it needs is in flight) and after each tile it reads; `pump_weights` never blocks, it issues
-// what the ring has room for. (A ninth, copying-only warp would cost registers: a 288-thread block is
-// allocated registers as 384 threads, 168 each, and spills.) No deadlock: warp 0 reads every tile, in
-// order, and pumps while it waits for one, so every tile up to the one it waits for gets issued once
-// the warps before it in the ring have read their stage, and no warp waits on warp 0 for a tile past
-// a barrier that warp 0 has not passed.
+// Who copies: any warp, holding a lock on the cursor (`try_pump_weights`): after each tile it reads,
+// while a tile it needs has not landed, and (warp 0) between polls of a hand-off counter;
+// `pump_weights` never blocks, it issues what the ring has room for. Issuing a tile costs about 1200
+// cycles (measured); when warp 0 alone issued, it read its share of every tile late and paced the
+// ring, and sharing the issuing gained 7.5% (NOTES.md, runs 11-12). (A ninth, copying-only warp
+// would cost registers: a 288-thread block is allocated registers as 384 threads, 168 each, and
+// spills.) No deadlock: a warp waiting for a tile pumps while it waits, the lock is held only for a
+// pump (which never waits), and every tile up to the one it waits for gets issued once the warps
+// before it in the ring have read their stage; a warp never waits for a tile across a block barrier.
 //
 // Protocol (PTX mbarriers in shared memory, per stage): `full` (1 arrival + the copy's bytes) says a
 // tile landed; `empty` (one arrival per warp) says every warp has read it. Tile j goes to stage
@@ -42,9 +45,9 @@
 
 // Off by default: as built so far it streams at about 1.2 TB/s on the H200, against 3.3-3.7 TB/s
 // for the same bulk copies in benchmarks/probes/bulk_copy.cu, and the step is 2.4x slower than the
-// register path. Measured cause: warp 0 spends about 1200 cycles issuing each tile besides reading
-// its share, so it paces the ring at about 1.2 us per 16 KB tile (NOTES.md, "Weights through shared
-// memory", run 11). A build turns it on with LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA only).
+// register path. Measured: issuing a tile (four bulk copies) costs about 1200 cycles, and the ring
+// runs at about one tile per 1.1-1.2 us whichever warps issue (NOTES.md, "Weights through shared
+// memory", runs 11-12). A build turns it on with LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA only).
 #ifndef LITHOS_MK_STAGED
 #define LITHOS_MK_STAGED 0
 #endif
@@ -92,7 +95,8 @@ __host__ __device__ constexpr int tile_columns(int k_split) {
 static_assert(tile_columns(1) % (WARP_SIZE * 8) == 0 || !kStaged, "a tile row is whole 16-byte chunks per lane");
 static_assert(kRowsPerWarp * kMatvecWarps <= WARP_SIZE || !kStaged, "one copying lane per row of a round");
 
-// Where the copies are: the next tile to issue, in the block's task order (warp 0's, in shared memory).
+// Where the copies are: the next tile to issue, in the block's task order (in shared memory, read and
+// written by the warp holding the pump lock).
 // The task's fields are kept here, so that a pump reads no global memory within a task.
 struct CopyCursor {
   int index;  // the task (its index in the list); >= n_tasks when every tile is issued
@@ -108,9 +112,15 @@ struct PipeLayout {
   static constexpr int kInputsOffset = kStagesBytes;
   static constexpr int kBarriersOffset = kInputsOffset + kInputBytes;
   static constexpr int kCursorOffset = kBarriersOffset + 2 * kStages * 8;
-  static constexpr int kBytes = kStaged ? kCursorOffset + static_cast<int>(sizeof(CopyCursor)) : 0;
+  static constexpr int kLockOffset = kCursorOffset + static_cast<int>(sizeof(CopyCursor));
+  static constexpr int kBytes = kStaged ? kLockOffset + static_cast<int>(sizeof(int)) : 0;
 };
 constexpr int kDynamicSmemBytes = PipeLayout::kBytes;
+// A block can have at most 227 KB of shared memory (sm_90); a GPU with less is caught at run time
+// (grid_capacity is 0, and lithos.custom_calls.megakernel.kernel.resident_blocks says what to change).
+static_assert(kDynamicSmemBytes <= 227 * 1024,
+              "the weight pipeline's stages and staged inputs exceed the 227 KB of shared memory a block can "
+              "have: use fewer or smaller stages (LITHOS_MK_STAGES, LITHOS_MK_TILE_KB)");
 
 // One thread's view of its block's pipeline. `tile` is the next tile the thread's warp reads.
 struct WeightPipe {
@@ -118,7 +128,8 @@ struct WeightPipe {
   bf16_t* inputs;      // kInputBytes: the running task's activations, then its RMSNorm weight
   uint64_t* full;      // [kStages]
   uint64_t* empty;     // [kStages]
-  CopyCursor* cursor;  // warp 0's
+  CopyCursor* cursor;  // guarded by lock
+  int* lock;           // 1 while a warp pumps
   int tile;
 };
 
@@ -194,12 +205,14 @@ __device__ inline WeightPipe weight_pipe() {
   pipe.full = reinterpret_cast<uint64_t*>(pipe_memory + PipeLayout::kBarriersOffset);
   pipe.empty = pipe.full + kStages;
   pipe.cursor = reinterpret_cast<CopyCursor*>(pipe_memory + PipeLayout::kCursorOffset);
+  pipe.lock = reinterpret_cast<int*>(pipe_memory + PipeLayout::kLockOffset);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&pipe.full[s], 1);
       mbarrier_init(&pipe.empty[s], kMatvecWarps);
     }
     *pipe.cursor = CopyCursor{static_cast<int>(blockIdx.x), -1, 0, 0, 0, 0, 0, 1, 0};
+    *pipe.lock = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -209,7 +222,7 @@ __device__ inline WeightPipe weight_pipe() {
 
 #if LITHOS_MK_STAGED
 
-// Warp 0 (all lanes): issue the next tiles while the ring has room; never waits.
+// A warp holding the lock (all lanes): issue the next tiles while the ring has room; never waits.
 __device__ inline void pump_weights(const Args& a, WeightPipe& pipe) {
   CopyCursor c = *pipe.cursor;
   while (c.index < a.n_tasks) {
@@ -240,7 +253,7 @@ __device__ inline void pump_weights(const Args& a, WeightPipe& pipe) {
     const int rows_copied = min(slots, c.end - c.base) * kRowsPerWarp;
     const uint32_t row_bytes = static_cast<uint32_t>(min(columns, c.n_in - c.k0)) * 2;
     // The copies go out from the warp's last lanes (row i from lane 31 - i), away from lane 0, which
-    // signals and fences for the warp's own tile reads and team sums.
+    // arrives and fences for the warp's own tile reads and team sums.
     const int row = WARP_SIZE - 1 - lane_id();
     if (row == 0) mbarrier_arrive_expect(&pipe.full[stage], row_bytes * rows_copied);
     __syncwarp();  // the expected bytes are set before any copy can complete them
@@ -262,7 +275,25 @@ __device__ inline void pump_weights(const Args& a, WeightPipe& pipe) {
   __syncwarp();
 }
 
-// Before a block leaves an abandoned step: let its copies in flight land (they write its shared memory).
+// A warp (all lanes): pump unless another warp is pumping; never waits. The lock's acquire and
+// release (shared-memory atomics with block fences) order one holder's cursor update before the
+// next holder's read.
+__device__ inline void try_pump_weights(const Args& a, WeightPipe& pipe) {
+  int mine = 0;
+  if (lane_id() == 0 && atomicCAS(pipe.lock, 0, 1) == 0) {
+    __threadfence_block();
+    mine = 1;
+  }
+  if (!shfl_from(mine, 0)) return;  // the shuffle also orders the other lanes' reads after the acquire
+  pump_weights(a, pipe);
+  if (lane_id() == 0) {
+    __threadfence_block();
+    atomicExch(pipe.lock, 0);
+  }
+}
+
+// Before a block leaves an abandoned step (all its warps past a block barrier, so none is pumping):
+// let its copies in flight land (they write its shared memory).
 __device__ inline void drain_weights(const WeightPipe& pipe) {
   if (threadIdx.x != 0) return;
   const int issued = pipe.cursor->tile;
@@ -273,12 +304,11 @@ __device__ inline void drain_weights(const WeightPipe& pipe) {
 
 // acc[r][t] = the dot product of the warp's 4 rows of the tiles with token t's inputs, over the input
 // dimension, reading every tile of one round (the warp's team is `slot`, its share `part` of
-// k_split); warp 0 keeps the copies going. `in` may point at shared memory (stage_inputs) or at global memory. Every lane
+// k_split); the warps keep the copies going. `in` may point at shared memory (stage_inputs) or at global memory. Every lane
 // ends with every sum.
 template <int TMAX>
 __device__ __forceinline__ void warp_tiles_dot(const Args& a, WeightPipe& pipe, const TokenRows& in, int slot,
                                                int part, int k_split, float (&acc)[kRowsPerWarp][TMAX]) {
-  const bool copier = warp_id() == 0;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
@@ -287,13 +317,8 @@ __device__ __forceinline__ void warp_tiles_dot(const Args& a, WeightPipe& pipe, 
   const int chunk = (part * WARP_SIZE + lane_id()) * 8;  // this lane's columns within a tile
   for (int k0 = 0; k0 < in.n_in; k0 += columns, ++pipe.tile) {
     const int stage = pipe.tile % kStages;
-    // Warp 0 must not sleep in try_wait: the tile it waits for may be one only it can issue.
-    if (copier) {
-      while (!mbarrier_test_wait(&pipe.full[stage], (pipe.tile / kStages) & 1)) pump_weights(a, pipe);
-    } else {
-      while (!mbarrier_try_wait(&pipe.full[stage], (pipe.tile / kStages) & 1)) {
-      }
-    }
+    // Not try_wait's sleep: the tile may not be issued yet, and this warp may be the one to issue it.
+    while (!mbarrier_test_wait(&pipe.full[stage], (pipe.tile / kStages) & 1)) try_pump_weights(a, pipe);
     for (int c = chunk; c < columns && k0 + c < in.n_in; c += k_split * WARP_SIZE * 8) {
       const int k = k0 + c;
       const bf16_t* rows = pipe.stages + stage * kTileElements + slot * kRowsPerWarp * columns + c;
@@ -323,7 +348,7 @@ __device__ __forceinline__ void warp_tiles_dot(const Args& a, WeightPipe& pipe, 
     }
     __syncwarp();  // every lane has read the stage
     if (lane_id() == 0) mbarrier_arrive(&pipe.empty[stage]);
-    if (copier) pump_weights(a, pipe);
+    try_pump_weights(a, pipe);
   }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
@@ -360,7 +385,7 @@ __device__ inline TokenRows stage_inputs(const WeightPipe& pipe, const TokenRows
 
 #else
 
-__device__ __forceinline__ void pump_weights(const Args&, WeightPipe&) {}
+__device__ __forceinline__ void try_pump_weights(const Args&, WeightPipe&) {}
 __device__ __forceinline__ void drain_weights(const WeightPipe&) {}
 
 #endif  // LITHOS_MK_STAGED

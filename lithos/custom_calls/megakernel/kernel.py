@@ -26,9 +26,17 @@ HEADS = (None, "argmax", "logits")
 @functools.cache
 def resident_blocks(platform: str, tokens: int) -> int:
     """Blocks of the kernel for `tokens` query positions that the GPU holds at once (its grid)."""
-    library = ctypes.cdll.LoadLibrary(str(build.build("megakernel", build.toolchain(platform))))
+    toolchain = build.toolchain(platform)
+    library = ctypes.cdll.LoadLibrary(str(build.build("megakernel", toolchain)))
     blocks = int(library.LithosMegakernelBlocks(ctypes.c_int(tokens)))
-    if blocks < 1:
+    if blocks == 0:  # a build variant whose block does not fit (LITHOS_KERNEL_DEFINES)
+        raise LithosError(
+            "megakernel: this GPU cannot hold one block of this build (LITHOS_KERNEL_DEFINES="
+            f"{' '.join(toolchain.defines)!r}): its weight pipeline asks for more shared memory than the GPU "
+            "has. Use fewer or smaller stages (LITHOS_MK_STAGES, LITHOS_MK_TILE_KB), LITHOS_MK_STAGED=0, "
+            "or decode with kernels='fused'"
+        )
+    if blocks < 0:
         raise LithosError(f"megakernel: no grid for {tokens} query positions (1..16 are supported)")
     return blocks
 

@@ -258,10 +258,9 @@ __device__ inline void pump_weights(const Args& a, WeightPipe& pipe) {
     if (row == 0) mbarrier_arrive_expect(&pipe.full[stage], row_bytes * rows_copied);
     __syncwarp();  // the expected bytes are set before any copy can complete them
     if (row < rows_copied) {
-      const bf16_t* rows[kRowsPerWarp];
-      task_weight_rows(a, c.op, c.layer, c.base + row / kRowsPerWarp, rows);
-      bulk_copy(pipe.stages + stage * kTileElements + row * columns, rows[row % kRowsPerWarp] + c.k0, row_bytes,
-                &pipe.full[stage], evict_first_policy());
+      const bf16_t* source = task_weight_row(a, c.op, c.layer, c.base + row / kRowsPerWarp, row % kRowsPerWarp);
+      bulk_copy(pipe.stages + stage * kTileElements + row * columns, source + c.k0, row_bytes, &pipe.full[stage],
+                evict_first_policy());
     }
     ++c.tile;
     c.k0 += columns;

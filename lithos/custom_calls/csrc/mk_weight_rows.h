@@ -25,31 +25,38 @@ __device__ __forceinline__ QkvRowGroup qkv_row_group(const Args& a, int unit) {
   return {unit / per_group, within / per_head, (within % per_head) * 2};
 }
 
-// The 4 weight rows of row group `unit` of `layer` (see above).
-__device__ __forceinline__ void qkv_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+// Row r (0..3) of row group `unit` of `layer` (see above). Every map below comes as one row (what a
+// copying lane needs: an array indexed at run time would live in local memory) and as the group's
+// 4 rows (what a warp's dot products need), the second made of the first.
+__device__ __forceinline__ const bf16_t* qkv_row(const Args& a, int layer, int unit, int r) {
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
   const size_t head_rows = static_cast<size_t>(a.head_dim) * a.hidden;
   const QkvRowGroup g = qkv_row_group(a, unit);
   const bf16_t* matrix =
       g.slot < group ? a.wq + (static_cast<size_t>(layer) * a.heads + g.kv_head * group + g.slot) * head_rows
                      : (g.slot == group ? a.wk : a.wv) + (static_cast<size_t>(layer) * a.kv_heads + g.kv_head) * head_rows;
+  return matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
+}
+
+__device__ __forceinline__ void qkv_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-    rows[r] = matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = qkv_row(a, layer, unit, r);
 }
 
 // Gate/up (kOpGateUp): a row group is two outputs f, f + 1 as (gate f, up f, gate f + 1, up f + 1),
 // so the product is formed in registers.
 constexpr int kGatedPerGroup = kRowsPerWarp / 2;
 
-// The 4 weight rows of row group `unit` of `layer`: gate f, up f, gate f + 1, up f + 1.
-__device__ __forceinline__ void gate_up_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+// Row r of row group `unit` of `layer`: gate f, up f, gate f + 1, up f + 1 for r = 0..3.
+__device__ __forceinline__ const bf16_t* gate_up_row(const Args& a, int layer, int unit, int r) {
   const size_t layer_offset = static_cast<size_t>(layer) * a.ffn * a.hidden;
+  const int f = min(unit * kGatedPerGroup + r / 2, a.ffn - 1);  // past the end: the last row again, unused
+  return (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
+}
+
+__device__ __forceinline__ void gate_up_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int f = min(unit * kGatedPerGroup + r / 2, a.ffn - 1);  // past the end: the last row again, unused
-    rows[r] = (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
-  }
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = gate_up_row(a, layer, unit, r);
 }
 
 // Input size of the O (kOpOProj) or down projection.
@@ -57,21 +64,29 @@ __device__ __forceinline__ int projection_inputs(const Args& a, int op) {
   return op == kOpOProj ? a.heads * a.head_dim : a.ffn;
 }
 
-// The 4 weight rows of row group `unit` of `layer`: output rows 4 unit .. 4 unit + 3.
-__device__ __forceinline__ void projection_rows(const Args& a, int op, int layer, int unit,
-                                                const bf16_t* (&rows)[kRowsPerWarp]) {
+// Row r of row group `unit` of `layer`: output row 4 unit + r.
+__device__ __forceinline__ const bf16_t* projection_row(const Args& a, int op, int layer, int unit, int r) {
   const int n_in = projection_inputs(a, op);
   const bf16_t* w = (op == kOpOProj ? a.wo : a.w_down) + static_cast<size_t>(layer) * a.hidden * n_in;
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)  // rows past the end re-read the last row, results unused
-    rows[r] = w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
+  // rows past the end re-read the last row, results unused
+  return w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
 }
 
-// The 4 LM head rows of row group `unit`: vocabulary entries 4 unit .. 4 unit + 3.
+__device__ __forceinline__ void projection_rows(const Args& a, int op, int layer, int unit,
+                                                const bf16_t* (&rows)[kRowsPerWarp]) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = projection_row(a, op, layer, unit, r);
+}
+
+// LM head row r of row group `unit`: vocabulary entry 4 unit + r.
+__device__ __forceinline__ const bf16_t* head_row(const Args& a, int unit, int r) {
+  // rows past the end re-read the last row, results unused
+  return a.lm_head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
+}
+
 __device__ __forceinline__ void head_rows(const Args& a, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)  // rows past the end re-read the last row, results unused
-    rows[r] = a.lm_head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = head_row(a, unit, r);
 }
 
 // Input size of a task's weight rows; 0 for a task that reads no weights (attention).
@@ -86,14 +101,13 @@ __device__ __forceinline__ int task_weight_columns(const Args& a, int op) {
   }
 }
 
-// The 4 weight rows of row group `unit` of a matvec task of kind `op` in `layer`.
-__device__ __forceinline__ void task_weight_rows(const Args& a, int op, int layer, int unit,
-                                                 const bf16_t* (&rows)[kRowsPerWarp]) {
+// Row r of row group `unit` of a matvec task of kind `op` in `layer`.
+__device__ __forceinline__ const bf16_t* task_weight_row(const Args& a, int op, int layer, int unit, int r) {
   switch (op) {
-    case kOpQkv: qkv_rows(a, layer, unit, rows); break;
-    case kOpGateUp: gate_up_rows(a, layer, unit, rows); break;
-    case kOpHead: head_rows(a, unit, rows); break;
-    default: projection_rows(a, op, layer, unit, rows); break;
+    case kOpQkv: return qkv_row(a, layer, unit, r);
+    case kOpGateUp: return gate_up_row(a, layer, unit, r);
+    case kOpHead: return head_row(a, unit, r);
+    default: return projection_row(a, op, layer, unit, r);
   }
 }
 

@@ -47,7 +47,8 @@
 // for the same bulk copies in benchmarks/probes/bulk_copy.cu, and the step is 2.4x slower than the
 // register path. Measured: issuing a tile (four bulk copies) costs about 1200 cycles, and the ring
 // runs at about one tile per 1.1-1.2 us whichever warps issue (NOTES.md, "Weights through shared
-// memory", runs 11-12). A build turns it on with LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA only).
+// memory", runs 11-14). A build turns it on with LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGED=1" (CUDA
+// only).
 #ifndef LITHOS_MK_STAGED
 #define LITHOS_MK_STAGED 0
 #endif
@@ -303,8 +304,8 @@ __device__ inline void drain_weights(const WeightPipe& pipe) {
 
 // acc[r][t] = the dot product of the warp's 4 rows of the tiles with token t's inputs, over the input
 // dimension, reading every tile of one round (the warp's team is `slot`, its share `part` of
-// k_split); the warps keep the copies going. `in` may point at shared memory (stage_inputs) or at global memory. Every lane
-// ends with every sum.
+// k_split); the warps keep the copies going. `in` may point at shared memory (stage_inputs) or at
+// global memory. Every lane ends with every sum.
 template <int TMAX>
 __device__ __forceinline__ void warp_tiles_dot(const Args& a, WeightPipe& pipe, const TokenRows& in, int slot,
                                                int part, int k_split, float (&acc)[kRowsPerWarp][TMAX]) {

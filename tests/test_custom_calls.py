@@ -302,6 +302,19 @@ def test_staged_megakernel_compiles():
     assert b"LithosMegakernel" in library.read_bytes()
 
 
+def test_packed_megakernel_compiles(toolchain):
+    """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
+    head: the packed dot products with mins, and a second format in one kernel), for both vendors.
+    Every other format triple instantiates the same templates with decoders the fused packed sources
+    compile (test_kernel_source_compiles); .ci/run builds this one ahead."""
+    from lithos.custom_calls.megakernel.kernel import WeightFormats
+
+    variant = WeightFormats("q4_1", "q4_1", "q8_0").variant()
+    library = build.build("megakernel", variant.toolchain(dataclasses.replace(toolchain, opt_level=1)))
+    assert library != build.library_path("megakernel", dataclasses.replace(toolchain, opt_level=1))
+    assert b"LithosMegakernel" in library.read_bytes()
+
+
 def test_ahead_of_time_command(toolchain, capsys):
     # The smallest source: this is about the command, the compile itself is tested above.
     args = ["--platform", toolchain.platform, "--arch", toolchain.arch, "--kernel", "expert_matvec"]

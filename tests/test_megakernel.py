@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lithos
+from lithos import quant
 from lithos.checkpoint import load_checkpoint
 from lithos.custom_calls.megakernel import (
     FIELDS,
@@ -31,8 +32,10 @@ from lithos.custom_calls.megakernel.schedule import k_split_for
 from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import llama
+from lithos.quant.quantize import names_for_groups, param_at, with_param
 
 from .conftest import require
+from .test_custom_calls_packed import random_packed
 
 SHAPES = {
     "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=97),
@@ -316,6 +319,84 @@ def test_megakernel_steps_match_transformers(hf_checkpoint, arch, tied):
     start = prompt_len + steps
     logits, _ = forward(params, jnp.asarray(tokens[:, start:]), jnp.arange(start, start + block)[None], cache)
     np.testing.assert_allclose(np.asarray(logits), expected[:, start:], atol=2e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Packed weights (lithos.quant formats, read as stored)
+# --------------------------------------------------------------------------------------------
+
+
+def pack(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> quant.QuantizedArray:
+    """`w`'s shape in `fmt_name`: quantized from `w` where lithos makes the format (MX, FP8 block),
+    random GGUF blocks of `w`'s spread otherwise (lithos reads GGUF but does not make it)."""
+    if fmt_name in ("mxfp4", "mxfp8", "fp8_block128"):
+        return quant.quantize(w, fmt_name, dtype=w.dtype)
+    packed = random_packed(fmt_name, tuple(w.shape), rng, w.dtype)  # values near 1
+    spread = float(np.std(np.asarray(w, np.float32)))
+
+    def shrink(plane):
+        return None if plane is None else (plane.astype(jnp.float32) * spread).astype(plane.dtype)
+
+    return packed.replace(scales=shrink(packed.scales), mins=shrink(packed.mins))
+
+
+# Matrix groups of a model, and what a packed model holds in them.
+PACKED_CASES = {
+    # MX and FP8 block formats as lithos quantizes them; a tied head packed too (gathers and LM head).
+    "mx": {"attention": "mxfp8", "mlp": "mxfp4", "embed": "fp8_block128"},
+    # GGUF formats, as in the default model (Q4_1 layers, Q8_0 tied embedding).
+    "gguf": {"attention": "q4_0", "mlp": "q4_1", "embed": "q8_0"},
+}
+
+
+def packed_params(params, groups: dict[str, str], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for group, fmt_name in groups.items():
+        for name in names_for_groups([group], tied=params.lm_head is None):
+            params = with_param(params, name, pack(param_at(params, name), fmt_name, rng))
+    return params
+
+
+def packed_step_weights(weights: StepWeights, groups: dict[str, str], seed: int = 0) -> StepWeights:
+    """`weights` with the matrices of `groups` ("attention", "mlp", "lm_head") packed."""
+    rng = np.random.default_rng(seed)
+    names = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down"), "lm_head": ("lm_head",)}
+    packed = {name: pack(getattr(weights, name), fmt, rng) for group, fmt in groups.items() for name in names[group]}
+    return weights._replace(**packed)
+
+
+@pytest.mark.parametrize("case", sorted(PACKED_CASES))
+def test_megakernel_path_on_packed_weights_equals_reference_forward(case):
+    """Every packed format, read as stored: the interpreter dequantises exactly, as the reference path
+    does, so the two differ only in summation order."""
+    cfg = dataclasses.replace(
+        config_of(SHAPES["tiny"]), head_dim=64, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=160
+    )
+    params = packed_params(llama.init_params(cfg, jax.random.key(4), jnp.float32), PACKED_CASES[case])
+    assert all(isinstance(w, quant.QuantizedArray) for w in (params.embed, params.layers.wq, params.layers.w_down))
+    ref, ref_tokens = step_logits(cfg, params, "reference", 40, 3)
+    mega, mega_tokens = step_logits(cfg, params, "megakernel", 40, 3)
+    np.testing.assert_allclose(mega, ref, atol=2e-4 * np.abs(ref).max(), rtol=1e-4)
+    np.testing.assert_array_equal(mega_tokens, ref_tokens)
+
+
+def test_weight_formats_choose_the_build():
+    """Each (attention, MLP, head) format triple is its own build, registered under its own name; bf16
+    weights take the plain build, and a group of mixed formats is an error that names the fix."""
+    from lithos.custom_calls import build
+    from lithos.custom_calls.megakernel.kernel import WeightFormats, weight_formats
+
+    weights, *_ = random_step(SHAPES["tiny"], 1, 8, jnp.bfloat16)
+    assert weight_formats(weights) == WeightFormats() and WeightFormats().variant() == build.PLAIN
+    packed = packed_step_weights(weights, {"attention": "mxfp8", "mlp": "q4_1", "lm_head": "q8_0"})
+    formats = weight_formats(packed)
+    assert formats == WeightFormats("mxfp8", "q4_1", "q8_0")
+    variant = formats.variant()
+    assert variant.defines == ("LITHOS_MK_ATTENTION_FORMAT=2", "LITHOS_MK_MLP_FORMAT=6", "LITHOS_MK_HEAD_FORMAT=4")
+    assert variant.target("LithosMegakernel") == "LithosMegakernel_mxfp8_q4_1_q8_0"
+    mixed = packed._replace(wo=weights.wo)
+    with pytest.raises(lithos.LithosError, match="attention matrices must share one format"):
+        weight_formats(mixed)
 
 
 def test_megakernel_generation_equals_reference(hf_checkpoint):

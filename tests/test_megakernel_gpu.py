@@ -17,7 +17,7 @@ from lithos.custom_calls.megakernel import decode_step, step_schedule
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 
-from .test_megakernel import SHAPES, random_step
+from .test_megakernel import SHAPES, packed_step_weights, random_step
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="the megakernel needs a CUDA or ROCm GPU")
@@ -42,10 +42,32 @@ def test_megakernel_equals_interpreter(name, tokens):
     shape = SHAPES[name]
     if name == "llama-3.2-1b" and tokens == 4:
         shape = dataclasses.replace(shape, layers=4)  # a shorter stack: the same tasks per layer
-    args = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens)
+    check_against_interpreter(random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens), 1000)
+
+
+@pytest.mark.parametrize(
+    "name, groups, tokens",
+    [
+        ("smollm2-like", {"attention": "q4_1", "mlp": "q4_1", "lm_head": "q8_0"}, 1),  # the default model's formats
+        ("smollm2-like", {"attention": "q4_1", "mlp": "q4_1", "lm_head": "q8_0"}, 16),
+        ("llama-3.2-1b", {"attention": "mxfp4", "mlp": "mxfp4"}, 1),  # the benchmark's (bf16 head)
+        ("llama-3.2-1b", {"attention": "mxfp4", "mlp": "mxfp4"}, 4),
+        ("smollm2-like", {"attention": "mxfp8", "mlp": "fp8_block128", "lm_head": "q4_0"}, 4),
+    ],
+)
+def test_packed_megakernel_equals_interpreter(name, groups, tokens):
+    """Packed weights read as stored, in the build for their formats (one per format triple)."""
+    shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
+    weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens)
+    check_against_interpreter((packed_step_weights(weights, groups), *rest), 1000)
+
+
+def check_against_interpreter(args, context: int):
+    """The kernel's step against the interpreter's on `args` (random_step's), `context` positions filled."""
     kernel = run("ffi", args, head="logits")
     spec = run("reference", args, head="logits")
-    context, new = 1000, slice(1000, 1000 + tokens)
+    tokens = args[1].shape[0]
+    new = slice(context, context + tokens)
     assert relative_error(kernel.h, spec.h) < 2e-2
     assert relative_error(kernel.logits, spec.logits) < 2e-2
     for cache, expected, before in ((kernel.k_cache, spec.k_cache, args[4]), (kernel.v_cache, spec.v_cache, args[5])):

@@ -247,21 +247,40 @@ def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     return output
 
 
-_registered: set[tuple[str, str]] = set()
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A build of a source with compile-time choices the caller makes (e.g. the megakernel's weight
+    formats): `defines` (NAME=VALUE) are added to the toolchain's, and the handlers are registered as
+    `<symbol>_<suffix>`, so that several variants live in one process. The default is the plain build."""
+
+    defines: tuple[str, ...] = ()
+    suffix: str = ""
+
+    def target(self, symbol: str) -> str:
+        return f"{symbol}_{self.suffix}" if self.suffix else symbol
+
+    def toolchain(self, tc: Toolchain) -> Toolchain:
+        return dataclasses.replace(tc, defines=tc.defines + self.defines) if self.defines else tc
+
+
+PLAIN = Variant()  # the build without the caller's choices
+
+_registered: set[tuple[str, str, Variant]] = set()
 _register_lock = threading.Lock()
 
 
-def ensure_registered(kernel: str, platform: str) -> None:
-    """Build (if needed), load and register every handler of `kernel` for `platform`, once per process."""
+def ensure_registered(kernel: str, platform: str, variant: Variant = PLAIN) -> None:
+    """Build (if needed), load and register every handler of `kernel` (as `variant`) for `platform`, once
+    per process."""
     with _register_lock:
-        if (kernel, platform) in _registered:
+        if (kernel, platform, variant) in _registered:
             return
-        library = ctypes.cdll.LoadLibrary(str(build(kernel, toolchain(platform))))
+        library = ctypes.cdll.LoadLibrary(str(build(kernel, variant.toolchain(toolchain(platform)))))
         for symbol in KERNELS[kernel]:
             jax.ffi.register_ffi_target(
-                symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform=XLA_PLATFORM[platform]
+                variant.target(symbol), jax.ffi.pycapsule(getattr(library, symbol)), platform=XLA_PLATFORM[platform]
             )
-        _registered.add((kernel, platform))
+        _registered.add((kernel, platform, variant))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lithos.custom_calls.build import ensure_registered, gpu_platform
+from lithos.custom_calls.build import PLAIN, Variant, ensure_registered, gpu_platform
 from lithos.errors import LithosError
 
 PATHS = ("auto", "reference", "ffi")
@@ -58,14 +58,15 @@ def call_kernel(
     out_types: Sequence[jax.ShapeDtypeStruct],
     *args: jax.Array,
     aliases: dict[int, int] | None = None,
+    variant: Variant = PLAIN,
     **attrs: Any,
 ) -> Any:
-    """Call FFI handler `target` of csrc/<source>.cu; where a GPU backend exists, build and register it
-    first (so the lowering finds it)."""
+    """Call FFI handler `target` of csrc/<source>.cu (built as `variant`); where a GPU backend exists,
+    build and register it first (so the lowering finds it)."""
     platform = _gpu_platform()
     if platform is not None:
-        ensure_registered(source, platform)
-    return jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)(*args, **attrs)
+        ensure_registered(source, platform, variant)
+    return jax.ffi.ffi_call(variant.target(target), list(out_types), input_output_aliases=aliases)(*args, **attrs)
 
 
 def absent(dtype=jnp.bfloat16) -> jax.Array:

@@ -716,11 +716,6 @@ def _megakernel_step(params: Params, tokens, positions, cache: KVCache, cfg: Con
     weights = StepWeights(
         L.attn_norm, L.wq, L.wk, L.wv, L.wo, L.mlp_norm, L.w_gate, L.w_up, L.w_down, params.final_norm, lm_head(params)
     )
-    if any(isinstance(w, QuantizedArray) for w in (*weights, params.embed)):
-        raise UnsupportedModelError(
-            "the megakernel reads bf16 weights, not lithos.quant packed formats: load with dequantize=True "
-            "(--dequantize) or use kernels='reference'"
-        )
     if cache.quantized:
         raise UnsupportedModelError(
             "the megakernel reads a bf16 KV cache, not FP8: load with kv_cache_dtype='model' or use kernels='fused'"

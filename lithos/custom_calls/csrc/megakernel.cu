@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
     switch (task.op) {
       case kOpQkv: ok = qkv_task<TMAX>(a, pipe, task, index); break;
       case kOpAttention: ok = attention_task(a, pipe, task, index); break;
-      case kOpOProj:
-      case kOpDown: ok = projection_task<TMAX>(a, pipe, task, index); break;
+      case kOpOProj: ok = projection_task<kAttentionFormat, TMAX>(a, pipe, task, index); break;
+      case kOpDown: ok = projection_task<kMlpFormat, TMAX>(a, pipe, task, index); break;
       case kOpGateUp: ok = gate_up_task<TMAX>(a, pipe, task, index); break;
       case kOpHead: ok = head_task<TMAX>(a, pipe, task, index); break;
       default:
@@ -219,13 +219,32 @@ bool same_elements(const ffi::Buffer<ffi::BF16>& buffer, int64_t expected) {
   return static_cast<int64_t>(buffer.element_count()) == expected;
 }
 
+// The weights after the fixed arguments, three planes each (packed_weights.py `planes`: data, scales,
+// mins), in this order; the formats this build reads them in.
+constexpr int kWeights = 8;
+constexpr const char* kWeightNames[kWeights] = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"};
+constexpr WeightFormat kWeightFormats[kWeights] = {kAttentionFormat, kAttentionFormat, kAttentionFormat,
+                                                   kAttentionFormat, kMlpFormat,       kMlpFormat,
+                                                   kMlpFormat,       kHeadFormat};
+
+// Weight i's planes, checked against this build's format for it, as a PackedWeight over n_in inputs
+// (stacked [layers, out, in / elements per byte]; the head [1, vocab, ...]).
+ffi::Error weight_planes(const ffi::RemainingArgs& planes, int i, int64_t n_in, PackedWeight& w) {
+  const std::string op = std::string("megakernel: ") + kWeightNames[i];
+  auto data = planes.get<ffi::AnyBuffer>(3 * i);
+  auto scales = planes.get<ffi::AnyBuffer>(3 * i + 1);
+  auto mins = planes.get<ffi::AnyBuffer>(3 * i + 2);
+  if (!data.has_value() || !scales.has_value() || !mins.has_value())
+    return invalid("megakernel: expected three planes (data, scales, mins) for each of " +
+                   std::to_string(kWeights) + " weights after the fixed arguments");
+  return packed_weight(op, static_cast<int32_t>(kWeightFormats[i]), *data, *scales, *mins, 1, n_in, w);
+}
+
 ffi::Error megakernel_impl(
     gpuStream_t stream, ffi::Buffer<ffi::BF16> h0, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inv_freq,
-    ffi::Buffer<ffi::BF16> attn_norm, ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
-    ffi::Buffer<ffi::BF16> wo, ffi::Buffer<ffi::BF16> mlp_norm, ffi::Buffer<ffi::BF16> w_gate,
-    ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> final_norm,
-    ffi::Buffer<ffi::BF16> lm_head, ffi::Buffer<ffi::S32> tasks, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
-    ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
+    ffi::Buffer<ffi::BF16> attn_norm, ffi::Buffer<ffi::BF16> mlp_norm, ffi::Buffer<ffi::BF16> final_norm,
+    ffi::Buffer<ffi::S32> tasks, ffi::Buffer<ffi::BF16> /*k_cache_in*/, ffi::Buffer<ffi::BF16> /*v_cache_in*/,
+    ffi::RemainingArgs weight_args, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
     ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, ffi::Result<ffi::Buffer<ffi::BF16>> residual,
     ffi::Result<ffi::Buffer<ffi::S32>> tokens_out, ffi::Result<ffi::Buffer<ffi::F32>> logits,
     ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> attn,
@@ -242,14 +261,14 @@ ffi::Error megakernel_impl(
 
   auto hd = h0.dimensions();
   auto cd = k_cache->dimensions();
-  auto wqd = wq.dimensions();
-  auto wgd = w_gate.dimensions();
-  if (hd.size() != 2 || cd.size() != 5 || wqd.size() != 3 || wgd.size() != 3 || lm_head.dimensions().size() != 2)
-    return invalid("megakernel: expected h0 [tokens, hidden], caches [layers, batch, kv_heads, slots, head_dim], "
-                   "stacked weights [layers, out, in] and lm_head [vocab, hidden]; got h0 " + shape_string(hd) +
-                   ", cache " + shape_string(cd) + ", wq " + shape_string(wqd));
+  if (hd.size() != 2 || cd.size() != 5)
+    return invalid("megakernel: expected h0 [tokens, hidden] and caches [layers, batch, kv_heads, slots, head_dim]; "
+                   "got h0 " + shape_string(hd) + ", cache " + shape_string(cd));
   if (cd[1] != 1)
     return invalid("megakernel: decodes batch 1, the cache has batch " + std::to_string(cd[1]));
+  if (weight_args.size() != 3 * kWeights)
+    return invalid("megakernel: expected " + std::to_string(3 * kWeights) + " weight planes, got " +
+                   std::to_string(weight_args.size()));
   Args a{};
   a.tokens = static_cast<int>(hd[0]);
   a.hidden = static_cast<int>(hd[1]);
@@ -257,24 +276,33 @@ ffi::Error megakernel_impl(
   a.kv_heads = static_cast<int>(cd[2]);
   a.slots = static_cast<int>(cd[3]);
   a.head_dim = static_cast<int>(cd[4]);
-  a.heads = a.head_dim > 0 ? static_cast<int>(wqd[1] / a.head_dim) : 0;
-  a.ffn = static_cast<int>(wgd[1]);
-  a.vocab = static_cast<int>(lm_head.dimensions()[0]);
+  const int64_t D = a.hidden, KD = int64_t{a.kv_heads} * a.head_dim;
+  // Q, gate and the head give the sizes the others must match (their rows are read over D inputs).
+  for (const auto& [i, w] : {std::pair<int, PackedWeight*>{0, &a.wq}, {1, &a.wk}, {2, &a.wv}, {4, &a.w_gate},
+                             {5, &a.w_up}, {7, &a.lm_head}})
+    if (const ffi::Error err = weight_planes(weight_args, i, D, *w); err.failure()) return err;
+  a.heads = a.head_dim > 0 ? static_cast<int>(a.wq.n_out / a.head_dim) : 0;
+  a.ffn = a.w_gate.n_out;
+  a.vocab = a.lm_head.n_out;
+  const int64_t F = a.ffn, QD = int64_t{a.heads} * a.head_dim;
+  if (const ffi::Error err = weight_planes(weight_args, 3, QD, a.wo); err.failure()) return err;
+  if (const ffi::Error err = weight_planes(weight_args, 6, F, a.w_down); err.failure()) return err;
   if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256)
     return invalid("megakernel: head_dim " + std::to_string(a.head_dim) + " has no kernel (64, 128, 256); use "
                    "kernels='reference'");
-  if (a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || int64_t{a.heads} * a.head_dim != wqd[1])
-    return invalid("megakernel: wq " + shape_string(wqd) + " does not hold whole heads of " +
+  if (a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || int64_t{a.heads} * a.head_dim != a.wq.n_out)
+    return invalid("megakernel: wq's " + std::to_string(a.wq.n_out) + " rows do not hold whole heads of " +
                    std::to_string(a.head_dim) + " for " + std::to_string(a.kv_heads) + " KV heads");
   if (a.hidden % 8 != 0 || a.ffn % 8 != 0)
     return invalid("megakernel: hidden " + std::to_string(a.hidden) + " and ffn " + std::to_string(a.ffn) +
                    " must be multiples of 8 (16-byte rows); use kernels='fused'");
-  const int64_t D = a.hidden, F = a.ffn, QD = int64_t{a.heads} * a.head_dim, KD = int64_t{a.kv_heads} * a.head_dim;
-  if (wqd[0] != layers || wqd[2] != D || !same_elements(wk, layers * KD * D) || !same_elements(wv, layers * KD * D) ||
-      !same_elements(wo, layers * D * QD) || !same_elements(attn_norm, layers * D) ||
-      !same_elements(mlp_norm, layers * D) || wgd[0] != layers || wgd[2] != D ||
-      !same_elements(w_up, layers * F * D) || !same_elements(w_down, layers * D * F) ||
-      !same_elements(final_norm, D) || lm_head.dimensions()[1] != D)
+  // Weight i has `rows` rows in each of its matrices: `layers` of them (the head: one).
+  auto fits = [&](int i, const PackedWeight& w, int64_t rows) {
+    return w.n_out == rows && weight_args.get<ffi::AnyBuffer>(3 * i)->dimensions()[0] == (i == 7 ? 1 : layers);
+  };
+  if (!fits(0, a.wq, QD) || !fits(1, a.wk, KD) || !fits(2, a.wv, KD) || !fits(3, a.wo, D) || !fits(4, a.w_gate, F) ||
+      !fits(5, a.w_up, F) || !fits(6, a.w_down, D) || !fits(7, a.lm_head, a.vocab) ||
+      !same_elements(attn_norm, layers * D) || !same_elements(mlp_norm, layers * D) || !same_elements(final_norm, D))
     return invalid("megakernel: the weights do not fit " + std::to_string(layers) + " layers of hidden " +
                    std::to_string(D) + ", " + std::to_string(a.heads) + "/" + std::to_string(a.kv_heads) +
                    " heads of " + std::to_string(a.head_dim) + ", ffn " + std::to_string(F));
@@ -306,16 +334,8 @@ ffi::Error megakernel_impl(
   a.positions = positions.typed_data();
   a.inv_freq = inv_freq.typed_data();
   a.attn_norm = attn_norm.typed_data();
-  a.wq = wq.typed_data();
-  a.wk = wk.typed_data();
-  a.wv = wv.typed_data();
-  a.wo = wo.typed_data();
   a.mlp_norm = mlp_norm.typed_data();
-  a.w_gate = w_gate.typed_data();
-  a.w_up = w_up.typed_data();
-  a.w_down = w_down.typed_data();
   a.final_norm = final_norm.typed_data();
-  a.lm_head = lm_head.typed_data();
   a.k_cache = k_cache->typed_data();
   a.v_cache = v_cache->typed_data();
   a.residual = residual->typed_data();
@@ -341,15 +361,13 @@ ffi::Error megakernel_impl(
   a.eps = eps;
   a.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(a.head_dim)));
   for (const void* p : {static_cast<const void*>(a.h0), static_cast<const void*>(a.attn_norm),
-                        static_cast<const void*>(a.wq), static_cast<const void*>(a.wk), static_cast<const void*>(a.wv),
-                        static_cast<const void*>(a.wo), static_cast<const void*>(a.mlp_norm),
-                        static_cast<const void*>(a.w_gate), static_cast<const void*>(a.w_up),
-                        static_cast<const void*>(a.w_down), static_cast<const void*>(a.final_norm),
-                        static_cast<const void*>(a.lm_head), static_cast<const void*>(a.k_cache),
-                        static_cast<const void*>(a.v_cache), static_cast<const void*>(a.q),
-                        static_cast<const void*>(a.attn), static_cast<const void*>(a.gated),
-                        static_cast<const void*>(a.residual)})
+                        static_cast<const void*>(a.mlp_norm), static_cast<const void*>(a.final_norm),
+                        static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache),
+                        static_cast<const void*>(a.q), static_cast<const void*>(a.attn),
+                        static_cast<const void*>(a.gated), static_cast<const void*>(a.residual)})
     if (!aligned16(p)) return invalid("megakernel: every weight and activation buffer must be 16-byte aligned");
+  for (const PackedWeight* w : {&a.wq, &a.wk, &a.wv, &a.wo, &a.w_gate, &a.w_up, &a.w_down, &a.lm_head})
+    if (!packed_aligned(*w)) return invalid("megakernel: every weight and activation buffer must be 16-byte aligned");
 
   // Counters start at zero every step; the memset runs on the stream, before the kernel.
   if (gpuMemsetAsync(a.counters, 0, sizeof(int32_t) * (n_counters + kStatusWords), stream) != gpuSuccess)
@@ -407,19 +425,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
                                   .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // attention norms
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wq
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wk
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wv
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wo
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // MLP norms
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // final norm
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // lm_head
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tasks [n, 10]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 0)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 1)
+                                  .RemainingArgs()                // weight planes (kWeightNames, 3 each)
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // residual stream [2, tokens, hidden]

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "ffi_util.h"
+#include "packed.h"
 #include "portable.h"
 #include "rowdot.h"
 
@@ -53,6 +54,27 @@ constexpr int kStatusWords = 2;
 // per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
 constexpr int64_t kMaxPolls = int64_t{1} << 22;
 
+// The weights' formats (packed.h WeightFormat codes), one build per combination: the attention
+// matrices (Q, K, V, O), the MLP's (gate, up, down) and the LM head each have one. A format is a
+// compile-time constant so that each task's dot products are the one loop its format needs (the
+// kernel's registers are those of its hungriest path). lithos/custom_calls/megakernel/kernel.py
+// picks the build from the weights it is given.
+#ifndef LITHOS_MK_ATTENTION_FORMAT
+#define LITHOS_MK_ATTENTION_FORMAT 0
+#endif
+#ifndef LITHOS_MK_MLP_FORMAT
+#define LITHOS_MK_MLP_FORMAT 0
+#endif
+#ifndef LITHOS_MK_HEAD_FORMAT
+#define LITHOS_MK_HEAD_FORMAT 0
+#endif
+constexpr WeightFormat kAttentionFormat = static_cast<WeightFormat>(LITHOS_MK_ATTENTION_FORMAT);
+constexpr WeightFormat kMlpFormat = static_cast<WeightFormat>(LITHOS_MK_MLP_FORMAT);
+constexpr WeightFormat kHeadFormat = static_cast<WeightFormat>(LITHOS_MK_HEAD_FORMAT);
+static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6 && LITHOS_MK_MLP_FORMAT >= 0 &&
+                  LITHOS_MK_MLP_FORMAT <= 6 && LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= 6,
+              "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
+
 struct Args {
   const Task* tasks;
   int n_tasks;
@@ -60,16 +82,17 @@ struct Args {
   const int32_t* positions;  // [tokens]
   const float* inv_freq;     // [head_dim / 2]
   const bf16_t* attn_norm;   // [layers, hidden]
-  const bf16_t* wq;          // [layers, heads * head_dim, hidden]
-  const bf16_t* wk;          // [layers, kv_heads * head_dim, hidden]
-  const bf16_t* wv;
-  const bf16_t* wo;          // [layers, hidden, heads * head_dim]
   const bf16_t* mlp_norm;    // [layers, hidden]
-  const bf16_t* w_gate;      // [layers, ffn, hidden]
-  const bf16_t* w_up;
-  const bf16_t* w_down;      // [layers, hidden, ffn]
   const bf16_t* final_norm;  // [hidden]
-  const bf16_t* lm_head;     // [vocab, hidden]
+  // Weights, bf16 or packed (kAttentionFormat, kMlpFormat, kHeadFormat), as planes stacked by layer:
+  PackedWeight wq;           // [layers, heads * head_dim, hidden]
+  PackedWeight wk;           // [layers, kv_heads * head_dim, hidden]
+  PackedWeight wv;
+  PackedWeight wo;           // [layers, hidden, heads * head_dim]
+  PackedWeight w_gate;       // [layers, ffn, hidden]
+  PackedWeight w_up;
+  PackedWeight w_down;       // [layers, hidden, ffn]
+  PackedWeight lm_head;      // [1, vocab, hidden]
   bf16_t* k_cache;           // [layers, 1, kv_heads, slots, head_dim], aliased
   bf16_t* v_cache;
   bf16_t* residual;          // [2, tokens, hidden]: after attention, after the MLP

@@ -16,9 +16,9 @@ __device__ bool gate_up_task(const Args& a, WeightPipe& pipe, const Task& task, 
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
   constexpr int kOuts = kGatedPerGroup;
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { gate_up_rows(a, layer, unit, rows); };
+  auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { gate_up_rows<kMlpFormat>(a, layer, unit, rows); };
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
-  if (!stream_row_groups<TMAX>(
+  if (!stream_row_groups<kMlpFormat, TMAX>(
           a, pipe, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {

@@ -49,12 +49,12 @@ __device__ bool head_task(const Args& a, WeightPipe& pipe, const Task& task, int
   __shared__ float rms_scale[TMAX];
   __shared__ Best warp_bests[kMatvecWarps][TMAX];
 
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { head_rows(a, unit, rows); };
+  auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { head_rows<kHeadFormat>(a, unit, rows); };
   Best best[TMAX];
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
   const TokenRows in{after_mlp(a), a.final_norm, a.tokens, a.hidden};
-  if (!stream_row_groups<TMAX>(
+  if (!stream_row_groups<kHeadFormat, TMAX>(
           a, pipe, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {

@@ -21,9 +21,9 @@ template <int TMAX>
 constexpr int kMkUnroll = LITHOS_MK_UNROLL;
 
 // The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
-// row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] with
-// token t (activations read coherently: other blocks wrote them in this launch). Every thread of the
-// block calls it.
+// row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] (rows
+// stored in format F) with token t (activations read coherently: other blocks wrote them in this
+// launch). Every thread of the block calls it.
 //
 // The block's warps take the groups in rounds; k_split consecutive warps (a team) share a group, each
 // reading an interleaved share of the input. Warps never meet at a block barrier inside the loop:
@@ -38,7 +38,7 @@ constexpr int kMkUnroll = LITHOS_MK_UNROLL;
 // Staged (mk_weight_pipe.h), the rows come from the block's shared-memory tiles, copied in the same
 // order by the same map as `rows_of` (mk_weight_rows.h), and the inputs from a shared-memory copy
 // when they fit; otherwise the warps stream the rows through registers.
-template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
+template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
                                   Epilogue epilogue) {
@@ -65,9 +65,18 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
 #if LITHOS_MK_STAGED
     warp_tiles_dot<TMAX>(a, pipe, in, slot, part, k_split, acc);
 #else
-    const bf16_t* rows[kRowsPerWarp];
+    PackedRow rows[kRowsPerWarp];
     rows_of(unit, rows);
-    warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(rows, in, part, k_split, acc);
+    if constexpr (F == WeightFormat::kBf16) {
+      const bf16_t* bf16_rows[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) bf16_rows[r] = reinterpret_cast<const bf16_t*>(rows[r].data);
+      warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(bf16_rows, in, part, k_split, acc);
+    } else {
+      // Packed rows are decoded in registers (packed.h), 32 bytes of each row per lane in flight as
+      // for bf16 (two 16-byte chunks; four 8-byte ones of a 4-bit row).
+      packed_rows_dot<F, TMAX, true>(rows, in, part, k_split, acc);
+    }
 #endif
     bool mine = part == 0;  // the member that runs the epilogue
     if (k_split > 1) {

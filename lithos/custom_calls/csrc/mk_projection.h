@@ -9,16 +9,17 @@
 namespace lithos {
 namespace mk {
 
-template <int TMAX>
+// F: the format of the task's matrix (kAttentionFormat for O, kMlpFormat for down).
+template <WeightFormat F, int TMAX>
 __device__ bool projection_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
   const bool o_proj = task.op == kOpOProj;
   const int layer = task.layer;
   const int n_in = projection_inputs(a, task.op);
-  auto rows_of = [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) { projection_rows(a, task.op, layer, unit, rows); };
+  auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { projection_rows<F>(a, task.op, layer, unit, rows); };
   const TokenRows in{o_proj ? a.attn : a.gated, nullptr, a.tokens, n_in};
   const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
   bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
-  if (!stream_row_groups<TMAX>(
+  if (!stream_row_groups<F, TMAX>(
           a, pipe, task, index, in, rows_of, [](const TokenRows&) {},
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll

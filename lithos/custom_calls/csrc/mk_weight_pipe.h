@@ -55,6 +55,9 @@
 #if LITHOS_MK_STAGED && defined(LITHOS_HIP)
 #error "LITHOS_MK_STAGED needs bulk copies (CUDA sm_90); HIP builds stream weights through registers"
 #endif
+#if LITHOS_MK_STAGED && (LITHOS_MK_ATTENTION_FORMAT != 0 || LITHOS_MK_MLP_FORMAT != 0 || LITHOS_MK_HEAD_FORMAT != 0)
+#error "LITHOS_MK_STAGED tiles bf16 rows; packed weights (LITHOS_MK_*_FORMAT) stream through registers"
+#endif
 // Stages in the ring (a tile each, LITHOS_MK_TILE_KB) and tiles a block keeps in flight; a build may ask for
 // others (LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGES=6 LITHOS_MK_IN_FLIGHT=2").
 #ifndef LITHOS_MK_STAGES
@@ -259,7 +262,8 @@ __device__ inline void pump_weights(const Args& a, WeightPipe& pipe) {
     if (row == 0) mbarrier_arrive_expect(&pipe.full[stage], row_bytes * rows_copied);
     __syncwarp();  // the expected bytes are set before any copy can complete them
     if (row < rows_copied) {
-      const bf16_t* source = task_weight_row(a, c.op, c.layer, c.base + row / kRowsPerWarp, row % kRowsPerWarp);
+      const bf16_t* source = reinterpret_cast<const bf16_t*>(
+          task_weight_row(a, c.op, c.layer, c.base + row / kRowsPerWarp, row % kRowsPerWarp).data);
       bulk_copy(pipe.stages + stage * kTileElements + row * columns, source + c.k0, row_bytes, &pipe.full[stage],
                 evict_first_policy());
     }

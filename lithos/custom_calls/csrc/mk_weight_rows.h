@@ -25,22 +25,23 @@ __device__ __forceinline__ QkvRowGroup qkv_row_group(const Args& a, int unit) {
   return {unit / per_group, within / per_head, (within % per_head) * 2};
 }
 
-// Row r (0..3) of row group `unit` of `layer` (see above). Every map below comes as one row (what a
-// copying lane needs: an array indexed at run time would live in local memory) and as the group's
-// 4 rows (what a warp's dot products need), the second made of the first.
-__device__ __forceinline__ const bf16_t* qkv_row(const Args& a, int layer, int unit, int r) {
+// Row r (0..3) of row group `unit` of `layer` (see above), in the format F its matrix is stored in.
+// Every map below comes as one row (what a copying lane needs: an array indexed at run time would
+// live in local memory) and as the group's 4 rows (what a warp's dot products need), the second made
+// of the first.
+template <WeightFormat F>
+__device__ __forceinline__ PackedRow qkv_row(const Args& a, int layer, int unit, int r) {
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
-  const size_t head_rows = static_cast<size_t>(a.head_dim) * a.hidden;
   const QkvRowGroup g = qkv_row_group(a, unit);
-  const bf16_t* matrix =
-      g.slot < group ? a.wq + (static_cast<size_t>(layer) * a.heads + g.kv_head * group + g.slot) * head_rows
-                     : (g.slot == group ? a.wk : a.wv) + (static_cast<size_t>(layer) * a.kv_heads + g.kv_head) * head_rows;
-  return matrix + static_cast<size_t>(g.first_pair + r / 2 + (r % 2) * half) * a.hidden;
+  const int in_head = g.first_pair + r / 2 + (r % 2) * half;
+  if (g.slot < group) return packed_row<F>(a.wq, layer, 0, (g.kv_head * group + g.slot) * a.head_dim + in_head);
+  return packed_row<F>(g.slot == group ? a.wk : a.wv, layer, 0, g.kv_head * a.head_dim + in_head);
 }
 
-__device__ __forceinline__ void qkv_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+template <WeightFormat F>
+__device__ __forceinline__ void qkv_rows(const Args& a, int layer, int unit, PackedRow (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = qkv_row(a, layer, unit, r);
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = qkv_row<F>(a, layer, unit, r);
 }
 
 // Gate/up (kOpGateUp): a row group is two outputs f, f + 1 as (gate f, up f, gate f + 1, up f + 1),
@@ -48,15 +49,16 @@ __device__ __forceinline__ void qkv_rows(const Args& a, int layer, int unit, con
 constexpr int kGatedPerGroup = kRowsPerWarp / 2;
 
 // Row r of row group `unit` of `layer`: gate f, up f, gate f + 1, up f + 1 for r = 0..3.
-__device__ __forceinline__ const bf16_t* gate_up_row(const Args& a, int layer, int unit, int r) {
-  const size_t layer_offset = static_cast<size_t>(layer) * a.ffn * a.hidden;
+template <WeightFormat F>
+__device__ __forceinline__ PackedRow gate_up_row(const Args& a, int layer, int unit, int r) {
   const int f = min(unit * kGatedPerGroup + r / 2, a.ffn - 1);  // past the end: the last row again, unused
-  return (r % 2 == 0 ? a.w_gate : a.w_up) + layer_offset + static_cast<size_t>(f) * a.hidden;
+  return packed_row<F>(r % 2 == 0 ? a.w_gate : a.w_up, layer, 0, f);
 }
 
-__device__ __forceinline__ void gate_up_rows(const Args& a, int layer, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+template <WeightFormat F>
+__device__ __forceinline__ void gate_up_rows(const Args& a, int layer, int unit, PackedRow (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = gate_up_row(a, layer, unit, r);
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = gate_up_row<F>(a, layer, unit, r);
 }
 
 // Input size of the O (kOpOProj) or down projection.
@@ -65,28 +67,30 @@ __device__ __forceinline__ int projection_inputs(const Args& a, int op) {
 }
 
 // Row r of row group `unit` of `layer`: output row 4 unit + r.
-__device__ __forceinline__ const bf16_t* projection_row(const Args& a, int op, int layer, int unit, int r) {
-  const int n_in = projection_inputs(a, op);
-  const bf16_t* w = (op == kOpOProj ? a.wo : a.w_down) + static_cast<size_t>(layer) * a.hidden * n_in;
+template <WeightFormat F>
+__device__ __forceinline__ PackedRow projection_row(const Args& a, int op, int layer, int unit, int r) {
   // rows past the end re-read the last row, results unused
-  return w + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.hidden - 1)) * n_in;
+  return packed_row<F>(op == kOpOProj ? a.wo : a.w_down, layer, 0, min(unit * kRowsPerWarp + r, a.hidden - 1));
 }
 
+template <WeightFormat F>
 __device__ __forceinline__ void projection_rows(const Args& a, int op, int layer, int unit,
-                                                const bf16_t* (&rows)[kRowsPerWarp]) {
+                                                PackedRow (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = projection_row(a, op, layer, unit, r);
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = projection_row<F>(a, op, layer, unit, r);
 }
 
 // LM head row r of row group `unit`: vocabulary entry 4 unit + r.
-__device__ __forceinline__ const bf16_t* head_row(const Args& a, int unit, int r) {
+template <WeightFormat F>
+__device__ __forceinline__ PackedRow head_row(const Args& a, int unit, int r) {
   // rows past the end re-read the last row, results unused
-  return a.lm_head + static_cast<size_t>(min(unit * kRowsPerWarp + r, a.vocab - 1)) * a.hidden;
+  return packed_row<F>(a.lm_head, 0, 0, min(unit * kRowsPerWarp + r, a.vocab - 1));
 }
 
-__device__ __forceinline__ void head_rows(const Args& a, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+template <WeightFormat F>
+__device__ __forceinline__ void head_rows(const Args& a, int unit, PackedRow (&rows)[kRowsPerWarp]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = head_row(a, unit, r);
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = head_row<F>(a, unit, r);
 }
 
 // Input size of a task's weight rows; 0 for a task that reads no weights (attention).
@@ -102,12 +106,13 @@ __device__ __forceinline__ int task_weight_columns(const Args& a, int op) {
 }
 
 // Row r of row group `unit` of a matvec task of kind `op` in `layer`.
-__device__ __forceinline__ const bf16_t* task_weight_row(const Args& a, int op, int layer, int unit, int r) {
+__device__ __forceinline__ PackedRow task_weight_row(const Args& a, int op, int layer, int unit, int r) {
   switch (op) {
-    case kOpQkv: return qkv_row(a, layer, unit, r);
-    case kOpGateUp: return gate_up_row(a, layer, unit, r);
-    case kOpHead: return head_row(a, unit, r);
-    default: return projection_row(a, op, layer, unit, r);
+    case kOpQkv: return qkv_row<kAttentionFormat>(a, layer, unit, r);
+    case kOpGateUp: return gate_up_row<kMlpFormat>(a, layer, unit, r);
+    case kOpHead: return head_row<kHeadFormat>(a, unit, r);
+    case kOpOProj: return projection_row<kAttentionFormat>(a, op, layer, unit, r);
+    default: return projection_row<kMlpFormat>(a, op, layer, unit, r);
   }
 }
 

@@ -330,8 +330,9 @@ __device__ __forceinline__ PackedRow packed_row(const PackedWeight& w, int64_t o
 // ---------------------------------------------------------------------------------------------
 
 // acc[r][t] = sum over this warp's share of i of W_r[i] * x[t, i] * norm_w[i] (the share: chunks
-// part, part + parts, ...); every lane ends with every sum. n_in is a multiple of kChunk.
-template <WeightFormat F, int TMAX>
+// part, part + parts, ...); every lane ends with every sum. n_in is a multiple of kChunk. COHERENT:
+// x was written earlier in the same launch (the megakernel; rowdot.h load_activation).
+template <WeightFormat F, int TMAX, bool COHERENT = false>
 __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPerWarp], const TokenRows& in, int part,
                                                 int parts, float (&acc)[kRowsPerWarp][TMAX]) {
   using P = Packed<F>;
@@ -385,7 +386,7 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
       for (int t = 0; t < TMAX; ++t) {
         if (t < in.tokens) {
           const bf16_t* xt = in.x + static_cast<size_t>(t) * in.n_in + k;
-          const Bf16Vec<8> x0 = load_cached<8>(xt), x1 = load_cached<8>(xt + 8);
+          const Bf16Vec<8> x0 = load_activation<8, COHERENT>(xt), x1 = load_activation<8, COHERENT>(xt + 8);
           float xf[kChunk];
 #pragma unroll
           for (int v = 0; v < 8; ++v) {

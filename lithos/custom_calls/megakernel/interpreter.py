@@ -26,6 +26,7 @@ from lithos.custom_calls.dispatch import cache_slots
 from lithos.custom_calls.megakernel.schedule import Schedule, ScheduleError, describe_task
 from lithos.custom_calls.megakernel.tasks import NO_COUNTER, ROWS_PER_UNIT, Op, QkvRows, Task
 from lithos.custom_calls.numerics import f32, project, rms_normalize
+from lithos.custom_calls.packed_weights import pick, values_f32
 from lithos.kv_cache import slot_positions
 
 MIN_KEYS_PER_SPLIT = 64  # csrc/mk_attention.h kMinKeysPerSplit
@@ -33,7 +34,8 @@ LOG2E = 1.4426950408889634
 
 
 class StepWeights(NamedTuple):
-    """A Llama-family decoder's weights as the megakernel reads them, stacked by layer."""
+    """A Llama-family decoder's weights as the megakernel reads them, stacked by layer. The matrices
+    are bf16 arrays or lithos.quant packed arrays; the norms are bf16."""
 
     attn_norm: jax.Array  # [layers, hidden]
     wq: jax.Array  # [layers, heads * head_dim, hidden]
@@ -118,6 +120,11 @@ class _Step:
         self.tokens_out = None
         self.plan = plan_splits(self.positions, self.slots, self.window, ring, schedule.max_splits)
 
+    def matrix(self, name: str, layer: int | None = None) -> jax.Array:
+        """Weight `name` (of `layer`) as exact float32 values: what the kernel's dot products read."""
+        w = getattr(self.w, name)
+        return values_f32(w if layer is None else pick(w, layer))
+
     def layer_input(self, layer: int) -> jax.Array:
         return self.h0 if layer == 0 else self.residual[1]
 
@@ -128,7 +135,7 @@ class _Step:
         x = rms_normalize(self.layer_input(layer), w.attn_norm[layer], self.eps)
         where = QkvRows.of(s, units)
         rows = where.rows(s)  # [n, 4]
-        matrix = jnp.concatenate([w.wq[layer], w.wk[layer], w.wv[layer]], axis=0)
+        matrix = jnp.concatenate([self.matrix(name, layer) for name in ("wq", "wk", "wv")], axis=0)
         values = project(x, matrix[rows.reshape(-1)]).reshape(self.tokens, len(units), 2, 2)  # [T, n, pair, lo/hi]
         lo, hi = values[..., 0], values[..., 1]
         j = where.first_pair[:, None] + np.arange(2)[None, :]  # [n, 2]
@@ -207,13 +214,13 @@ class _Step:
         self.attn = self.attn.at[:, columns].set(values.astype(self.act))
 
     def projection(self, op: Op, layer: int, units: np.ndarray) -> None:
-        s, w = self.shape, self.w
+        s = self.shape
         rows = (units[:, None] * ROWS_PER_UNIT + np.arange(ROWS_PER_UNIT)).reshape(-1)
         rows = rows[rows < s.hidden]
         if op == Op.O_PROJ:
-            x, matrix, residual = self.attn, w.wo[layer], self.layer_input(layer)
+            x, matrix, residual = self.attn, self.matrix("wo", layer), self.layer_input(layer)
         else:
-            x, matrix, residual = self.gated, w.w_down[layer], self.residual[0]
+            x, matrix, residual = self.gated, self.matrix("w_down", layer), self.residual[0]
         y = project(x, matrix[rows]) + f32(residual[:, rows])
         slot = 0 if op == Op.O_PROJ else 1
         self.residual[slot] = self.residual[slot].at[:, rows].set(y.astype(self.act))
@@ -223,16 +230,17 @@ class _Step:
         outs = (units[:, None] * 2 + np.arange(2)).reshape(-1)
         outs = outs[outs < s.ffn]
         x = rms_normalize(self.residual[0], w.mlp_norm[layer], self.eps)
-        gate, up = project(x, w.w_gate[layer][outs]), project(x, w.w_up[layer][outs])
+        gate, up = project(x, self.matrix("w_gate", layer)[outs]), project(x, self.matrix("w_up", layer)[outs])
         self.gated = self.gated.at[:, outs].set((jax.nn.silu(gate) * up).astype(self.act))
 
     def head(self, tasks: list[Task]) -> None:
         """Logits of each task's rows and each task's best (value, lowest id) per token."""
         s = self.shape
         x = rms_normalize(self.residual[1], self.w.final_norm, self.eps)
+        head = self.matrix("lm_head")
         for task in tasks:
             rows = np.arange(task.first * ROWS_PER_UNIT, min((task.first + task.count) * ROWS_PER_UNIT, s.vocab))
-            logits = project(x, self.w.lm_head[rows[0] : rows[-1] + 1])  # [T, rows]
+            logits = project(x, head[rows[0] : rows[-1] + 1])  # [T, rows]
             if self.logits is not None:
                 self.logits = self.logits.at[:, rows[0] : rows[-1] + 1].set(logits)
             self.best_value = self.best_value.at[task.aux].set(jnp.max(logits, axis=-1))

@@ -1,10 +1,17 @@
 """`decode_step`: one whole decode step in one persistent kernel launch (csrc/megakernel.cu), or its
-interpreter where there is no GPU, chosen like every fused op (lithos.custom_calls.dispatch)."""
+interpreter where there is no GPU, chosen like every fused op (lithos.custom_calls.dispatch).
+
+Weights are bf16 or packed (lithos.quant formats, read as stored and dequantised in registers). The
+kernel reads one format for the attention matrices, one for the MLP's and one for the LM head, fixed
+when it is compiled: `weight_formats` says which build a set of weights needs, and each is built on
+first use beside the others (lithos.custom_calls.build.Variant).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,18 +22,69 @@ from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring,
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
 from lithos.custom_calls.megakernel.schedule import Schedule, build_schedule
 from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, ModelShape
+from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
+from lithos.quant import QuantizedArray
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
 CPU_WORKERS = 64  # the interpreter's schedule where no GPU sizes it
 WARP_SIZE = {"cuda": 32, "rocm": 64}
 HEADS = (None, "argmax", "logits")
+# The weight matrices in the kernel's argument order (csrc/megakernel.cu kWeightNames), by format group.
+ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wo")
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
+MATRICES = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS, "lm_head")
+FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+
+
+class WeightFormats(NamedTuple):
+    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names)."""
+
+    attention: str = "bfloat16"
+    mlp: str = "bfloat16"
+    head: str = "bfloat16"
+
+    def variant(self) -> build.Variant:
+        """The build that reads these formats: the plain one for bf16 weights."""
+        if self == WeightFormats():  # bf16 throughout
+            return build.PLAIN
+        groups = zip(("ATTENTION", "MLP", "HEAD"), self, strict=True)
+        return build.Variant(
+            defines=tuple(f"LITHOS_MK_{group}_FORMAT={FORMAT_CODES[name]}" for group, name in groups),
+            suffix="_".join(self),
+        )
+
+
+BF16 = WeightFormats()
+
+
+def weight_formats(weights: StepWeights) -> WeightFormats:
+    """The formats of `weights`; an error when the matrices of one group (attention, MLP) differ."""
+
+    def format_of(w) -> str:  # a dense array's dtype is checked with the activations'
+        return FORMAT_NAMES[format_code(w)] if isinstance(w, QuantizedArray) else "bfloat16"
+
+    def group_format(group: str, names: tuple[str, ...]) -> str:
+        found = {name: format_of(getattr(weights, name)) for name in names}
+        if len(set(found.values())) > 1:
+            raise LithosError(
+                f"megakernel: the {group} matrices must share one format, got {found}; quantize the group alike "
+                "(lithos quantize --groups) or use kernels='fused'"
+            )
+        return found[names[0]]
+
+    return WeightFormats(
+        group_format("attention", ATTENTION_WEIGHTS),
+        group_format("MLP", MLP_WEIGHTS),
+        format_of(weights.lm_head),
+    )
 
 
 @functools.cache
-def resident_blocks(platform: str, tokens: int) -> int:
-    """Blocks of the kernel for `tokens` query positions that the GPU holds at once (its grid)."""
-    toolchain = build.toolchain(platform)
+def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.PLAIN) -> int:
+    """Blocks of the kernel (built as `variant`) for `tokens` query positions that the GPU holds at once
+    (its grid)."""
+    toolchain = variant.toolchain(build.toolchain(platform))
     library = ctypes.cdll.LoadLibrary(str(build.build("megakernel", toolchain)))
     blocks = int(library.LithosMegakernelBlocks(ctypes.c_int(tokens)))
     if blocks == 0:  # a build variant whose block does not fit (LITHOS_KERNEL_DEFINES)
@@ -41,12 +99,14 @@ def resident_blocks(platform: str, tokens: int) -> int:
     return blocks
 
 
-def step_schedule(shape: ModelShape, tokens: int, with_head: bool) -> Schedule:
-    """The schedule `decode_step` runs: sized for this GPU's resident blocks, or for CPU_WORKERS."""
+def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:
+    """The schedule `decode_step` runs: sized for this GPU's resident blocks (of the build that reads
+    `formats`), or for CPU_WORKERS."""
     platform = _gpu_platform()
     if platform is None:
         return build_schedule(shape, CPU_WORKERS, with_head)
-    return build_schedule(shape, resident_blocks(platform, tokens), with_head, WARP_SIZE[platform])
+    blocks = resident_blocks(platform, tokens, formats.variant())
+    return build_schedule(shape, blocks, with_head, WARP_SIZE[platform])
 
 
 def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:
@@ -62,8 +122,19 @@ def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:
     )
 
 
+def weight_planes(weights: StepWeights) -> list[jax.Array]:
+    """The kernel's weight arguments: (data, scales, mins) of each of MATRICES, stacked by layer (the
+    head as one layer)."""
+    out: list[jax.Array] = []
+    for name in MATRICES:
+        w = getattr(weights, name)
+        out.extend(planes(add_leading_axis(w) if name == "lm_head" else w))
+    return out
+
+
 def _kernel(
     schedule: Schedule,
+    formats: WeightFormats,
     eps: float,
     window: int,
     ring: bool,
@@ -100,11 +171,15 @@ def _kernel(
         h0,
         positions,
         inv_freq,
-        *weights,
+        weights.attn_norm,
+        weights.mlp_norm,
+        weights.final_norm,
         jnp.asarray(schedule.tasks),
         k_cache,
         v_cache,
-        aliases={15: 0, 16: 1},
+        *weight_planes(weights),
+        aliases={7: 0, 8: 1},
+        variant=formats.variant(),
         eps=np.float32(eps),
         window=np.int64(window),
         ring=bool(ring),
@@ -118,6 +193,7 @@ def _kernel(
 
 def _reference(
     schedule: Schedule,
+    formats: WeightFormats,
     eps: float,
     window: int,
     ring: bool,
@@ -167,11 +243,13 @@ def decode_step(
         )
     check_ring("megakernel", ring, int(window or 0), h0.shape[0], k_cache.shape[3])
     shape = shape_of(weights, k_cache)
-    schedule = step_schedule(shape, h0.shape[0], head is not None)
+    formats = weight_formats(weights)
+    schedule = step_schedule(shape, h0.shape[0], head is not None, formats)
 
     def check():
         check_tokens("megakernel", h0.shape[0])
-        require_bf16("megakernel", h0=h0, k_cache=k_cache, **weights._asdict())
+        dense = {name: w for name, w in weights._asdict().items() if not isinstance(w, QuantizedArray)}
+        require_bf16("megakernel", h0=h0, k_cache=k_cache, **dense)
         if batch != 1:
             raise LithosError(f"megakernel: decodes one sequence, the cache has batch {batch}; use kernels='reference'")
         if head_dim not in HEAD_DIMS or shape.hidden % 8 or shape.ffn % 8:
@@ -180,7 +258,7 @@ def decode_step(
                 f"{shape.ffn} (multiples of 8) have no kernel; use kernels='fused' or 'reference'"
             )
 
-    options = (schedule, float(eps), int(window or 0), ring, head == "logits")
+    options = (schedule, formats, float(eps), int(window or 0), ring, head == "logits")
     return dispatch(
         path,
         functools.partial(_reference, *options),

@@ -152,10 +152,12 @@ def test_expert_matvec_kernel_reads_only_routed_experts():
     np.testing.assert_array_equal(got, np.asarray(run(x, w, ids), np.float32))
 
 
+@pytest.mark.parametrize("kernels", ["fused", "megakernel"])
 @pytest.mark.parametrize("shape, fmt_name", [("smollm2-135m", "q4_1"), ("llama-3.2-1b", "mxfp4")])
-def test_fused_decoder_over_packed_weights_matches_reference(shape, fmt_name):
-    """A random model of the shape, attention and MLP packed: fused and reference decode steps agree
-    within bf16 tolerance, and pick the same tokens wherever the reference's top two are not a near-tie."""
+def test_decoder_over_packed_weights_matches_reference(shape, fmt_name, kernels):
+    """A random model of the shape, attention and MLP packed: the fused (or megakernel) and reference
+    decode steps agree within bf16 tolerance, and pick the same tokens wherever the reference's top
+    two are not a near-tie."""
     cfg = model_shape(shape)
     params = llama.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     if fmt_name in ("mxfp4", "mxfp8", "fp8_block128"):
@@ -167,7 +169,7 @@ def test_fused_decoder_over_packed_weights_matches_reference(shape, fmt_name):
             **{n: random_packed(fmt_name, getattr(params.layers, n).shape, rng) for n in names}
         )
         params = params.replace(layers=layers)
-    fused = _decode_logits(cfg, params, "fused", steps=8)
+    fused = _decode_logits(cfg, params, kernels, steps=8)
     reference = _decode_logits(cfg, params, "reference", steps=8)
     scale = np.abs(reference).max()
     assert np.abs(fused - reference).max() <= 0.03 * scale, (np.abs(fused - reference).max(), scale)

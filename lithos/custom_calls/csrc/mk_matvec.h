@@ -20,6 +20,15 @@ namespace mk {
 template <int TMAX>
 constexpr int kMkUnroll = LITHOS_MK_UNROLL;
 
+// Steps of packed loads in flight per row and lane: the fused kernels' (packed.h kUnroll) unless a
+// build asks for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_PACKED_UNROLL=2").
+template <WeightFormat F>
+#ifdef LITHOS_MK_PACKED_UNROLL
+constexpr int kMkPackedUnroll = LITHOS_MK_PACKED_UNROLL;
+#else
+constexpr int kMkPackedUnroll = Packed<F>::kUnroll;
+#endif
+
 // The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
 // row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] (rows
 // stored in format F) with token t (activations read coherently: other blocks wrote them in this
@@ -75,7 +84,7 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
     } else {
       // Packed rows are decoded in registers (packed.h), 32 bytes of each row per lane in flight as
       // for bf16 (two 16-byte chunks; four 8-byte ones of a 4-bit row).
-      packed_rows_dot<F, TMAX, true>(rows, in, part, k_split, acc);
+      packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);
     }
 #endif
     bool mine = part == 0;  // the member that runs the epilogue

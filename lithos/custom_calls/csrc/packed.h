@@ -331,12 +331,13 @@ __device__ __forceinline__ PackedRow packed_row(const PackedWeight& w, int64_t o
 
 // acc[r][t] = sum over this warp's share of i of W_r[i] * x[t, i] * norm_w[i] (the share: chunks
 // part, part + parts, ...); every lane ends with every sum. n_in is a multiple of kChunk. COHERENT:
-// x was written earlier in the same launch (the megakernel; rowdot.h load_activation).
-template <WeightFormat F, int TMAX, bool COHERENT = false>
+// x was written earlier in the same launch (the megakernel; rowdot.h load_activation). UNROLL: steps
+// of loads in flight per row and lane.
+template <WeightFormat F, int TMAX, bool COHERENT = false, int UNROLL = Packed<F>::kUnroll>
 __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPerWarp], const TokenRows& in, int part,
                                                 int parts, float (&acc)[kRowsPerWarp][TMAX]) {
   using P = Packed<F>;
-  constexpr int kUnroll = P::kUnroll;
+  constexpr int kUnroll = UNROLL;
   const int step = parts * WARP_SIZE * kChunk;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)

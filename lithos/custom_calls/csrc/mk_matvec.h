@@ -20,13 +20,15 @@ namespace mk {
 template <int TMAX>
 constexpr int kMkUnroll = LITHOS_MK_UNROLL;
 
-// Steps of packed loads in flight per row and lane: the fused kernels' (packed.h kUnroll) unless a
-// build asks for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_PACKED_UNROLL=2").
+// Steps of packed loads in flight per row and lane: at most 2 (16 bytes of a 4-bit row, 32 of an
+// 8-bit one), where the fused kernels keep 4 of a 4-bit row. Measured on the H200 with MXFP4 layers:
+// 2 steps are 7.7% (1B) and 2.2% (8B) faster per step than 4, and 8 spill (NOTES.md). A build may ask
+// for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_PACKED_UNROLL=1").
 template <WeightFormat F>
 #ifdef LITHOS_MK_PACKED_UNROLL
 constexpr int kMkPackedUnroll = LITHOS_MK_PACKED_UNROLL;
 #else
-constexpr int kMkPackedUnroll = Packed<F>::kUnroll;
+constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 #endif
 
 // The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
@@ -82,8 +84,7 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
       for (int r = 0; r < kRowsPerWarp; ++r) bf16_rows[r] = reinterpret_cast<const bf16_t*>(rows[r].data);
       warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(bf16_rows, in, part, k_split, acc);
     } else {
-      // Packed rows are decoded in registers (packed.h), 32 bytes of each row per lane in flight as
-      // for bf16 (two 16-byte chunks; four 8-byte ones of a 4-bit row).
+      // Packed rows are decoded in registers (packed.h).
       packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);
     }
 #endif

@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -38,6 +41,21 @@ def run_on_cpu_devices(devices: int, args: list[str], timeout: int = 900) -> sub
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole run: a program that several tests, both xdist
+    workers or the processes tests start (notebook kernels, the 8-device suite) compile is compiled
+    once. Those processes inherit it through the environment; the process that made it removes it."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lithos-xla-cache-")
+        config.add_cleanup(partial(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True))
+    # Most of the suite's programs compile in under a second (jax's default threshold for caching).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
 
 
 def require(module: str):

@@ -42,13 +42,17 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // Calls f(std::integral_constant<int, TMAX>) with TMAX the smallest of 1, 2, 4, 8, 16 that holds
 // `tokens`: five instantiations cover every count, padded positions are skipped at run time.
+// LITHOS_TWO_BUCKETS (a compile check's build, build.py opt level 1): 1 and 16 only, which instantiate
+// every template and code path in two fifths of the compile time; counts 2..16 then run padded to 16.
 template <class F>
 inline ffi::Error with_token_bucket(int64_t tokens, F&& f) {
   if (tokens == 1) return f(std::integral_constant<int, 1>{});
+#if !LITHOS_TWO_BUCKETS
   if (tokens == 2) return f(std::integral_constant<int, 2>{});
   if (tokens >= 3 && tokens <= 4) return f(std::integral_constant<int, 4>{});
   if (tokens >= 5 && tokens <= 8) return f(std::integral_constant<int, 8>{});
-  if (tokens >= 9 && tokens <= kMaxTokens) return f(std::integral_constant<int, 16>{});
+#endif
+  if (tokens >= 2 && tokens <= kMaxTokens) return f(std::integral_constant<int, 16>{});
   return invalid("decode kernels take 1.." + std::to_string(kMaxTokens) + " query positions, got " +
                  std::to_string(tokens) + "; use the reference path for prefill");
 }

@@ -20,7 +20,12 @@ namespace lithos {
 namespace mk {
 
 constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
-constexpr int kAttnKeysPerStep = 4;   // keys per lane group per loop step: 8 loads of 16 bytes in flight
+// Keys per lane group per loop step (two loads of 16 bytes each). A build may ask for another
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=5").
+#ifndef LITHOS_MK_ATTN_KEYS
+#define LITHOS_MK_ATTN_KEYS 4
+#endif
+constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
@@ -252,26 +257,28 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
 }
 
 // Weight each split's output by its share of the softmax mass; a row that sees no key gets zeros.
-// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread loads
-// kCombineChunk splits' values before using any (one memory round trip per chunk, not per split) and
-// folds the chunks online.
+// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread takes two
+// adjacent elements of a row (one 8-byte load per split: at T = 1 and head_dim 128 the block covers
+// the 512 elements in one pass, one memory round trip instead of two), loads kCombineChunk splits'
+// values before using any and folds the chunks online.
 __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, int kv_head) {
   constexpr int kCombineChunk = 16;
   const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
-  for (int i = threadIdx.x; i < rows * d; i += blockDim.x) {
-    const int row = i / d, e = i % d;
-    float best = -INFINITY, sum = 0.0f, acc = 0.0f;
+  for (int i = 2 * threadIdx.x; i < rows * d; i += 2 * blockDim.x) {
+    const int row = i / d, e = i % d;  // e is even and d a multiple of 64: the pair stays in its row
+    float best = -INFINITY, sum = 0.0f, acc[2] = {0.0f, 0.0f};
     for (int first = 0; first < plan.splits; first += kCombineChunk) {
-      float lse[kCombineChunk], out[kCombineChunk];
+      float lse[kCombineChunk];
+      float2 out[kCombineChunk];
       float chunk_best = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         lse[c] = -INFINITY;
-        out[c] = 0.0f;
+        out[c] = make_float2(0.0f, 0.0f);
         if (first + c < plan.splits) {
           const size_t at = partial_row(a, kv_head, first + c, row);
           lse[c] = a.part_lse[at];
-          out[c] = a.part_out[at * d + e];
+          out[c] = *reinterpret_cast<const float2*>(a.part_out + at * d + e);
         }
       }
 #pragma unroll
@@ -280,17 +287,21 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
       if (new_best == -INFINITY) continue;  // no split so far saw a visible key
       const float rescale = exp2f(best - new_best);
       sum *= rescale;
-      acc *= rescale;
+      acc[0] *= rescale;
+      acc[1] *= rescale;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         const float weight = exp2f(lse[c] - new_best);
         sum += weight;
-        acc += weight * out[c];
+        acc[0] += weight * out[c].x;
+        acc[1] += weight * out[c].y;
       }
       best = new_best;
     }
     const int token = row / group, head = kv_head * group + row % group;
-    a.attn[(static_cast<size_t>(token) * a.heads + head) * d + e] = float_to_bf16(sum > 0.0f ? acc / sum : 0.0f);
+    bf16_t* to = a.attn + (static_cast<size_t>(token) * a.heads + head) * d + e;
+    to[0] = float_to_bf16(sum > 0.0f ? acc[0] / sum : 0.0f);
+    to[1] = float_to_bf16(sum > 0.0f ? acc[1] / sum : 0.0f);
   }
 }
 

@@ -2,9 +2,9 @@
 // lithos/custom_calls/megakernel/tasks.py), its arguments, and the hand-offs between its blocks.
 //
 // Hand-off protocol (NOTES.md, "Megakernel: memory ordering"): a producer block writes its outputs,
-// meets at a block barrier, and one thread fences at device scope and adds 1 to a counter in global
-// memory; a consumer's thread 0 polls the counter with acquire loads until it reaches the task's
-// target, fences, and releases its block with a barrier. Every wait is bounded: a task that waits too
+// meets at a block barrier, and one thread adds 1 to a counter in global memory with release
+// semantics at device scope; a consumer's thread 0 polls the counter with acquire loads until it
+// reaches the task's target and releases its block with a barrier. Every wait is bounded: a task that waits too
 // long raises the abort flag, records itself, and every block leaves, so a scheduling bug ends in an
 // error instead of a hung GPU.
 #pragma once
@@ -49,6 +49,13 @@ enum Op : int32_t {
 
 // Status words after the counters: [abort flag, 1 + the failing task's index].
 constexpr int kStatusWords = 2;
+
+// 1: the hand-offs add the seq_cst fences of the first version (`__threadfence()` after the
+// consumer's acquire and around the producer's acq_rel add), for an A/B on the device; 0 (default):
+// acquire and release alone, which the memory-ordering argument needs (NOTES.md).
+#ifndef LITHOS_MK_SC_FENCES
+#define LITHOS_MK_SC_FENCES 0
+#endif
 
 // Polls of one counter before a wait gives up: about 2-4 s at one L2 round trip (plus a short sleep)
 // per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
@@ -224,10 +231,13 @@ __device__ bool block_wait(const Args& a, const Task& task, int task_index, Idle
         pause_briefly();
       }
     }
-    // The acquire load orders thread 0's later reads; this fence and the barrier extend that to every
-    // thread of the block (and invalidate stale L1 lines on both vendors).
+    // The acquire load orders thread 0's later reads (and invalidates the SM's L1: `CCTL.IVALL` after
+    // the load in SASS); the barrier below extends that to every thread of the block. No fence: a
+    // seq_cst one (`__threadfence()`, MEMBAR.SC) on every hand-off cost time and ordered nothing more.
     if (lane_id() == 0) {
+#if LITHOS_MK_SC_FENCES
       __threadfence();
+#endif
       ready = outcome;
     }
   }
@@ -244,9 +254,15 @@ __device__ inline int block_signal(const Args& a, int counter) {
   __shared__ int previous;
   __syncthreads();  // every thread's writes precede thread 0's release
   if (threadIdx.x == 0) {
+    // The add's release half publishes the block's writes (cumulative over the barrier, as in
+    // block_release); its acquire half orders the last arrival's reads of what the others wrote.
+#if LITHOS_MK_SC_FENCES
     __threadfence();
+#endif
     previous = fetch_add_acq_rel(a.counters + counter);
-    __threadfence();  // acquire for the last arrival, which reads what the others wrote
+#if LITHOS_MK_SC_FENCES
+    __threadfence();
+#endif
   }
   __syncthreads();
   const int result = previous;

@@ -219,6 +219,11 @@ def test_missing_compiler_names_what_to_install(monkeypatch):
         build.toolchain("rocm", "gfx942")
 
 
+def check_build(tc: build.Toolchain, **changes) -> build.Toolchain:
+    """`tc` as a compile check builds it (CI: unoptimised, two token buckets)."""
+    return dataclasses.replace(tc, opt_level=build.CHECK_OPT_LEVEL, **changes)
+
+
 def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, tmp_path):
     monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
     base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
@@ -226,14 +231,14 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
         build.library_path("matvec", base),
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.0", "sm_100a")),
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.1", "sm_90a")),
-        build.library_path("matvec", dataclasses.replace(base, opt_level=1)),  # a check build is never loaded
+        build.library_path("matvec", check_build(base)),  # a check build is never loaded
         build.library_path("matvec", dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2",))),
         build.library_path("attention", base),
     }
     assert len(paths) == 6 and all(p.parent == tmp_path for p in paths)
     assert "-O3" in base.command(Path("k.cu"), Path("k.so"))
     # A check build instantiates two token buckets (ffi_util.h); a library the GPU loads, all five.
-    assert "-DLITHOS_TWO_BUCKETS=1" in dataclasses.replace(base, opt_level=1).command(Path("k.cu"), Path("k.so"))
+    assert "-DLITHOS_TWO_BUCKETS=1" in check_build(base).command(Path("k.cu"), Path("k.so"))
     assert not any("TWO_BUCKETS" in part for part in base.command(Path("k.cu"), Path("k.so")))
     monkeypatch.setattr(build, "jaxlib_version", lambda: "0.0.0")
     assert build.library_path("matvec", base) not in paths
@@ -250,14 +255,17 @@ def test_kernel_defines_come_from_the_environment(monkeypatch):
     assert not any(part.startswith("-D") for part in command)
 
 
-def test_build_command_builds_check_libraries_at_opt_level_1(monkeypatch, capsys):
+def test_build_command_builds_check_libraries_at_the_check_level(monkeypatch, capsys):
     monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
     monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
     built = []
     monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
-    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "matvec", "--opt-level", "1"]) == 0
+    check = str(build.CHECK_OPT_LEVEL)
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "matvec", "--opt-level", check]) == 0
     assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "matvec"]) == 0
-    assert [(kernel, tc.opt_level) for kernel, tc in built] == [("matvec", 1), ("matvec", 3)]
+    assert [(kernel, tc.opt_level) for kernel, tc in built] == [("matvec", build.CHECK_OPT_LEVEL), ("matvec", 3)]
+    command = built[0][1].command(Path("k.cu"), Path("k.so"))
+    assert " ".join(command).count(f"-O{check}") == 3  # the host's, the device compiler's and assembler's
 
 
 COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}
@@ -283,10 +291,10 @@ def toolchain(request):
 def test_kernel_source_compiles(toolchain, kernel):
     """Every kernel builds for Hopper with nvcc and for CDNA (wave64) with hipcc; a compiler error fails.
     The per-user cache key covers the source and the compiler, so a cached library was built from this
-    exact source. At -O1 with two of the five token buckets: every compiler phase and code path, in
-    about half the time of the -O3 build the GPU loads (which `test_ahead_of_time_command` and the GPU
-    tests make)."""
-    library = build.build(kernel, dataclasses.replace(toolchain, opt_level=1))
+    exact source. Unoptimised, with two of the five token buckets: every compiler phase and code path,
+    in a third of the time of the -O3 build the GPU loads (which `test_ahead_of_time_command` and the
+    GPU tests make)."""
+    library = build.build(kernel, check_build(toolchain))
     assert library.exists() and library.stat().st_size > 0
     symbols = library.read_bytes()
     # The handlers, and the host-side queries some sources export (ctypes, not FFI).
@@ -300,7 +308,7 @@ HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 def test_staged_megakernel_compiles():
     """The megakernel's opt-in weight pipeline (bulk copies into shared memory, CUDA only) builds too,
     so the variant measured in NOTES.md stays buildable."""
-    staged = dataclasses.replace(compiler_toolchain("cuda"), opt_level=1, defines=("LITHOS_MK_STAGED=1",))
+    staged = check_build(compiler_toolchain("cuda"), defines=("LITHOS_MK_STAGED=1",))
     library = build.build("megakernel", staged)
     assert library != build.library_path("megakernel", dataclasses.replace(staged, defines=()))
     assert b"LithosMegakernel" in library.read_bytes()
@@ -310,12 +318,12 @@ def test_packed_megakernel_compiles(toolchain):
     """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
     head: the packed dot products with mins, and a second format in one kernel), for both vendors.
     Every other format triple instantiates the same templates with decoders the fused packed sources
-    compile (test_kernel_source_compiles); .ci/run builds this one ahead."""
+    compile (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
 
     variant = WeightFormats("q4_1", "q4_1", "q8_0").variant()
-    library = build.build("megakernel", variant.toolchain(dataclasses.replace(toolchain, opt_level=1)))
-    assert library != build.library_path("megakernel", dataclasses.replace(toolchain, opt_level=1))
+    library = build.build("megakernel", variant.toolchain(check_build(toolchain)))
+    assert library != build.library_path("megakernel", check_build(toolchain))
     assert b"LithosMegakernel" in library.read_bytes()
 
 

@@ -42,7 +42,7 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // Calls f(std::integral_constant<int, TMAX>) with TMAX the smallest of 1, 2, 4, 8, 16 that holds
 // `tokens`: five instantiations cover every count, padded positions are skipped at run time.
-// LITHOS_TWO_BUCKETS (a compile check's build, build.py opt level 1): 1 and 16 only, which instantiate
+// LITHOS_TWO_BUCKETS (a compile check's build, build.py CHECK_OPT_LEVEL): 1 and 16 only, which instantiate
 // every template and code path in two fifths of the compile time; counts 2..16 then run padded to 16.
 template <class F>
 inline ffi::Error with_token_bucket(int64_t tokens, F&& f) {

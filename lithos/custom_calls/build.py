@@ -115,7 +115,7 @@ class Toolchain:
             # -gencode, not -arch=sm_90a: the shorthand also runs a plain sm_90 pass (HOPPER.md).
             arch = self.arch.removeprefix("sm_")
             target = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-            if self.opt_level != 3:  # nvcc's -O is the host's; the device compiler and assembler have their own
+            if self.opt_level != 3:  # nvcc's -O is the host's; device compiler and assembler have their own
                 optimize += ["-Xcicc", f"-O{self.opt_level}", "-Xptxas", f"-O{self.opt_level}"]
             return [self.compiler, *optimize, *_NVCC_FLAGS, *target, *include, "-o", str(output), str(source)]
         return [

@@ -4,9 +4,9 @@
 // Hand-off protocol (NOTES.md, "Megakernel: memory ordering"): a producer block writes its outputs,
 // meets at a block barrier, and one thread adds 1 to a counter in global memory with release
 // semantics at device scope; a consumer's thread 0 polls the counter with acquire loads until it
-// reaches the task's target and releases its block with a barrier. Every wait is bounded: a task that waits too
-// long raises the abort flag, records itself, and every block leaves, so a scheduling bug ends in an
-// error instead of a hung GPU.
+// reaches the task's target and releases its block with a barrier. Every wait is bounded: a task
+// that waits too long raises the abort flag, records itself, and every block leaves, so a scheduling
+// bug ends in an error instead of a hung GPU.
 #pragma once
 
 #include <cstdint>

@@ -50,13 +50,6 @@ enum Op : int32_t {
 // Status words after the counters: [abort flag, 1 + the failing task's index].
 constexpr int kStatusWords = 2;
 
-// 1: the hand-offs add the seq_cst fences of the first version (`__threadfence()` after the
-// consumer's acquire and around the producer's acq_rel add), for an A/B on the device; 0 (default):
-// acquire and release alone, which the memory-ordering argument needs (NOTES.md).
-#ifndef LITHOS_MK_SC_FENCES
-#define LITHOS_MK_SC_FENCES 0
-#endif
-
 // Polls of one counter before a wait gives up: about 2-4 s at one L2 round trip (plus a short sleep)
 // per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
 constexpr int64_t kMaxPolls = int64_t{1} << 22;
@@ -234,12 +227,7 @@ __device__ bool block_wait(const Args& a, const Task& task, int task_index, Idle
     // The acquire load orders thread 0's later reads (and invalidates the SM's L1: `CCTL.IVALL` after
     // the load in SASS); the barrier below extends that to every thread of the block. No fence: a
     // seq_cst one (`__threadfence()`, MEMBAR.SC) on every hand-off cost time and ordered nothing more.
-    if (lane_id() == 0) {
-#if LITHOS_MK_SC_FENCES
-      __threadfence();
-#endif
-      ready = outcome;
-    }
+    if (lane_id() == 0) ready = outcome;
   }
   __syncthreads();
   const bool ok = ready == 1;
@@ -256,13 +244,7 @@ __device__ inline int block_signal(const Args& a, int counter) {
   if (threadIdx.x == 0) {
     // The add's release half publishes the block's writes (cumulative over the barrier, as in
     // block_release); its acquire half orders the last arrival's reads of what the others wrote.
-#if LITHOS_MK_SC_FENCES
-    __threadfence();
-#endif
     previous = fetch_add_acq_rel(a.counters + counter);
-#if LITHOS_MK_SC_FENCES
-    __threadfence();
-#endif
   }
   __syncthreads();
   const int result = previous;

@@ -303,6 +303,8 @@ def environment() -> dict[str, Any]:
         "jaxlib": getattr(jax.lib, "__version__", None) or __import__("jaxlib").__version__,
         "python": platform.python_version(),
         "host": platform.machine(),
+        # A build variant (lithos/custom_calls/build.py) is part of what was measured.
+        "kernel_defines": os.environ.get("LITHOS_KERNEL_DEFINES", "").split(),
     }
 
 

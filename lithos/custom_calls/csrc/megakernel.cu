@@ -99,17 +99,22 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
   }
 }
 
+// Dynamic shared memory of a block of megakernel<TMAX>: the staged build's weight pipeline, or the lane
+// ring's stages and staged inputs (mk_lane_ring.h).
+template <int TMAX>
+constexpr int kBlockSmemBytes = kStaged ? kDynamicSmemBytes : kRingSmemBytes<TMAX>;
+
 // Blocks of megakernel<TMAX> that fit on the GPU at once: the grid, and the scheduler's worker count.
-// Staged builds first allow the kernel its dynamic shared memory (above the default 48 KB).
+// A kernel with dynamic shared memory is first allowed it (above the default 48 KB).
 template <int TMAX>
 int grid_capacity() {
-  if constexpr (kDynamicSmemBytes > 0) {
+  if constexpr (kBlockSmemBytes<TMAX> > 0) {
     static const bool allowed = gpuFuncSetAttribute(reinterpret_cast<const void*>(megakernel<TMAX>),
                                                     gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kDynamicSmemBytes) == gpuSuccess;
+                                                    kBlockSmemBytes<TMAX>) == gpuSuccess;
     if (!allowed) return 0;
   }
-  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads, kDynamicSmemBytes);
+  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads, kBlockSmemBytes<TMAX>);
 }
 
 // One word of mapped host memory per device: the kernel writes 1 + the index of a task that waited
@@ -391,11 +396,12 @@ ffi::Error megakernel_impl(
     constexpr int kTmax = decltype(tmax)::value;
     const int capacity = grid_capacity<kTmax>();
     if (capacity <= 0)
-      return invalid("megakernel: this GPU cannot hold a block with " + std::to_string(kDynamicSmemBytes / 1024) +
-                     " KB of shared memory for the weight pipeline; decode with kernels='fused', or rebuild with "
-                     "LITHOS_KERNEL_DEFINES=\"LITHOS_MK_STAGED=0\"");
+      return invalid("megakernel: this GPU cannot hold a block with " +
+                     std::to_string(kBlockSmemBytes<kTmax> / 1024) +
+                     " KB of dynamic shared memory for its weight streaming; decode with kernels='fused', or rebuild "
+                     "with fewer stages (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=0\", without LITHOS_MK_STAGED)");
     grid = std::min(capacity, std::max(a.n_tasks, 1));
-    megakernel<kTmax><<<grid, kMatvecThreads, kDynamicSmemBytes, stream>>>(a);
+    megakernel<kTmax><<<grid, kMatvecThreads, kBlockSmemBytes<kTmax>, stream>>>(a);
     return launch_status("megakernel");
   });
   if (launched.failure()) return launched;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "mk_common.h"
+#include "mk_lane_ring.h"
 #include "mk_weight_pipe.h"
 #include "rowdot.h"
 
@@ -60,10 +61,28 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
   const int slot = warp_id() / k_split, part = warp_id() % k_split;
   const int end = task.first + task.count;
   if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
-  __syncthreads();  // the counters are zero before any team adds to them
-  if (!block_wait(a, task, index, [&] { try_pump_weights(a, pipe); })) return false;
+  __syncthreads();  // the counters are zero (and the last task's staged inputs read) before anyone writes
+#if LITHOS_MK_LANE_RING
+  constexpr bool kRing = F == WeightFormat::kBf16 && kRingFor<TMAX>;
+  const int step = k_split * WARP_SIZE * 8;
+  RingStream<RowsOf> stream{rows_of, end, slots, slot, (part * WARP_SIZE + lane_id()) * 8, step,
+                            (task_in.n_in + step - 1) / step, task_in.n_in};
+  int read_stage = 0;
+  if constexpr (kRing) {  // the task's first steps: the weights do not depend on the step's data
+    stream.start(task.first);
+    for (int i = 0; i < kRingStages - 1; ++i) stream.issue();
+  }
+#else
+  constexpr bool kRing = false;
+#endif
+  if (!block_wait(a, task, index, [&] { try_pump_weights(a, pipe); })) {
+    ring_drain();
+    return false;
+  }
 #if LITHOS_MK_STAGED
   const TokenRows in = stage_inputs(pipe, task_in);
+#elif LITHOS_MK_LANE_RING
+  const TokenRows in = kRing ? ring_stage_inputs(task_in) : task_in;
 #else
   const TokenRows& in = task_in;
 #endif
@@ -77,7 +96,12 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
     warp_tiles_dot<TMAX>(a, pipe, in, slot, part, k_split, acc);
 #else
     PackedRow rows[kRowsPerWarp];
-    rows_of(unit, rows);
+    if constexpr (!kRing) rows_of(unit, rows);
+#if LITHOS_MK_LANE_RING
+    if constexpr (kRing) {
+      ring_rows_dot<TMAX>(stream, read_stage, in, acc);
+    } else
+#endif
     if constexpr (F == WeightFormat::kBf16) {
       const bf16_t* bf16_rows[kRowsPerWarp];
 #pragma unroll

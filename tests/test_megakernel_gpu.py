@@ -46,6 +46,17 @@ def test_megakernel_equals_interpreter(name, tokens):
 
 
 @pytest.mark.parametrize(
+    "name, context, tokens",
+    [("llama-3.2-1b", 8192, 1), ("llama-3.2-1b", 8192, 2), ("llama-3.1-8b", 4096, 1), ("smollm2-like", 6000, 1)],
+)
+def test_megakernel_equals_interpreter_at_long_context(name, context, tokens):
+    """Attention splits of several loop steps of keys (at a 1K context a split is one step), on both
+    head sizes and an odd group size."""
+    shape = dataclasses.replace(SHAPES[name], layers=2)
+    check_against_interpreter(random_step(shape, tokens, context, jnp.bfloat16, seed=5), context)
+
+
+@pytest.mark.parametrize(
     "name, groups, tokens",
     [
         ("smollm2-like", {"attention": "q4_1", "mlp": "q4_1", "lm_head": "q8_0"}, 1),  # the default model's formats

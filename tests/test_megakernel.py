@@ -427,7 +427,7 @@ def test_megakernel_rejects_what_it_does_not_implement(hf_checkpoint):
 @pytest.mark.parametrize(
     "blocks, message",
     [
-        (0, r"cannot hold one block of this build \(LITHOS_KERNEL_DEFINES='LITHOS_MK_STAGED=1 LITHOS_MK_TILE_KB=32'\)"),
+        (0, r"cannot hold one block of this build \(LITHOS_KERNEL_DEFINES='LITHOS_MK_RING_INPUT_KB=200'\)"),
         (-1, r"no grid for 1 query positions"),
     ],
 )
@@ -442,7 +442,7 @@ def test_a_grid_that_cannot_be_had_is_a_clear_error(monkeypatch, blocks, message
         def LithosMegakernelBlocks(tokens):  # noqa: N802 (the C symbol's name)
             return blocks
 
-    variant = build.Toolchain("cuda", "nvcc", "13.0", "sm_90a", defines=("LITHOS_MK_STAGED=1", "LITHOS_MK_TILE_KB=32"))
+    variant = build.Toolchain("cuda", "nvcc", "13.0", "sm_90a", defines=("LITHOS_MK_RING_INPUT_KB=200",))
     monkeypatch.setattr(build, "toolchain", lambda platform: variant)
     monkeypatch.setattr(build, "build", lambda name, toolchain: "unused.so")
     monkeypatch.setattr(kernel.ctypes.cdll, "LoadLibrary", lambda path: Library)

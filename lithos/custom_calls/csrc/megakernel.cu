@@ -15,7 +15,7 @@
 //   mk_gate_up.h    RMSNorm + gate/up rows + SiLU
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
 // and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task
-// reads) and mk_weight_pipe.h (those rows copied into shared memory ahead of the tasks, CUDA).
+// reads) and mk_lane_ring.h (those rows copied into shared memory ahead of the dot products, CUDA).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -65,44 +65,40 @@ namespace {
 // The O and down projections: one inlined copy when their formats agree. (A second copy of the task
 // in the kernel measured 1.7% slower on the 1B step with nothing else changed: NOTES.md.)
 template <int TMAX>
-__device__ __forceinline__ bool any_projection_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ __forceinline__ bool any_projection_task(const Args& a, const Task& task, int index) {
   if constexpr (kAttentionFormat == kMlpFormat) {
-    return projection_task<kMlpFormat, TMAX>(a, pipe, task, index);
+    return projection_task<kMlpFormat, TMAX>(a, task, index);
   } else {
-    return task.op == kOpOProj ? projection_task<kAttentionFormat, TMAX>(a, pipe, task, index)
-                               : projection_task<kMlpFormat, TMAX>(a, pipe, task, index);
+    return task.op == kOpOProj ? projection_task<kAttentionFormat, TMAX>(a, task, index)
+                               : projection_task<kMlpFormat, TMAX>(a, task, index);
   }
 }
 
 template <int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
-  WeightPipe pipe = weight_pipe();
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
     const Task task = a.tasks[index];
     trace_mark(a, index, kTraceBegin);
     bool ok = false;
     switch (task.op) {
-      case kOpQkv: ok = qkv_task<TMAX>(a, pipe, task, index); break;
-      case kOpAttention: ok = attention_task(a, pipe, task, index); break;
+      case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
+      case kOpAttention: ok = attention_task(a, task, index); break;
       case kOpOProj:
-      case kOpDown: ok = any_projection_task<TMAX>(a, pipe, task, index); break;
-      case kOpGateUp: ok = gate_up_task<TMAX>(a, pipe, task, index); break;
-      case kOpHead: ok = head_task<TMAX>(a, pipe, task, index); break;
+      case kOpDown: ok = any_projection_task<TMAX>(a, task, index); break;
+      case kOpGateUp: ok = gate_up_task<TMAX>(a, task, index); break;
+      case kOpHead: ok = head_task<TMAX>(a, task, index); break;
       default:
         if (threadIdx.x == 0) abort_step(a, index);
     }
-    if (!ok) {  // the step aborted: every block leaves, once its weight copies have landed
-      drain_weights(pipe);
-      return;
-    }
+    if (!ok) return;  // the step aborted: every block leaves (its ring's copies have landed: ring_drain)
     trace_mark(a, index, kTraceEnd);
   }
 }
 
-// Dynamic shared memory of a block of megakernel<TMAX>: the staged build's weight pipeline, or the lane
-// ring's stages and staged inputs (mk_lane_ring.h).
+// Dynamic shared memory of a block of megakernel<TMAX>: the lane ring's staged inputs and stages
+// (mk_lane_ring.h).
 template <int TMAX>
-constexpr int kBlockSmemBytes = kStaged ? kDynamicSmemBytes : kRingSmemBytes<TMAX>;
+constexpr int kBlockSmemBytes = kRingSmemBytes<TMAX>;
 
 // Blocks of megakernel<TMAX> that fit on the GPU at once: the grid, and the scheduler's worker count.
 // A kernel with dynamic shared memory is first allowed it (above the default 48 KB).
@@ -399,7 +395,8 @@ ffi::Error megakernel_impl(
       return invalid("megakernel: this GPU cannot hold a block with " +
                      std::to_string(kBlockSmemBytes<kTmax> / 1024) +
                      " KB of dynamic shared memory for its weight streaming; decode with kernels='fused', or rebuild "
-                     "with fewer stages (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=0\", without LITHOS_MK_STAGED)");
+                     "with a smaller lane ring (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=3 LITHOS_MK_RING_INPUT_KB=32\", "
+                     "or LITHOS_MK_LANE_RING=0 for none)");
     grid = std::min(capacity, std::max(a.n_tasks, 1));
     megakernel<kTmax><<<grid, kMatvecThreads, kBlockSmemBytes<kTmax>, stream>>>(a);
     return launch_status("megakernel");

@@ -14,7 +14,6 @@
 #include <climits>
 
 #include "mk_common.h"
-#include "mk_weight_pipe.h"
 
 namespace lithos {
 namespace mk {
@@ -305,9 +304,9 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
   }
 }
 
-__device__ inline bool attention_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ inline bool attention_task(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
-  auto wait = [&] { return block_wait(a, task, index, [&] { try_pump_weights(a, pipe); }); };
+  auto wait = [&] { return block_wait(a, task, index); };
   if (!attention_split(a, plan, task.layer, task.first, task.count, wait))
     return false;
   if (block_signal(a, task.signal_counter) == task.arrivals - 1) {

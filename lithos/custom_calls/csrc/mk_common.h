@@ -195,10 +195,8 @@ __device__ inline void abort_step(const Args& a, int task_index) {
 __device__ __forceinline__ bool aborted(const Args& a) { return load_acquire(a.counters + a.n_counters) != 0; }
 
 // Wait (warp 0 polls, the block meets at a barrier) until the task's input counter reaches its
-// target; between polls warp 0 runs `idle()` (all its lanes: the weight pipeline's copies,
-// mk_weight_pipe.h). False when the step aborted. Every thread of the block calls it.
-template <class Idle>
-__device__ bool block_wait(const Args& a, const Task& task, int task_index, Idle idle) {
+// target. False when the step aborted. Every thread of the block calls it.
+__device__ inline bool block_wait(const Args& a, const Task& task, int task_index) {
   __shared__ int ready;
   if (task.wait_counter < 0) {
     trace_mark(a, task_index, kTraceReady);
@@ -219,10 +217,7 @@ __device__ bool block_wait(const Args& a, const Task& task, int task_index, Idle
         }
       }
       outcome = shfl_from(outcome, 0);
-      if (outcome == 0) {
-        idle();
-        pause_briefly();
-      }
+      if (outcome == 0) pause_briefly();
     }
     // The acquire load orders thread 0's later reads (and invalidates the SM's L1: `CCTL.IVALL` after
     // the load in SASS); the barrier below extends that to every thread of the block. No fence: a

@@ -12,14 +12,14 @@ namespace mk {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 template <int TMAX>
-__device__ bool gate_up_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ bool gate_up_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
   constexpr int kOuts = kGatedPerGroup;
   auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { gate_up_rows<kMlpFormat>(a, layer, unit, rows); };
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   if (!stream_row_groups<kMlpFormat, TMAX>(
-          a, pipe, task, index, in, rows_of,
+          a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll

@@ -4,7 +4,7 @@
 // task's round boundaries (its epilogues and team reductions) and its first steps are issued before
 // the task's wait, so the bandwidth keeps streaming where the register path (warp_rows_dot) has no
 // load in flight. A lane reads only what it copied itself: `cp.async.wait_group` orders it, and no
-// barrier or mbarrier is needed (the bulk-copy pipeline of mk_weight_pipe.h paid for those, NOTES.md).
+// barrier or mbarrier is needed (a bulk-copy pipeline, since removed, paid for those: NOTES.md).
 // The task's activations (and RMSNorm weight) are copied to shared memory after the wait when they fit,
 // so a step waits on nothing but its own copy.
 //
@@ -19,7 +19,7 @@
 
 // Stages of the ring (0: off). A build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_LANE_RING=3").
 #ifndef LITHOS_MK_LANE_RING
-#if defined(LITHOS_HIP) || (defined(LITHOS_MK_STAGED) && LITHOS_MK_STAGED)
+#if defined(LITHOS_HIP)
 #define LITHOS_MK_LANE_RING 0
 #else
 #define LITHOS_MK_LANE_RING 4
@@ -32,9 +32,6 @@
 
 #if LITHOS_MK_LANE_RING && defined(LITHOS_HIP)
 #error "LITHOS_MK_LANE_RING needs per-lane asynchronous copies (CUDA cp.async); HIP builds stream weights through registers"
-#endif
-#if LITHOS_MK_LANE_RING && defined(LITHOS_MK_STAGED) && LITHOS_MK_STAGED
-#error "LITHOS_MK_LANE_RING and LITHOS_MK_STAGED are two ways to stream the weights through shared memory: pick one"
 #endif
 #if LITHOS_MK_LANE_RING == 1 || LITHOS_MK_LANE_RING < 0
 #error "LITHOS_MK_LANE_RING is the ring's stages: 0 (off) or at least 2"

@@ -45,7 +45,7 @@ __device__ Best block_best(int n, BestOf best_of) {
 }
 
 template <int TMAX>
-__device__ bool head_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ bool head_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   __shared__ Best warp_bests[kMatvecWarps][TMAX];
 
@@ -55,7 +55,7 @@ __device__ bool head_task(const Args& a, WeightPipe& pipe, const Task& task, int
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
   const TokenRows in{after_mlp(a), a.final_norm, a.tokens, a.hidden};
   if (!stream_row_groups<kHeadFormat, TMAX>(
-          a, pipe, task, index, in, rows_of,
+          a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.

@@ -4,7 +4,6 @@
 
 #include "mk_common.h"
 #include "mk_lane_ring.h"
-#include "mk_weight_pipe.h"
 #include "rowdot.h"
 
 namespace lithos {
@@ -47,17 +46,17 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 // `before_epilogue(in)` runs once, by the whole block, after the first dot products (the RMSNorm
 // factor: its pass over the inputs then hits L1, or reads their staged copy).
 //
-// Staged (mk_weight_pipe.h), the rows come from the block's shared-memory tiles, copied in the same
-// order by the same map as `rows_of` (mk_weight_rows.h), and the inputs from a shared-memory copy
-// when they fit; otherwise the warps stream the rows through registers.
+// bf16 rows in the 1- and 2-token kernels come through the lane ring (mk_lane_ring.h: each lane's
+// chunks copied into shared memory steps ahead, the task's first steps before its wait) and the inputs
+// from a shared-memory copy when they fit; otherwise the warps stream the rows through registers.
 template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
-__device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& task, int index,
+__device__ bool stream_row_groups(const Args& a, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
                                   Epilogue epilogue) {
   __shared__ float partial[2][kMatvecWarps][kRowsPerWarp][TMAX];
   __shared__ int arrivals[2][kMatvecWarps];  // per parity and team: members that wrote a partial
   __shared__ int reduced[kMatvecWarps];      // per team: rounds reduced
-  const int k_split = team_warps(task.k_split), slots = kMatvecWarps / k_split;
+  const int k_split = task.k_split, slots = kMatvecWarps / k_split;
   const int slot = warp_id() / k_split, part = warp_id() % k_split;
   const int end = task.first + task.count;
   if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
@@ -75,13 +74,11 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
 #else
   constexpr bool kRing = false;
 #endif
-  if (!block_wait(a, task, index, [&] { try_pump_weights(a, pipe); })) {
+  if (!block_wait(a, task, index)) {
     ring_drain();
     return false;
   }
-#if LITHOS_MK_STAGED
-  const TokenRows in = stage_inputs(pipe, task_in);
-#elif LITHOS_MK_LANE_RING
+#if LITHOS_MK_LANE_RING
   const TokenRows in = kRing ? ring_stage_inputs(task_in) : task_in;
 #else
   const TokenRows& in = task_in;
@@ -92,9 +89,6 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
   for (int base = task.first, round = 0; base < end; base += slots, ++round) {
     const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
     float acc[kRowsPerWarp][TMAX];
-#if LITHOS_MK_STAGED
-    warp_tiles_dot<TMAX>(a, pipe, in, slot, part, k_split, acc);
-#else
     PackedRow rows[kRowsPerWarp];
     if constexpr (!kRing) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
@@ -111,7 +105,6 @@ __device__ bool stream_row_groups(const Args& a, WeightPipe& pipe, const Task& t
       // Packed rows are decoded in registers (packed.h).
       packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);
     }
-#endif
     bool mine = part == 0;  // the member that runs the epilogue
     if (k_split > 1) {
       float(&buffer)[kMatvecWarps][kRowsPerWarp][TMAX] = partial[round & 1];

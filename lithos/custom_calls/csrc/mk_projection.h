@@ -11,7 +11,7 @@ namespace mk {
 
 // F: the format of the task's matrix (kAttentionFormat for O, kMlpFormat for down).
 template <WeightFormat F, int TMAX>
-__device__ bool projection_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ bool projection_task(const Args& a, const Task& task, int index) {
   const bool o_proj = task.op == kOpOProj;
   const int layer = task.layer;
   const int n_in = projection_inputs(a, task.op);
@@ -20,7 +20,7 @@ __device__ bool projection_task(const Args& a, WeightPipe& pipe, const Task& tas
   const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
   bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
   if (!stream_row_groups<F, TMAX>(
-          a, pipe, task, index, in, rows_of, [](const TokenRows&) {},
+          a, task, index, in, rows_of, [](const TokenRows&) {},
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {

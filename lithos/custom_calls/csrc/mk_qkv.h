@@ -14,7 +14,7 @@ namespace lithos {
 namespace mk {
 
 template <int TMAX>
-__device__ bool qkv_task(const Args& a, WeightPipe& pipe, const Task& task, int index) {
+__device__ bool qkv_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
@@ -22,7 +22,7 @@ __device__ bool qkv_task(const Args& a, WeightPipe& pipe, const Task& task, int 
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   if (!stream_row_groups<kAttentionFormat, TMAX>(
-          a, pipe, task, index, in, rows_of,
+          a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);

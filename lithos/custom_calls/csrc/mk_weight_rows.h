@@ -1,6 +1,6 @@
 // Which weight rows a megakernel matvec task reads: the map from a task's row group to its 4 rows,
 // for each task kind. The task headers (mk_qkv.h, mk_gate_up.h, mk_projection.h, mk_lm_head.h) and the
-// weight pipeline (mk_weight_pipe.h, which copies the rows ahead of the tasks) both use it, so the two
+// lane ring (mk_lane_ring.h, which copies the rows ahead of the dot products) both use it, so the two
 // can never disagree.
 #pragma once
 
@@ -26,9 +26,8 @@ __device__ __forceinline__ QkvRowGroup qkv_row_group(const Args& a, int unit) {
 }
 
 // Row r (0..3) of row group `unit` of `layer` (see above), in the format F its matrix is stored in.
-// Every map below comes as one row (what a copying lane needs: an array indexed at run time would
-// live in local memory) and as the group's 4 rows (what a warp's dot products need), the second made
-// of the first.
+// Every map below comes as one row and as the group's 4 rows (what a warp's dot products and its lane
+// ring's copies read), the second made of the first.
 template <WeightFormat F>
 __device__ __forceinline__ PackedRow qkv_row(const Args& a, int layer, int unit, int r) {
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
@@ -91,29 +90,6 @@ template <WeightFormat F>
 __device__ __forceinline__ void head_rows(const Args& a, int unit, PackedRow (&rows)[kRowsPerWarp]) {
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = head_row<F>(a, unit, r);
-}
-
-// Input size of a task's weight rows; 0 for a task that reads no weights (attention).
-__device__ __forceinline__ int task_weight_columns(const Args& a, int op) {
-  switch (op) {
-    case kOpQkv:
-    case kOpGateUp:
-    case kOpHead: return a.hidden;
-    case kOpOProj:
-    case kOpDown: return projection_inputs(a, op);
-    default: return 0;
-  }
-}
-
-// Row r of row group `unit` of a matvec task of kind `op` in `layer`.
-__device__ __forceinline__ PackedRow task_weight_row(const Args& a, int op, int layer, int unit, int r) {
-  switch (op) {
-    case kOpQkv: return qkv_row<kAttentionFormat>(a, layer, unit, r);
-    case kOpGateUp: return gate_up_row<kMlpFormat>(a, layer, unit, r);
-    case kOpHead: return head_row<kHeadFormat>(a, unit, r);
-    case kOpOProj: return projection_row<kAttentionFormat>(a, op, layer, unit, r);
-    default: return projection_row<kMlpFormat>(a, op, layer, unit, r);
-  }
 }
 
 }  // namespace mk

@@ -90,8 +90,8 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
     if blocks == 0:  # a build variant whose block does not fit (LITHOS_KERNEL_DEFINES)
         raise LithosError(
             "megakernel: this GPU cannot hold one block of this build (LITHOS_KERNEL_DEFINES="
-            f"{' '.join(toolchain.defines)!r}): its weight pipeline asks for more shared memory than the GPU "
-            "has. Use fewer or smaller stages (LITHOS_MK_STAGES, LITHOS_MK_TILE_KB), LITHOS_MK_STAGED=0, "
+            f"{' '.join(toolchain.defines)!r}): its lane ring asks for more shared memory than the GPU has. "
+            "Use a smaller ring (LITHOS_MK_LANE_RING=3, LITHOS_MK_RING_INPUT_KB=32), none (LITHOS_MK_LANE_RING=0), "
             "or decode with kernels='fused'"
         )
     if blocks < 0:

@@ -95,22 +95,18 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
   }
 }
 
-// Dynamic shared memory of a block of megakernel<TMAX>: the lane ring's staged inputs and stages
-// (mk_lane_ring.h).
-template <int TMAX>
-constexpr int kBlockSmemBytes = kRingSmemBytes<TMAX>;
-
 // Blocks of megakernel<TMAX> that fit on the GPU at once: the grid, and the scheduler's worker count.
-// A kernel with dynamic shared memory is first allowed it (above the default 48 KB).
+// A kernel with dynamic shared memory (the lane ring's, mk_lane_ring.h) is first allowed it (above the
+// default 48 KB).
 template <int TMAX>
 int grid_capacity() {
-  if constexpr (kBlockSmemBytes<TMAX> > 0) {
+  if constexpr (kRingSmemBytes<TMAX> > 0) {
     static const bool allowed = gpuFuncSetAttribute(reinterpret_cast<const void*>(megakernel<TMAX>),
                                                     gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kBlockSmemBytes<TMAX>) == gpuSuccess;
+                                                    kRingSmemBytes<TMAX>) == gpuSuccess;
     if (!allowed) return 0;
   }
-  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads, kBlockSmemBytes<TMAX>);
+  return compute_unit_count() * resident_blocks_per_unit<megakernel<TMAX>>(kMatvecThreads, kRingSmemBytes<TMAX>);
 }
 
 // One word of mapped host memory per device: the kernel writes 1 + the index of a task that waited
@@ -393,12 +389,12 @@ ffi::Error megakernel_impl(
     const int capacity = grid_capacity<kTmax>();
     if (capacity <= 0)
       return invalid("megakernel: this GPU cannot hold a block with " +
-                     std::to_string(kBlockSmemBytes<kTmax> / 1024) +
+                     std::to_string(kRingSmemBytes<kTmax> / 1024) +
                      " KB of dynamic shared memory for its weight streaming; decode with kernels='fused', or rebuild "
                      "with a smaller lane ring (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=3 LITHOS_MK_RING_INPUT_KB=32\", "
                      "or LITHOS_MK_LANE_RING=0 for none)");
     grid = std::min(capacity, std::max(a.n_tasks, 1));
-    megakernel<kTmax><<<grid, kMatvecThreads, kBlockSmemBytes<kTmax>, stream>>>(a);
+    megakernel<kTmax><<<grid, kMatvecThreads, kRingSmemBytes<kTmax>, stream>>>(a);
     return launch_status("megakernel");
   });
   if (launched.failure()) return launched;

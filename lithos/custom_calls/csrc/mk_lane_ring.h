@@ -183,34 +183,9 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
     stage = stage + 1 == kRingStages ? 0 : stage + 1;
     stream.issue();  // into the stage read one step ago: its values are in registers and used
     const int k = stream.k0 + s * stream.step;
-    if (k < in.n_in) {
-      float norm[8];
-#pragma unroll
-      for (int v = 0; v < 8; ++v) norm[v] = 1.0f;
-      if (in.norm_w != nullptr) {
-        const Bf16Vec<8> nw = load_activation<8, true>(in.norm_w + k);
-#pragma unroll
-        for (int v = 0; v < 8; ++v) norm[v] = nw[v];
-      }
-#pragma unroll
-      for (int t = 0; t < TMAX; ++t) {
-        if (t < in.tokens) {
-          const Bf16Vec<8> xv = load_activation<8, true>(in.x + static_cast<size_t>(t) * in.n_in + k);
-#pragma unroll
-          for (int v = 0; v < 8; ++v) {
-            const float xf = xv[v] * norm[v];
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[r][v], xf, acc[r][t]);
-          }
-        }
-      }
-    }
+    if (k < in.n_in) add_chunk<TMAX, 8, true, true>(w, in, k, acc);
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int t = 0; t < TMAX; ++t)
-      if (t < in.tokens) acc[r][t] = warp_sum(acc[r][t]);
+  warp_sum_rows(acc, in.tokens);
 }
 
 #else

@@ -417,11 +417,7 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int t = 0; t < TMAX; ++t)
-      if (t < in.tokens) acc[r][t] = warp_sum(acc[r][t]);
+  warp_sum_rows(acc, in.tokens);
 }
 
 // Runs `epilogue(unit, acc)` for every row group `unit` < units, acc[r][t] being the full dot product

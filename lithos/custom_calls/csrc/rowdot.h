@@ -63,6 +63,46 @@ __device__ __forceinline__ Bf16Vec<VEC> load_activation(const bf16_t* p) {
   }
 }
 
+// acc[r][t] += sum over v of w[r][v] * x[t, k + v] * norm_w[k + v]: one chunk of VEC inputs at input
+// element k. The RMSNorm weight is read-only global memory (load_cached), or, with STAGED_NORM, may be a
+// copy in shared memory (the megakernel's staged inputs).
+template <int TMAX, int VEC, bool COHERENT, bool STAGED_NORM = false>
+__device__ __forceinline__ void add_chunk(const Bf16Vec<VEC> (&w)[kRowsPerWarp], const TokenRows& in, int k,
+                                          float (&acc)[kRowsPerWarp][TMAX]) {
+  float norm[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
+  if (in.norm_w != nullptr) {
+    Bf16Vec<VEC> nw;
+    if constexpr (STAGED_NORM) nw = load_activation<VEC, true>(in.norm_w + k);
+    else nw = load_cached<VEC>(in.norm_w + k);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
+  }
+#pragma unroll
+  for (int t = 0; t < TMAX; ++t) {
+    if (t < in.tokens) {
+      const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float xf = xv[v] * norm[v];
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[r][v], xf, acc[r][t]);
+      }
+    }
+  }
+}
+
+// Each lane's partial sums acc[r][t] (t < tokens) become the warp's: every lane ends with every sum.
+template <int TMAX>
+__device__ __forceinline__ void warp_sum_rows(float (&acc)[kRowsPerWarp][TMAX], int tokens) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t)
+      if (t < tokens) acc[r][t] = warp_sum(acc[r][t]);
+}
+
 // acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i]; the share is
 // chunks part, part + parts, ... Every lane of the warp ends with every sum. UNROLL chunks per row are
 // loaded at once.
@@ -90,35 +130,10 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsP
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int k = base + u * step;
-      if (k < in.n_in) {
-        float norm[VEC];
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) norm[v] = 1.0f;
-        if (in.norm_w != nullptr) {
-          const Bf16Vec<VEC> nw = load_cached<VEC>(in.norm_w + k);
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) norm[v] = nw[v];
-        }
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < in.tokens) {
-            const Bf16Vec<VEC> xv = load_activation<VEC, COHERENT>(in.x + static_cast<size_t>(t) * in.n_in + k);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-              const float xf = xv[v] * norm[v];
-#pragma unroll
-              for (int r = 0; r < kRowsPerWarp; ++r) acc[r][t] = fmaf(w[u][r][v], xf, acc[r][t]);
-            }
-          }
-        }
-      }
+      if (k < in.n_in) add_chunk<TMAX, VEC, COHERENT>(w[u], in, k, acc);
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int t = 0; t < TMAX; ++t)
-      if (t < in.tokens) acc[r][t] = warp_sum(acc[r][t]);
+  warp_sum_rows(acc, in.tokens);
 }
 
 // Runs `epilogue(unit, acc)` for every row group `unit` < units, with acc[r][t] the full dot product

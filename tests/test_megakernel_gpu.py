@@ -16,6 +16,7 @@ import lithos
 from lithos.custom_calls.megakernel import decode_step, step_schedule
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
+from lithos.custom_calls.megakernel.tasks import FIELDS, Op
 
 from .test_megakernel import SHAPES, packed_step_weights, random_step
 
@@ -151,3 +152,12 @@ def test_trace_records_every_task_in_causal_order(monkeypatch, tmp_path, context
     assert np.all(trace.begin <= trace.ready) and np.all(trace.ready <= trace.end)  # the timer ticks in 256 ns
     assert mk_trace.causality_violations(trace, slack_ns=100) == []
     assert trace.context == context + 1 and 0 < trace.step_ns < 1e8
+    # Phase marks lie in order between a task's ready and end; only attention splits past the step's plan
+    # (at context 100) have none.
+    marks = np.column_stack([trace.ready, trace.phases, trace.end])
+    marked = ~np.isnan(trace.phases).any(axis=1)
+    assert np.all(np.diff(marks[marked], axis=1) >= 0)
+    attention = trace.tasks[:, FIELDS.index("op")] == Op.ATTENTION
+    assert marked[~attention].all() and marked[attention].any()
+    assert marked[attention].all() == (context == 1000)
+    assert {r["op"] for r in mk_trace.phase_summary(trace)} == {op.name.lower() for op in Op}

@@ -18,6 +18,9 @@ from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, Op
 from .test_megakernel import SHAPES
 
 DURATION_NS = {Op.QKV: 3000, Op.ATTENTION: 2000, Op.O_PROJ: 2500, Op.GATE_UP: 9000, Op.DOWN: 5000, Op.HEAD: 20000}
+# Where a task's duration goes: the first three phases' shares (the rest is the last phase).
+PHASE_SHARES = (0.1, 0.6, 0.2)
+COMBINE_NS = 400  # what the last split of an attention head adds to its duration
 HANDOFF_NS = 700  # from a producer's signal to a waiting consumer's start
 EPOCH = 5_000_000_000  # the global timer does not start at zero
 
@@ -35,12 +38,15 @@ def simulated_trace(schedule, grid: int, context: int) -> dict:
         ready = begin
         if task["wait_counter"] != NO_COUNTER:
             ready = max(begin, sorted(sent[task["wait_counter"]])[task["wait_target"] - 1] + HANDOFF_NS)
-        end = ready + DURATION_NS[Op(task["op"])]
+        duration = DURATION_NS[Op(task["op"])]
+        marks = list(ready + np.cumsum(PHASE_SHARES) * duration)
+        end = ready + duration
         sent.setdefault(task["signal_counter"], []).append(end)
         if task["op"] == Op.ATTENTION and len(sent[task["signal_counter"]]) == task["arrivals"]:
+            end += COMBINE_NS
             sent.setdefault(task["aux"], []).append(end)
         free[block] = end
-        rows.append([*row.tolist(), block, EPOCH + begin, EPOCH + ready, EPOCH + end])
+        rows.append([*row.tolist(), block, EPOCH + begin, EPOCH + ready, EPOCH + end, *(EPOCH + int(m) for m in marks)])
     s = schedule.shape
     return {
         "ns_per_tick": 1.0,
@@ -56,7 +62,7 @@ def simulated_trace(schedule, grid: int, context: int) -> dict:
         "slots": 4096,
         "ring": False,
         "positions": [context - 1],
-        "fields": [*FIELDS, *mk_trace.TIMES],
+        "fields": [*FIELDS, *mk_trace.TIMES, *mk_trace.PHASES],
         "tasks": rows,
     }
 
@@ -81,7 +87,8 @@ def test_stages_spans_and_handoffs_follow_the_simulated_step(traced):
     assert len(stages) == 5 * shape.layers + 1 and stages[-1].op == Op.HEAD
     assert sum(s.tasks for s in stages) == len(schedule)
     for stage in stages:
-        assert stage.work == DURATION_NS[stage.op]  # every task of a kind took its duration
+        combine = COMBINE_NS * schedule.shape.kv_heads / stage.tasks if stage.op == Op.ATTENTION else 0
+        assert stage.work == pytest.approx(DURATION_NS[stage.op] + combine)  # every task of a kind took its duration
         if stage.op in (Op.O_PROJ, Op.GATE_UP, Op.DOWN, Op.HEAD):
             # Each waits for the whole previous stage: it starts one hand-off after that stage's end.
             assert stage.handoff == HANDOFF_NS
@@ -107,6 +114,33 @@ def test_summary_averages_each_kind_over_its_layers(traced, capsys):
     assert printed.startswith(f"step {trace.step_ns / 1e3:.1f} us") and "gate_up" in printed
 
 
+def test_phases_split_each_kind_of_task_and_time_the_combine_on_the_last_split(traced, capsys):
+    _, path = traced
+    phases = {r["op"]: r for r in mk_trace.phase_summary(mk_trace.load(path))}
+    assert set(phases) == {op.name.lower() for op in Op}
+    down = DURATION_NS[Op.DOWN] / 1e3
+    expected = [share * down for share in PHASE_SHARES] + [down * (1 - sum(PHASE_SHARES))]
+    assert [phases["down"][k] for k in mk_trace.MATVEC_PHASES] == pytest.approx(expected, abs=1e-3)
+    attention = DURATION_NS[Op.ATTENTION] / 1e3
+    assert phases["attention"]["scored"] == pytest.approx(PHASE_SHARES[0] * attention, abs=1e-3)
+    # Only the split that arrives last combines: its last phase is the rest of its duration and the combine.
+    rest = attention * (1 - sum(PHASE_SHARES)) + COMBINE_NS / 1e3
+    assert phases["attention"]["combined"] == pytest.approx(rest, abs=1e-3)
+    assert mk_trace.main([str(path)]) == 0
+    assert "combined" in capsys.readouterr().out
+
+
+def test_a_trace_without_phase_marks_still_reads(traced):
+    _, path = traced
+    record = json.loads(path.read_text())
+    record["fields"] = record["fields"][: -len(mk_trace.PHASES)]
+    record["tasks"] = [row[: -len(mk_trace.PHASES)] for row in record["tasks"]]
+    path.write_text(json.dumps(record))
+    trace = mk_trace.load(path)
+    assert trace.phases is None and mk_trace.phase_summary(trace) == []
+    assert mk_trace.stages(trace)
+
+
 def test_causality_check_accepts_the_protocol_and_flags_an_early_start(traced):
     schedule, path = traced
     record = json.loads(path.read_text())
@@ -122,7 +156,7 @@ def test_causality_check_accepts_the_protocol_and_flags_an_early_start(traced):
 def test_an_unfinished_step_or_another_format_is_refused(traced):
     _, path = traced
     record = json.loads(path.read_text())
-    record["tasks"][3][-1] = 0  # the step aborted before task 3 signalled
+    record["tasks"][3][len(FIELDS) + 3] = 0  # the step aborted before task 3 signalled
     path.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="did not finish"):
         mk_trace.load(path)

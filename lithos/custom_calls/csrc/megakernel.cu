@@ -160,11 +160,11 @@ double trace_ns_per_tick() {
 #endif
 }
 
-// LITHOS_MEGAKERNEL_TRACE=path: the step records per task which block ran it and when it began, had
-// its inputs and had signalled (mk_common.h trace_mark); the handler waits for the step and writes
-// that record, with the task list and the model's sizes, to `path` as JSON, replacing the last
-// step's. lithos.custom_calls.megakernel.trace reads it. A research tool: every traced step
-// synchronises with the host.
+// LITHOS_MEGAKERNEL_TRACE=path: the step records per task which block ran it, when it began, had its
+// inputs and had signalled, and its phase marks (mk_common.h trace_mark, trace_phase); the handler
+// waits for the step and writes that record, with the task list and the model's sizes, to `path` as
+// JSON, replacing the last step's. lithos.custom_calls.megakernel.trace reads it. A research tool:
+// every traced step synchronises with the host.
 class StepTrace {
  public:
   explicit StepTrace(const char* path) : path_(path != nullptr ? path : "") {}
@@ -204,13 +204,17 @@ class StepTrace {
     // The task's fields (mk_common.h Task, tasks.py FIELDS), then its block and times.
     out << "],\n\"fields\": [";
     for (const char* name : kFieldNames) out << "\"" << name << "\", ";
-    out << "\"block\", \"begin\", \"ready\", \"end\"],\n\"tasks\": [";
+    out << "\"block\", \"begin\", \"ready\", \"end\"";
+    for (int p = 0; p < kTracePhases; ++p) out << ", \"phase" << p << "\"";
+    out << "],\n\"tasks\": [";
     for (int i = 0; i < a.n_tasks; ++i) {
       out << (i ? ",\n" : "\n") << "[";
       for (int f = 0; f < kFields; ++f) out << tasks[static_cast<size_t>(i) * kFields + f] << ", ";
       const int64_t* times = &record[static_cast<size_t>(i) * kTraceFields];
       out << times[kTraceBlock] << ", " << times[kTraceBegin] << ", " << times[kTraceReady] << ", "
-          << times[kTraceEnd] << "]";
+          << times[kTraceEnd];
+      for (int p = 0; p < kTracePhases; ++p) out << ", " << times[kTracePhase + p];
+      out << "]";
     }
     out << "]}\n";
     out.close();

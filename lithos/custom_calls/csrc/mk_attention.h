@@ -96,7 +96,7 @@ __device__ __forceinline__ size_t partial_row(const Args& a, int kv_head, int sp
 // False when the step aborted.
 template <class Wait>
 __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
-                                       Wait wait) {
+                                       int index, Wait wait) {
   __shared__ float shared_acc[kMatvecWarps][kAttnRowsPerWarp][kMaxHeadDim];
   __shared__ float shared_max[kMatvecWarps][kAttnRowsPerWarp];
   __shared__ float shared_sum[kMatvecWarps][kAttnRowsPerWarp];
@@ -217,6 +217,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
         fold(state[j], other_max, other_sum, other_acc);
       }
     }
+    if (pass_first == 0) trace_phase(a, index, 0);
 
     // Warps that split the keys fold together through shared memory; the block writes the split.
     if (key_lane == 0) {
@@ -252,6 +253,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
     }
     __syncthreads();  // shared memory is reused by the next pass
   }
+  trace_phase(a, index, 1);
   return true;
 }
 
@@ -307,9 +309,11 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
-  if (!attention_split(a, plan, task.layer, task.first, task.count, wait))
+  if (!attention_split(a, plan, task.layer, task.first, task.count, index, wait))
     return false;
-  if (block_signal(a, task.signal_counter) == task.arrivals - 1) {
+  const int arrived = block_signal(a, task.signal_counter);
+  trace_phase(a, index, 2);
+  if (arrived == task.arrivals - 1) {
     attention_combine(a, plan, task.first);
     block_release(a, task.aux);
   }

@@ -115,9 +115,15 @@ struct Args {
 };
 
 // A traced step records, per task: the block that ran it, when the block reached it, when its
-// inputs were ready (the wait ended), and when it had signalled (trace_clock ticks).
-constexpr int kTraceFields = 4;
-enum TraceField { kTraceBlock = 0, kTraceBegin = 1, kTraceReady = 2, kTraceEnd = 3 };
+// inputs were ready (the wait ended), when it had signalled, and three marks inside the task that
+// say where its time goes (trace_clock ticks; 0 where a task has no such phase). The phases, as
+// trace.py PHASES names them:
+// - matvec tasks: inputs staged; warp 0's last dot products done; warp 0's epilogues done;
+// - attention: warp 0's keys scored; the split's partial written; its arrival counted (the last
+//   split of a head to arrive then combines the head before its end).
+constexpr int kTracePhases = 3;
+enum TraceField { kTraceBlock = 0, kTraceBegin = 1, kTraceReady = 2, kTraceEnd = 3, kTracePhase = 4 };
+constexpr int kTraceFields = kTracePhase + kTracePhases;
 
 // A clock every SM/CU reads alike, so times of different blocks compare: CUDA's global timer (ns),
 // CDNA's constant-rate real-time counter (`s_memrealtime`; the host converts its ticks).
@@ -133,11 +139,15 @@ __device__ __forceinline__ int64_t trace_clock() {
 
 // Thread 0 of a traced step stamps `field` of task `task_index` with the time (kTraceBegin also
 // names the block).
-__device__ __forceinline__ void trace_mark(const Args& a, int task_index, TraceField field) {
+__device__ __forceinline__ void trace_mark(const Args& a, int task_index, int field) {
   if (a.trace == nullptr || threadIdx.x != 0) return;
   int64_t* record = a.trace + static_cast<size_t>(task_index) * kTraceFields;
   record[field] = trace_clock();
   if (field == kTraceBegin) record[kTraceBlock] = blockIdx.x;
+}
+// Thread 0 of a traced step marks the end of phase `phase` (< kTracePhases) of task `task_index`.
+__device__ __forceinline__ void trace_phase(const Args& a, int task_index, int phase) {
+  trace_mark(a, task_index, kTracePhase + phase);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
 #else
   const TokenRows& in = task_in;
 #endif
+  trace_phase(a, index, 0);
 
   bool first_round = true;
   // The loop bound is block-uniform: before_epilogue's barriers need every warp in the first round.
@@ -105,6 +106,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
       // Packed rows are decoded in registers (packed.h).
       packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);
     }
+    trace_phase(a, index, 1);  // each round's overwrites the last: the task's last dot products
     bool mine = part == 0;  // the member that runs the epilogue
     if (k_split > 1) {
       float(&buffer)[kMatvecWarps][kRowsPerWarp][TMAX] = partial[round & 1];
@@ -140,6 +142,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     }
     if (base + slot < end && mine) epilogue(unit, acc);
   }
+  trace_phase(a, index, 2);
   return true;
 }
 

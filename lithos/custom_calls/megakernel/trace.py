@@ -14,7 +14,10 @@ A stage is one task kind of one layer (the list is stage by stage). Per stage: i
 first task having its inputs to the last one signalling; the hand-off before it, from the previous
 stage's last signal to this stage's first start (negative where the stage depends on part of the
 previous one only: attention of KV head g starts when group g's Q/K/V are done); and the rate its
-bytes streamed at over the span.
+bytes streamed at over the span. Then, per task kind, the phases of a task after its wait (marks the
+kernel stamps inside it, csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot
+products, its epilogues and its signal; for an attention split its keys scored, its partial written,
+its arrival counted and, on the split that arrives last, the head's combine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ import numpy as np
 from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, ModelShape, Op
 
 TIMES = ("block", "begin", "ready", "end")
+# Marks inside a task (csrc/mk_common.h kTracePhases), named per task kind by what ends at each; 0 where a
+# task has none (an attention split past the step's plan).
+PHASES = ("phase0", "phase1", "phase2")
+MATVEC_PHASES = ("staged", "dots", "epilogues", "signal")
+ATTENTION_PHASES = ("scored", "written", "arrived", "combined")
 BF16_BYTES = 2
 
 
@@ -46,6 +54,7 @@ class StepTrace:
     begin: np.ndarray
     ready: np.ndarray
     end: np.ndarray
+    phases: np.ndarray | None = None  # [n, len(PHASES)] like the times, NaN where unmarked; None in older traces
 
     @property
     def step_ns(self) -> float:
@@ -55,13 +64,18 @@ class StepTrace:
 def load(path: str | Path) -> StepTrace:
     record = json.loads(Path(path).read_text())
     fields = list(record["fields"])
-    if fields != [*FIELDS, *TIMES]:
-        raise ValueError(f"{path}: trace fields {fields} are not this lithos's {[*FIELDS, *TIMES]}")
+    if fields not in ([*FIELDS, *TIMES, *PHASES], [*FIELDS, *TIMES]):
+        raise ValueError(f"{path}: trace fields {fields} are not this lithos's {[*FIELDS, *TIMES, *PHASES]}")
     rows = np.asarray(record["tasks"], np.int64).reshape(-1, len(fields))
-    if (rows[:, len(FIELDS) + 1 :] == 0).any():
+    times = slice(len(FIELDS) + 1, len(FIELDS) + len(TIMES))
+    if (rows[:, times] == 0).any():
         raise ValueError(f"{path}: some tasks have no times: the step did not finish (it aborted)")
-    ticks = rows[:, len(FIELDS) + 1 :].astype(np.float64)
-    ticks = (ticks - ticks[:, 0].min()) * float(record["ns_per_tick"])
+    epoch, ns_per_tick = rows[:, len(FIELDS) + 1].min(), float(record["ns_per_tick"])
+    ticks = (rows[:, times] - epoch).astype(np.float64) * ns_per_tick
+    phases = None
+    if len(fields) > len(FIELDS) + len(TIMES):
+        marks = rows[:, len(FIELDS) + len(TIMES) :]
+        phases = np.where(marks == 0, np.nan, (marks - epoch).astype(np.float64) * ns_per_tick)
     shape = ModelShape(
         **{k: int(record[k]) for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")}
     )
@@ -76,6 +90,7 @@ def load(path: str | Path) -> StepTrace:
         ticks[:, 0],
         ticks[:, 1],
         ticks[:, 2],
+        phases,
     )
 
 
@@ -197,6 +212,52 @@ def summary(trace: StepTrace) -> list[dict]:
     return rows
 
 
+def phase_summary(trace: StepTrace) -> list[dict]:
+    """Per task kind, where a task's time goes from its inputs being ready to its end: the mean time of
+    each phase (MATVEC_PHASES, ATTENTION_PHASES) over the tasks that marked it, in us. An attention
+    head's combine is timed on the split that arrived last (the one that runs it); empty for a trace
+    without phase marks."""
+    if trace.phases is None:
+        return []
+    ops = trace.tasks[:, FIELDS.index("op")]
+    marks = np.column_stack([trace.ready, trace.phases, trace.end])
+    rows = []
+    for op in Op:
+        of_op = ops == op
+        if op == Op.ATTENTION:
+            # The split of each head (and layer) that combined: it ends last, the combine being after
+            # every split's arrival (arrivals themselves can tie on a coarse clock).
+            heads = trace.tasks[:, FIELDS.index("signal_counter")]
+            last = np.zeros(len(ops), bool)
+            for counter in np.unique(heads[of_op]):
+                splits = np.flatnonzero(of_op & (heads == counter))
+                last[splits[np.argmax(trace.end[splits])]] = True
+            of_phase = [of_op, of_op, of_op, last]
+            names = ATTENTION_PHASES
+        else:
+            of_phase = [of_op] * 4
+            names = MATVEC_PHASES
+        durations = {}
+        for k, name in enumerate(names):
+            d = (marks[:, k + 1] - marks[:, k])[of_phase[k]]
+            d = d[~np.isnan(d)]
+            if len(d):
+                durations[name] = float(d.mean()) / 1e3
+        if durations:
+            rows.append({"op": op.name.lower(), **durations})
+    return rows
+
+
+def format_phases(trace: StepTrace) -> list[str]:
+    lines = []
+    for r in phase_summary(trace):
+        names = [k for k in r if k != "op"]
+        lines.append(f"{r['op']:<10}" + "".join(f"{name:>11}{r[name]:6.2f}" for name in names))
+    if lines:
+        lines.insert(0, "phases, us per task after its wait (attention's combine: on each head's last split)")
+    return lines
+
+
 def format_summary(trace: StepTrace) -> str:
     s = trace.shape
     lines = [
@@ -215,16 +276,19 @@ def format_summary(trace: StepTrace) -> str:
         "span: first input ready to last signal; handoff: previous stage's last signal to this one's first "
         "start; total: spans + positive hand-offs over the layers"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + format_phases(trace))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Summarise a megakernel step trace (LITHOS_MEGAKERNEL_TRACE).")
     parser.add_argument("trace", type=Path)
-    parser.add_argument("--json", action="store_true", help="print the per-kind summary as JSON")
+    parser.add_argument("--json", action="store_true", help="print the per-kind summary and phases as JSON")
     args = parser.parse_args(argv)
     trace = load(args.trace)
-    print(json.dumps(summary(trace), indent=1) if args.json else format_summary(trace))
+    if args.json:
+        print(json.dumps({"stages": summary(trace), "phases": phase_summary(trace)}, indent=1))
+    else:
+        print(format_summary(trace))
     return 0
 
 

@@ -7,8 +7,10 @@
 // The split plan comes from the positions on the device: a 1K context inside a 1M cache reads 1K keys.
 // It iterates over key positions, each read from its slot: p in a linear cache, p % slots in a ring
 // (lithos/kv_cache.py), whose keys read span at most one lap.
-// The head dimension is a run-time value here (one kernel serves 64, 128 and 256): a key's head_dim
-// elements are spread over head_dim / 8 lanes of 16 bytes.
+// A key's head_dim elements are spread over head_dim / 8 lanes of 16 bytes. The head dimension is a
+// template parameter (one copy each for 64, 128 and 256, chosen per task): with it known, a score's sum
+// over its lanes and the folds unroll, so the shuffle chains of a loop step's keys and rows interleave
+// (with a run-time width they ran one after another: 2.9 us per step, NOTES.md).
 #pragma once
 
 #include <climits>
@@ -19,12 +21,14 @@ namespace lithos {
 namespace mk {
 
 constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
-// Keys per lane group per loop step (two loads of 16 bytes each). A build may ask for another
-// (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=5").
+// Keys per lane group per loop step (two loads of 16 bytes each); with the next step's loaded during a
+// step, twice that in flight. 2 measured faster than 4 at every context, and 4 spills (NOTES.md). A
+// build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=3").
 #ifndef LITHOS_MK_ATTN_KEYS
-#define LITHOS_MK_ATTN_KEYS 4
+#define LITHOS_MK_ATTN_KEYS 2
 #endif
 constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;
+
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
@@ -62,9 +66,11 @@ __device__ __forceinline__ int slot_of(const SplitPlan& plan, int slots, int key
   return slot < slots ? slot : slot - slots;
 }
 
-// Sum over aligned groups of `width` lanes (a power of two known at run time).
-__device__ __forceinline__ float lanes_sum(float v, int width) {
-  for (int mask = width / 2; mask > 0; mask /= 2) v += shfl_xor(v, mask);
+// Sum over aligned groups of W lanes (a power of two).
+template <int W>
+__device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+  for (int mask = W / 2; mask > 0; mask /= 2) v += shfl_xor(v, mask);
   return v;
 }
 
@@ -91,15 +97,25 @@ __device__ __forceinline__ size_t partial_row(const Args& a, int kv_head, int sp
   return (static_cast<size_t>(kv_head) * a.max_splits + split) * rows + row;
 }
 
-// One split's partial output. `wait()` (the task's wait for its Q/K/V) is called once by every thread,
-// after the split's first keys that earlier steps wrote are loaded: those loads fly during the wait.
-// False when the step aborted.
-template <class Wait>
+// Where the warps that split a pass's keys fold their states: one copy for every head dimension's code
+// (a __shared__ variable in a template would be one per instantiation).
+struct AttentionShared {
+  float acc[kMatvecWarps][kAttnRowsPerWarp][kMaxHeadDim];
+  float max[kMatvecWarps][kAttnRowsPerWarp];
+  float sum[kMatvecWarps][kAttnRowsPerWarp];
+};
+__device__ __forceinline__ AttentionShared& attention_shared() {
+  __shared__ AttentionShared shared;
+  return shared;
+}
+
+// One split's partial output, for head dimension D. `wait()` (the task's wait for its Q/K/V) is called
+// once by every thread, after the split's first keys that earlier steps wrote are loaded: those loads
+// fly during the wait. False when the step aborted.
+template <int D, class Wait>
 __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
                                        int index, Wait wait) {
-  __shared__ float shared_acc[kMatvecWarps][kAttnRowsPerWarp][kMaxHeadDim];
-  __shared__ float shared_max[kMatvecWarps][kAttnRowsPerWarp];
-  __shared__ float shared_sum[kMatvecWarps][kAttnRowsPerWarp];
+  AttentionShared& shared = attention_shared();
 
   // A split past the plan's count writes nothing; it still waits, so that every task's wait is in
   // the trace and its signal comes after its head's Q/K/V, like every split's.
@@ -107,8 +123,9 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   const int key_begin = plan.begin + split * plan.split_len;
   const int key_end = min(key_begin + plan.split_len, plan.end);
 
-  const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
-  const int lanes_per_key = d / 8, keys_per_warp = WARP_SIZE / lanes_per_key;
+  constexpr int d = D, lanes_per_key = D / 8, keys_per_warp = WARP_SIZE / lanes_per_key;
+  static_assert(D % 64 == 0 && lanes_per_key <= WARP_SIZE, "a key's lanes are within a warp");
+  const int group = a.heads / a.kv_heads, rows = a.tokens * group;
   // Warps split the query rows while there are enough of them, and the keys otherwise.
   const int chunks = (rows + kAttnRowsPerWarp - 1) / kAttnRowsPerWarp;
   const int q_warps = chunks >= 8 ? 8 : (chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1));
@@ -121,27 +138,30 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   const bf16_t* values = a.v_cache + head_offset + dim0;
   const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
 
-  // The keys of a loop step: key[u] for u < kAttnKeysPerStep, from `base`. Keys from `from` on are
+  // The keys of a loop step from `base`: key[u] for u < kAttnKeysPerStep. Keys from `from` on are
   // loaded, earlier ones kept (the first step loads the older keys before the wait, the rest after).
-  int key[kAttnKeysPerStep];
-  Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
-  auto load_step = [&](int base, int from, int to) {
+  struct KeyStep {
+    int key[kAttnKeysPerStep];
+    Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
+  };
+  auto load_step = [&](KeyStep& step, int base, int from, int to) {
 #pragma unroll
     for (int u = 0; u < kAttnKeysPerStep; ++u) {
-      key[u] = base + key_lane + u * key_stride;
-      if (key[u] >= from && key[u] < to) {
+      step.key[u] = base + key_lane + u * key_stride;
+      if (step.key[u] >= from && step.key[u] < to) {
         // Weak loads (this step's keys written by its Q/K/V tasks, ordered by the wait), past L1.
-        const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key[u])) * d;
-        k[u] = load_streaming<8>(keys + at);
-        v[u] = load_streaming<8>(values + at);
-      } else if (key[u] >= key_end) {
-        k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
-        v[u] = k[u];
+        const size_t at = static_cast<size_t>(slot_of(plan, a.slots, step.key[u])) * d;
+        step.k[u] = load_streaming<8>(keys + at);
+        step.v[u] = load_streaming<8>(values + at);
+      } else if (step.key[u] >= key_end) {
+        step.k[u] = Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+        step.v[u] = step.k[u];
       }
     }
   };
-  const int first_base = key_begin + warp_k * keys_per_warp;
-  load_step(first_base, INT_MIN, min(key_end, plan.fresh));
+  const int first_base = key_begin + warp_k * keys_per_warp, step_keys = key_stride * kAttnKeysPerStep;
+  KeyStep now, next;
+  load_step(now, first_base, INT_MIN, min(key_end, plan.fresh));
   if (!wait()) return false;
 
   for (int pass_first = 0; pass_first < rows; pass_first += rows_per_pass) {
@@ -166,12 +186,18 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       for (int e = 0; e < 8; ++e) state[j].acc[e] = 0.0f;
     }
 
+    if (pass_first == 0)
+      load_step(now, first_base, max(plan.fresh, key_begin), key_end);  // this step's own keys, now written
+    else
+      load_step(now, first_base, INT_MIN, key_end);
     // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
-    for (int base = first_base; base < key_end; base += key_stride * kAttnKeysPerStep) {
-      if (pass_first == 0 && base == first_base)
-        load_step(base, max(plan.fresh, key_begin), key_end);  // this step's own keys, now written
-      else
-        load_step(base, INT_MIN, key_end);
+    for (int base = first_base; base < key_end; base += step_keys) {
+      // The next step's keys fly while this step's are scored (at long context a step waited for its
+      // loads: 3 us per step, NOTES.md).
+      if (base + step_keys < key_end) load_step(next, base + step_keys, INT_MIN, key_end);
+      const int (&key)[kAttnKeysPerStep] = now.key;
+      const Bf16Vec<8>(&k)[kAttnKeysPerStep] = now.k;
+      const Bf16Vec<8>(&v)[kAttnKeysPerStep] = now.v;
 #pragma unroll
       for (int j = 0; j < kAttnRowsPerWarp; ++j) {
         float score[kAttnKeysPerStep];
@@ -181,7 +207,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
           float dot = 0.0f;
 #pragma unroll
           for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
-          dot = lanes_sum(dot, lanes_per_key);
+          dot = lanes_sum<lanes_per_key>(dot);
           const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
           score[u] = visible ? dot : -INFINITY;
           step_max = fmaxf(step_max, score[u]);
@@ -203,9 +229,11 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
           s.max = new_max;
         }
       }
+      now = next;
     }
 
     // Lane groups of a warp saw different keys: fold them together.
+#pragma unroll
     for (int mask = lanes_per_key; mask < WARP_SIZE; mask *= 2) {
 #pragma unroll
       for (int j = 0; j < kAttnRowsPerWarp; ++j) {
@@ -224,10 +252,10 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
 #pragma unroll
       for (int j = 0; j < kAttnRowsPerWarp; ++j) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) shared_acc[warp_id()][j][dim0 + e] = state[j].acc[e];
+        for (int e = 0; e < 8; ++e) shared.acc[warp_id()][j][dim0 + e] = state[j].acc[e];
         if (lane_id() == 0) {
-          shared_max[warp_id()][j] = state[j].max;
-          shared_sum[warp_id()][j] = state[j].sum;
+          shared.max[warp_id()][j] = state[j].max;
+          shared.sum[warp_id()][j] = state[j].sum;
         }
       }
     }
@@ -238,13 +266,13 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       if (row >= rows) continue;
       const int wq = local_row / kAttnRowsPerWarp, j = local_row % kAttnRowsPerWarp;
       float best = -INFINITY;
-      for (int w = wq; w < kMatvecWarps; w += q_warps) best = fmaxf(best, shared_max[w][j]);
+      for (int w = wq; w < kMatvecWarps; w += q_warps) best = fmaxf(best, shared.max[w][j]);
       float sum = 0.0f, acc = 0.0f;
       if (best != -INFINITY) {
         for (int w = wq; w < kMatvecWarps; w += q_warps) {
-          const float weight = exp2f(shared_max[w][j] - best);
-          sum += shared_sum[w][j] * weight;
-          acc += shared_acc[w][j][e] * weight;
+          const float weight = exp2f(shared.max[w][j] - best);
+          sum += shared.sum[w][j] * weight;
+          acc += shared.acc[w][j][e] * weight;
         }
       }
       const size_t at = partial_row(a, kv_head, split, row);
@@ -262,9 +290,10 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
 // adjacent elements of a row (one 8-byte load per split: at T = 1 and head_dim 128 the block covers
 // the 512 elements in one pass, one memory round trip instead of two), loads kCombineChunk splits'
 // values before using any and folds the chunks online.
+template <int D>
 __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, int kv_head) {
-  constexpr int kCombineChunk = 16;
-  const int d = a.head_dim, group = a.heads / a.kv_heads, rows = a.tokens * group;
+  constexpr int kCombineChunk = 16, d = D;
+  const int group = a.heads / a.kv_heads, rows = a.tokens * group;
   for (int i = 2 * threadIdx.x; i < rows * d; i += 2 * blockDim.x) {
     const int row = i / d, e = i % d;  // e is even and d a multiple of 64: the pair stays in its row
     float best = -INFINITY, sum = 0.0f, acc[2] = {0.0f, 0.0f};
@@ -306,18 +335,28 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
   }
 }
 
-__device__ inline bool attention_task(const Args& a, const Task& task, int index) {
+template <int D>
+__device__ inline bool attention_task_of(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
-  if (!attention_split(a, plan, task.layer, task.first, task.count, index, wait))
+  if (!attention_split<D>(a, plan, task.layer, task.first, task.count, index, wait))
     return false;
   const int arrived = block_signal(a, task.signal_counter);
   trace_phase(a, index, 2);
   if (arrived == task.arrivals - 1) {
-    attention_combine(a, plan, task.first);
+    attention_combine<D>(a, plan, task.first);
     block_release(a, task.aux);
   }
   return true;
+}
+
+// The handler admits head dimensions 64, 128 and 256 only (megakernel.cu).
+__device__ inline bool attention_task(const Args& a, const Task& task, int index) {
+  switch (a.head_dim) {
+    case 64: return attention_task_of<64>(a, task, index);
+    case 128: return attention_task_of<128>(a, task, index);
+    default: return attention_task_of<256>(a, task, index);
+  }
 }
 
 }  // namespace mk

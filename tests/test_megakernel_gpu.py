@@ -16,7 +16,7 @@ import lithos
 from lithos.custom_calls.megakernel import decode_step, step_schedule
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
-from lithos.custom_calls.megakernel.tasks import FIELDS, Op
+from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op
 
 from .test_megakernel import SHAPES, packed_step_weights, random_step
 
@@ -55,6 +55,16 @@ def test_megakernel_equals_interpreter_at_long_context(name, context, tokens):
     head sizes and an odd group size."""
     shape = dataclasses.replace(SHAPES[name], layers=2)
     check_against_interpreter(random_step(shape, tokens, context, jnp.bfloat16, seed=5), context)
+
+
+# The third head dimension the kernel has a copy of its attention for (csrc/mk_attention.h): 256, one
+# key per 32 lanes.
+HEAD_DIM_256 = ModelShape(layers=2, hidden=1024, heads=8, kv_heads=2, head_dim=256, ffn=2048, vocab=1000)
+
+
+@pytest.mark.parametrize("context, tokens", [(1000, 1), (1000, 16), (5000, 2)])
+def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
+    check_against_interpreter(random_step(HEAD_DIM_256, tokens, context, jnp.bfloat16, seed=7), context)
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ namespace mk {
 
 constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
 // Keys per lane group per loop step (two loads of 16 bytes each); with the next step's loaded during a
-// step, twice that in flight. 2 measured faster than 4 at every context, and 4 spills (NOTES.md). A
-// build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=3").
+// step, twice that in flight. 2 with that prefetch measured faster at every context than 4 without it,
+// and 4 with it spills (NOTES.md). A build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=3").
 #ifndef LITHOS_MK_ATTN_KEYS
 #define LITHOS_MK_ATTN_KEYS 2
 #endif

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from lithos import decode
+from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
 from lithos.kv_cache import CACHE_DTYPES, cache_dtype, is_fp8, ring_for
 from lithos.models import family_for_architecture, init_model_cache
@@ -65,32 +66,6 @@ def hardware_profile(name: str | None) -> dict[str, Any]:
         if any(m.lower() in kind.lower() for m in p.get("match", [])):
             return {"id": pid, **p}
     return {"id": "unknown", "name": kind, "price_per_gpu_hour": None, "gpus": 1}
-
-
-def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a large on-device reduction (reads every byte once).
-
-    XLA's speed differs between reduction layouts, so several are timed and the best is kept: the
-    floor should be what the memory can actually deliver, not what one reduction happens to reach.
-    """
-    rows = 16384
-    nbytes = max(nbytes // (4 * rows), 1) * 4 * rows  # both 2-D views need whole rows
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    reductions = [
-        lambda a: jnp.sum(a),
-        lambda a: jnp.sum(a.reshape(-1, rows), axis=0),
-        lambda a: jnp.sum(a.reshape(rows, -1), axis=1),
-    ]
-    best = float("inf")
-    for reduction in reductions:
-        run = jax.jit(reduction)
-        run(x).block_until_ready()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run(x).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-    del x
-    return nbytes / best
 
 
 def weight_bytes_read(params, cfg) -> int:
@@ -472,6 +447,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "hardware_profile": profile,
         "read_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_probe_bytes": probe,
+        "bandwidth_probe": PROBE_METHOD,
         "protocol": f"batch 1, greedy, median of {args.runs} device loops of {args.steps} steps",
         "rows": rows,
         "generation": generation,

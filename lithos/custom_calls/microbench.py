@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lithos.bandwidth import measure_read_bandwidth
 from lithos.custom_calls import decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
 
 BF16 = jnp.bfloat16
@@ -42,15 +43,6 @@ SHAPES = {
     "llama-3.2-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256),
     "llama-3.1-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
 }
-
-
-def read_bandwidth(gib: float = 4.0) -> float:
-    """Bytes per second of a large on-device bf16 sum (the floor's denominator)."""
-    data = jax.random.normal(jax.random.PRNGKey(0), (int(gib * 2**30) // 2,), BF16)
-    reps = 10
-    run = jax.jit(lambda x: jax.lax.fori_loop(0, reps, lambda i, a: a + jnp.sum(x, dtype=jnp.float32), 0.0))
-    seconds = median_seconds(run, data)
-    return data.nbytes * reps / seconds
 
 
 def median_seconds(fn: Callable, *args, runs: int = 5) -> float:
@@ -159,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "microbench.json"))
     args = parser.parse_args(argv)
 
-    bandwidth = read_bandwidth()
+    bandwidth = measure_read_bandwidth(4 << 30)
     print(f"device: {jax.devices()[0].device_kind}; read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     paths = args.paths

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lithos import bench
+from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
 from lithos.models import family_for_architecture, init_model_cache
 from lithos.sampling import SamplingParams
@@ -431,7 +432,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     bandwidth = None
     if not args.no_timing:
         on_cpu = jax.default_backend() == "cpu"
-        bandwidth = bench.measure_read_bandwidth(args.bandwidth_bytes or ((512 << 20) if on_cpu else (4 << 30)))
+        bandwidth = measure_read_bandwidth(args.bandwidth_bytes or ((512 << 20) if on_cpu else (4 << 30)))
         print(f"device {jax.devices()[0].device_kind}: read bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
 
     acceptance_rows: list[dict[str, Any]] = []
@@ -449,6 +450,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             "environment": bench.environment(),
             "hardware_profile": profile,
             "read_bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_probe": PROBE_METHOD,
             "protocol": (
                 f"acceptance: greedy, chat-formatted prompts, {args.spec_new_tokens} new tokens each, batches of "
                 f"{args.spec_batch} (method 'loop': the speculative loop itself; 'replay': rounds replayed from "

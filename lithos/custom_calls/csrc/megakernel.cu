@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
     bool ok = false;
     switch (task.op) {
       case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
-      case kOpAttention: ok = attention_task(a, task, index); break;
+      case kOpAttention: ok = attention_task<TMAX>(a, task, index); break;
       case kOpOProj:
       case kOpDown: ok = any_projection_task<TMAX>(a, task, index); break;
       case kOpGateUp: ok = gate_up_task<TMAX>(a, task, index); break;

@@ -22,12 +22,15 @@ namespace mk {
 
 constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
 // Keys per lane group per loop step (two loads of 16 bytes each); with the next step's loaded during a
-// step, twice that in flight. 2 with that prefetch measured faster at every context than 4 without it,
-// and 4 with it spills (NOTES.md). A build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=3").
-#ifndef LITHOS_MK_ATTN_KEYS
-#define LITHOS_MK_ATTN_KEYS 2
-#endif
+// step, twice that in flight. 3 in the 1- and 2-token kernels, 2 in the larger ones, where 3 spills
+// (NOTES.md, run 36). A build may ask for one count in every kernel
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=2").
+template <int TMAX>
+#ifdef LITHOS_MK_ATTN_KEYS
 constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;
+#else
+constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
+#endif
 
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
@@ -112,7 +115,7 @@ __device__ __forceinline__ AttentionShared& attention_shared() {
 // One split's partial output, for head dimension D. `wait()` (the task's wait for its Q/K/V) is called
 // once by every thread, after the split's first keys that earlier steps wrote are loaded: those loads
 // fly during the wait. False when the step aborted.
-template <int D, class Wait>
+template <int D, int KEYS, class Wait>
 __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
                                        int index, Wait wait) {
   AttentionShared& shared = attention_shared();
@@ -138,15 +141,15 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   const bf16_t* values = a.v_cache + head_offset + dim0;
   const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
 
-  // The keys of a loop step from `base`: key[u] for u < kAttnKeysPerStep. Keys from `from` on are
+  // The keys of a loop step from `base`: key[u] for u < KEYS. Keys from `from` on are
   // loaded, earlier ones kept (the first step loads the older keys before the wait, the rest after).
   struct KeyStep {
-    int key[kAttnKeysPerStep];
-    Bf16Vec<8> k[kAttnKeysPerStep], v[kAttnKeysPerStep];
+    int key[KEYS];
+    Bf16Vec<8> k[KEYS], v[KEYS];
   };
   auto load_step = [&](KeyStep& step, int base, int from, int to) {
 #pragma unroll
-    for (int u = 0; u < kAttnKeysPerStep; ++u) {
+    for (int u = 0; u < KEYS; ++u) {
       step.key[u] = base + key_lane + u * key_stride;
       if (step.key[u] >= from && step.key[u] < to) {
         // Weak loads (this step's keys written by its Q/K/V tasks, ordered by the wait), past L1.
@@ -159,7 +162,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       }
     }
   };
-  const int first_base = key_begin + warp_k * keys_per_warp, step_keys = key_stride * kAttnKeysPerStep;
+  const int first_base = key_begin + warp_k * keys_per_warp, step_keys = key_stride * KEYS;
   KeyStep now, next;
   load_step(now, first_base, INT_MIN, min(key_end, plan.fresh));
   if (!wait()) return false;
@@ -195,15 +198,15 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       // The next step's keys fly while this step's are scored (at long context a step waited for its
       // loads: 3 us per step, NOTES.md).
       if (base + step_keys < key_end) load_step(next, base + step_keys, INT_MIN, key_end);
-      const int (&key)[kAttnKeysPerStep] = now.key;
-      const Bf16Vec<8>(&k)[kAttnKeysPerStep] = now.k;
-      const Bf16Vec<8>(&v)[kAttnKeysPerStep] = now.v;
+      const int (&key)[KEYS] = now.key;
+      const Bf16Vec<8>(&k)[KEYS] = now.k;
+      const Bf16Vec<8>(&v)[KEYS] = now.v;
 #pragma unroll
       for (int j = 0; j < kAttnRowsPerWarp; ++j) {
-        float score[kAttnKeysPerStep];
+        float score[KEYS];
         float step_max = -INFINITY;
 #pragma unroll
-        for (int u = 0; u < kAttnKeysPerStep; ++u) {
+        for (int u = 0; u < KEYS; ++u) {
           float dot = 0.0f;
 #pragma unroll
           for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
@@ -220,7 +223,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
 #pragma unroll
           for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
 #pragma unroll
-          for (int u = 0; u < kAttnKeysPerStep; ++u) {
+          for (int u = 0; u < KEYS; ++u) {
             const float p = exp2f(score[u] - new_max);
             s.sum += p;
 #pragma unroll
@@ -335,11 +338,11 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
   }
 }
 
-template <int D>
+template <int D, int KEYS>
 __device__ inline bool attention_task_of(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
-  if (!attention_split<D>(a, plan, task.layer, task.first, task.count, index, wait))
+  if (!attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait))
     return false;
   const int arrived = block_signal(a, task.signal_counter);
   trace_phase(a, index, 2);
@@ -351,11 +354,13 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
 }
 
 // The handler admits head dimensions 64, 128 and 256 only (megakernel.cu).
+template <int TMAX>
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
+  constexpr int keys = kAttnKeysPerStep<TMAX>;
   switch (a.head_dim) {
-    case 64: return attention_task_of<64>(a, task, index);
-    case 128: return attention_task_of<128>(a, task, index);
-    default: return attention_task_of<256>(a, task, index);
+    case 64: return attention_task_of<64, keys>(a, task, index);
+    case 128: return attention_task_of<128, keys>(a, task, index);
+    default: return attention_task_of<256, keys>(a, task, index);
   }
 }
 

@@ -32,14 +32,6 @@ constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;
 constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
 #endif
 
-// Loop steps ahead whose keys a split asks into L2 (0: none). At long context a step's loads, issued one
-// step ahead, wait on a loaded memory system's latency (NOTES.md, fourth session); a prefetch holds no
-// register. A build define for now, measured before it gets a default.
-#ifndef LITHOS_MK_ATTN_L2_AHEAD
-#define LITHOS_MK_ATTN_L2_AHEAD 0
-#endif
-constexpr int kAttnL2Ahead = LITHOS_MK_ATTN_L2_AHEAD;
-
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
@@ -170,19 +162,6 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       }
     }
   };
-  // The K and V rows of the step from `base` asked into L2: one lane per 128 bytes of a row.
-  auto prefetch_step = [&](int base) {
-    if ((lane_id() & 7) != 0) return;
-#pragma unroll
-    for (int u = 0; u < KEYS; ++u) {
-      const int key = base + key_lane + u * key_stride;
-      if (key < key_end) {
-        const size_t at = static_cast<size_t>(slot_of(plan, a.slots, key)) * d;
-        prefetch_l2(keys + at);
-        prefetch_l2(values + at);
-      }
-    }
-  };
   const int first_base = key_begin + warp_k * keys_per_warp, step_keys = key_stride * KEYS;
   KeyStep now, next;
   load_step(now, first_base, INT_MIN, min(key_end, plan.fresh));
@@ -219,9 +198,6 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       // The next step's keys fly while this step's are scored (at long context a step waited for its
       // loads: 3 us per step, NOTES.md).
       if (base + step_keys < key_end) load_step(next, base + step_keys, INT_MIN, key_end);
-      if constexpr (kAttnL2Ahead > 0) {
-        if (base + kAttnL2Ahead * step_keys < key_end) prefetch_step(base + kAttnL2Ahead * step_keys);
-      }
       const int (&key)[KEYS] = now.key;
       const Bf16Vec<8>(&k)[KEYS] = now.k;
       const Bf16Vec<8>(&v)[KEYS] = now.v;

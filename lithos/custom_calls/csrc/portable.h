@@ -154,16 +154,6 @@ struct Bf16Vec<1> {
 typedef uint32_t u32x4_t __attribute__((ext_vector_type(4)));
 #endif
 
-// Asks the 128-byte line at p into L2 and returns at once (no register waits for it). CDNA has no
-// such prefetch: on HIP it does nothing, and the loads that follow stand alone.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if defined(LITHOS_HIP)
-  (void)p;
-#else
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 // Weights are streamed: read once per step, so keep them from evicting activations out of L1.
 template <int VEC>
 __device__ __forceinline__ Bf16Vec<VEC> load_streaming(const bf16_t* p);

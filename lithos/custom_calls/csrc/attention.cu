@@ -26,6 +26,7 @@
 #include "ffi_util.h"
 #include "fp8.h"
 #include "portable.h"
+#include "split_attention.h"
 
 namespace lithos {
 namespace {
@@ -64,54 +65,8 @@ __host__ __device__ inline int query_warps(int rows) {
   return chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1);
 }
 
-struct SplitPlan {
-  int begin;      // first key any query sees
-  int split_len;  // keys per split
-  int end;        // one past the last key any query sees
-  int splits;     // splits in use (<= max_splits)
-  int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
-};
-
 __device__ SplitPlan plan_splits(const AttnArgs& a) {
-  int lowest = INT_MAX, highest = -1;
-  for (int t = 0; t < a.tokens; ++t) {
-    lowest = min(lowest, a.positions[t]);
-    highest = max(highest, a.positions[t]);
-  }
-  SplitPlan plan;
-  plan.end = a.ring ? highest + 1 : min(highest + 1, a.slots);
-  plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
-  // A ring holds the newest `slots` positions; the handler checked that every window lies within them.
-  if (a.ring) plan.begin = max(plan.begin, plan.end - a.slots);
-  plan.lap = a.ring ? plan.begin - plan.begin % a.slots : 0;
-  const int keys = max(plan.end - plan.begin, 0);
-  plan.splits = max(1, min(a.max_splits, (keys + a.min_split_keys - 1) / a.min_split_keys));
-  plan.split_len = (keys + plan.splits - 1) / plan.splits;
-  return plan;
-}
-
-// The slot of key position `key` in [plan.begin, plan.end), which spans at most one lap of a ring.
-__device__ __forceinline__ int slot_of(const SplitPlan& plan, int slots, int key) {
-  const int slot = key - plan.lap;
-  return slot < slots ? slot : slot - slots;
-}
-
-// Online-softmax state of one query row over the keys seen so far (exp2 domain).
-struct Softmax {
-  float max;
-  float sum;
-  float acc[8];  // this lane's 8 output dimensions, unnormalised
-};
-
-// Fold `other` (the same row's state over other keys) into `s`.
-__device__ __forceinline__ void merge(Softmax& s, float other_max, float other_sum, const float (&other_acc)[8]) {
-  const float new_max = fmaxf(s.max, other_max);
-  if (new_max == -INFINITY) return;  // neither has seen a visible key
-  const float mine = exp2f(s.max - new_max), theirs = exp2f(other_max - new_max);
-  s.sum = s.sum * mine + other_sum * theirs;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) s.acc[e] = s.acc[e] * mine + other_acc[e] * theirs;
-  s.max = new_max;
+  return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, a.min_split_keys);
 }
 
 // How the split kernel reads a cache element type: 8 consecutive elements per lane and load, and the

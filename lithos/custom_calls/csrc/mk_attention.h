@@ -16,6 +16,7 @@
 #include <climits>
 
 #include "mk_common.h"
+#include "split_attention.h"
 
 namespace lithos {
 namespace mk {
@@ -35,38 +36,8 @@ constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
-struct SplitPlan {
-  int begin;      // first key any query sees
-  int split_len;  // keys per split
-  int end;        // one past the last key any query sees
-  int splits;     // splits in use (<= max_splits); tasks of later splits only arrive
-  int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
-  int fresh;      // the lowest position this step appends: keys from here on are this step's
-};
-
 __device__ inline SplitPlan plan_splits(const Args& a) {
-  int lowest = INT_MAX, highest = -1;
-  for (int t = 0; t < a.tokens; ++t) {
-    lowest = min(lowest, a.positions[t]);
-    highest = max(highest, a.positions[t]);
-  }
-  SplitPlan plan;
-  plan.fresh = lowest;
-  plan.end = a.ring ? highest + 1 : min(highest + 1, a.slots);
-  plan.begin = a.window > 0 ? max(0, lowest - a.window + 1) : 0;
-  // A ring holds the newest `slots` positions; the handler checked that every window lies within them.
-  if (a.ring) plan.begin = max(plan.begin, plan.end - a.slots);
-  plan.lap = a.ring ? plan.begin - plan.begin % a.slots : 0;
-  const int keys = max(plan.end - plan.begin, 0);
-  plan.splits = max(1, min(a.max_splits, (keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit));
-  plan.split_len = (keys + plan.splits - 1) / plan.splits;
-  return plan;
-}
-
-// The slot of key position `key` in [plan.begin, plan.end), which spans at most one lap of a ring.
-__device__ __forceinline__ int slot_of(const SplitPlan& plan, int slots, int key) {
-  const int slot = key - plan.lap;
-  return slot < slots ? slot : slot - slots;
+  return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, kMinKeysPerSplit);
 }
 
 // Sum over aligned groups of W lanes (a power of two).
@@ -75,23 +46,6 @@ __device__ __forceinline__ float lanes_sum(float v) {
 #pragma unroll
   for (int mask = W / 2; mask > 0; mask /= 2) v += shfl_xor(v, mask);
   return v;
-}
-
-// Online-softmax state of one query row over the keys seen so far (exp2 domain).
-struct RowState {
-  float max;
-  float sum;
-  float acc[8];  // this lane's 8 output dimensions, unnormalised
-};
-
-__device__ __forceinline__ void fold(RowState& s, float other_max, float other_sum, const float (&other_acc)[8]) {
-  const float new_max = fmaxf(s.max, other_max);
-  if (new_max == -INFINITY) return;  // neither has seen a visible key
-  const float mine = exp2f(s.max - new_max), theirs = exp2f(other_max - new_max);
-  s.sum = s.sum * mine + other_sum * theirs;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) s.acc[e] = s.acc[e] * mine + other_acc[e] * theirs;
-  s.max = new_max;
 }
 
 // Rows of the partial buffers: row = token * group + head-in-group.
@@ -171,7 +125,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
     const int first_row = pass_first + warp_q * kAttnRowsPerWarp;
     float q[kAttnRowsPerWarp][8];
     int see_from[kAttnRowsPerWarp], see_to[kAttnRowsPerWarp];
-    RowState state[kAttnRowsPerWarp];
+    Softmax state[kAttnRowsPerWarp];
 #pragma unroll
     for (int j = 0; j < kAttnRowsPerWarp; ++j) {
       const int row = first_row + j;
@@ -216,7 +170,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
           step_max = fmaxf(step_max, score[u]);
         }
         if (step_max != -INFINITY) {  // else no key of this step is visible to row j
-          RowState& s = state[j];
+          Softmax& s = state[j];
           const float new_max = fmaxf(s.max, step_max);
           const float rescale = exp2f(s.max - new_max);
           s.sum *= rescale;
@@ -245,7 +199,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
         for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
         const float other_max = shfl_xor(state[j].max, mask);
         const float other_sum = shfl_xor(state[j].sum, mask);
-        fold(state[j], other_max, other_sum, other_acc);
+        merge(state[j], other_max, other_sum, other_acc);
       }
     }
     if (pass_first == 0) trace_phase(a, index, 0);

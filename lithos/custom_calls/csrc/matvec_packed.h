@@ -15,6 +15,7 @@
 #include "ffi_util.h"
 #include "packed.h"
 #include "portable.h"
+#include "qkv_epilogue.h"
 #include "rowdot.h"
 
 namespace lithos {
@@ -220,38 +221,16 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const int head = head_of(unit);
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-            const int position = a.positions[t];
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int j = first_pair_of(unit) + p;
-              float lo = acc[2 * p][t] * rms_scale[t];
-              float hi = acc[2 * p + 1][t] * rms_scale[t];
-              if (!is_v) {
-                // The same float32 product as the reference, so both rotate by the same angle.
-                const float angle = static_cast<float>(position) * a.inv_freq[j];
-                float sin_a, cos_a;
-                sincosf(angle, &sin_a, &cos_a);
-                const float rotated_lo = lo * cos_a - hi * sin_a;
-                hi = hi * cos_a + lo * sin_a;
-                lo = rotated_lo;
-              }
-              if (is_q) {
-                bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim;
-                out[j] = float_to_bf16(lo);
-                out[j + half] = float_to_bf16(hi);
-              } else if (position >= 0 && (a.ring || position < a.max_len)) {
-                const int at = a.ring ? position % a.max_len : position;
-                bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
-                               (static_cast<size_t>(kv_head_of(head)) * a.max_len + at) * a.head_dim;
-                slot[j] = float_to_bf16(lo);
-                slot[j + half] = float_to_bf16(hi);
-              }
-            }
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v,
+                         [&](int t, int position, int j, float lo, float hi) {
+          if (is_q) {
+            store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
+          } else if (const int at = cache_slot(position, a.max_len, a.ring); at >= 0) {
+            store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer +
+                           (static_cast<size_t>(kv_head_of(head)) * a.max_len + at) * a.head_dim,
+                       j, half, lo, hi);
           }
-        }
+        });
       });
 }
 

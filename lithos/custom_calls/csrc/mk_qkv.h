@@ -8,6 +8,7 @@
 #pragma once
 
 #include "mk_matvec.h"
+#include "qkv_epilogue.h"
 #include "mk_weight_rows.h"
 
 namespace lithos {
@@ -27,39 +28,17 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
         const bool is_q = g.slot < group, is_v = g.slot == group + 1;
-        // Lane t writes token t's values (a compile-time index into acc keeps it in registers).
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-            const int position = a.positions[t];
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int j = g.first_pair + p;
-              float lo = acc[2 * p][t] * rms_scale[t];
-              float hi = acc[2 * p + 1][t] * rms_scale[t];
-              if (!is_v) {
-                // The same float32 product as the reference, so both rotate by the same angle.
-                const float angle = static_cast<float>(position) * a.inv_freq[j];
-                float sin_a, cos_a;
-                sincosf(angle, &sin_a, &cos_a);
-                const float rotated_lo = lo * cos_a - hi * sin_a;
-                hi = hi * cos_a + lo * sin_a;
-                lo = rotated_lo;
-              }
-              if (is_q) {
-                bf16_t* out = a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim;
-                out[j] = float_to_bf16(lo);
-                out[j + half] = float_to_bf16(hi);
-              } else if (position >= 0 && (a.ring || position < a.slots)) {
-                const int at = a.ring ? position % a.slots : position;
-                bf16_t* slot = (is_v ? a.v_cache : a.k_cache) + cache_layer +
-                               (static_cast<size_t>(g.kv_head) * a.slots + at) * a.head_dim;
-                slot[j] = float_to_bf16(lo);
-                slot[j + half] = float_to_bf16(hi);
-              }
-            }
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, g.first_pair, !is_v,
+                         [&](int t, int position, int j, float lo, float hi) {
+          if (is_q) {
+            store_pair(a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim, j, half,
+                       lo, hi);
+          } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
+            store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer +
+                           (static_cast<size_t>(g.kv_head) * a.slots + at) * a.head_dim,
+                       j, half, lo, hi);
           }
-        }
+        });
       }))
     return false;
   block_release(a, task.signal_counter);

@@ -1,0 +1,62 @@
+// The epilogue the three Q/K/V kernels share (qkv_rope.cu, its packed twin in matvec_packed.h, and the
+// megakernel's mk_qkv.h): a row group's dot products scaled by the token's RMSNorm factor, rotated by
+// RoPE, and handed to the kernel's own store (Q rows, or K and V appended to the cache).
+#pragma once
+
+#include <cstdint>
+
+#include "portable.h"
+#include "rowdot.h"
+
+namespace lithos {
+
+// Rotates the rotary pair (lo, hi) at `position`: the same float32 product as the reference, so both
+// rotate by the same angle.
+__device__ __forceinline__ void rope_rotate(float& lo, float& hi, int position, float inv_freq) {
+  const float angle = static_cast<float>(position) * inv_freq;
+  float sin_a, cos_a;
+  sincosf(angle, &sin_a, &cos_a);
+  const float rotated_lo = lo * cos_a - hi * sin_a;
+  hi = hi * cos_a + lo * sin_a;
+  lo = rotated_lo;
+}
+
+// The slot `position` is written to: position % slots in a ring, position in a linear cache; -1 when it
+// has none (a negative position, or one past a linear cache's end).
+__device__ __forceinline__ int cache_slot(int position, int slots, bool ring) {
+  if (position < 0 || !(ring || position < slots)) return -1;
+  return ring ? position % slots : position;
+}
+
+// Writes a rotary pair to elements j and j + half of a bf16 row.
+__device__ __forceinline__ void store_pair(bf16_t* row, int j, int half, float lo, float hi) {
+  row[j] = float_to_bf16(lo);
+  row[j + half] = float_to_bf16(hi);
+}
+
+// A row group of two rotary pairs (first_pair, first_pair + 1; acc rows 2p and 2p + 1 are pair p's
+// halves): lane t takes token t (a compile-time index into acc keeps it in registers), scales by the
+// token's RMSNorm factor, rotates unless `rotate` is false (V rows), and calls
+// `store(t, position, j, lo, hi)` for each pair j.
+template <int TMAX, class Store>
+__device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
+                                           const int32_t* positions, const float* inv_freq, int first_pair,
+                                           bool rotate, Store store) {
+  static_assert(kRowsPerWarp == 4, "a row group holds two rotary pairs");
+#pragma unroll
+  for (int t = 0; t < TMAX; ++t) {
+    if (t < tokens && lane_id() == t) {
+      const int position = positions[t];
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int j = first_pair + p;
+        float lo = acc[2 * p][t] * rms_scale[t];
+        float hi = acc[2 * p + 1][t] * rms_scale[t];
+        if (rotate) rope_rotate(lo, hi, position, inv_freq[j]);
+        store(t, position, j, lo, hi);
+      }
+    }
+  }
+}
+
+}  // namespace lithos

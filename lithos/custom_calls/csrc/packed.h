@@ -437,24 +437,7 @@ __device__ __forceinline__ void for_each_packed_row_group(int units, int k_split
     rows_of(unit, rows, in);
     float acc[kRowsPerWarp][TMAX];
     packed_rows_dot<F, TMAX>(rows, in, part, k_split, acc);
-    if (k_split > 1) {
-      if (lane_id() == 0) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-          for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          float sum = 0.0f;
-          for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
-          acc[r][t] = sum;
-        }
-      __syncthreads();
-    }
+    if (k_split > 1) block_team_sum(acc, partial, slot, k_split);
     if (first + slot < units && part == 0) epilogue(unit, acc);
   }
 }

@@ -136,6 +136,31 @@ __device__ __forceinline__ void warp_rows_dot(const bf16_t* const (&rows)[kRowsP
   warp_sum_rows(acc, in.tokens);
 }
 
+// The k_split consecutive warps of team `slot` (each with a share of a row group's inputs) add their
+// sums through shared memory `partial`; each member ends with the total. Every thread of the block calls
+// it (two block barriers).
+template <int TMAX>
+__device__ __forceinline__ void block_team_sum(float (&acc)[kRowsPerWarp][TMAX],
+                                               float (&partial)[kMatvecWarps][kRowsPerWarp][TMAX], int slot,
+                                               int k_split) {
+  if (lane_id() == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+      for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t) {
+      float sum = 0.0f;
+      for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
+      acc[r][t] = sum;
+    }
+  __syncthreads();
+}
+
 // Runs `epilogue(unit, acc)` for every row group `unit` < units, with acc[r][t] the full dot product
 // of rows_of(unit)[r] with token t. Warps of the grid take row groups round-robin; with k_split > 1,
 // k_split consecutive warps of a block share each group. Every thread of the block must call it.
@@ -151,24 +176,7 @@ __device__ __forceinline__ void for_each_row_group(const TokenRows& in, int unit
     rows_of(unit, rows);
     float acc[kRowsPerWarp][TMAX];
     warp_rows_dot<TMAX, VEC>(rows, in, part, k_split, acc);
-    if (k_split > 1) {
-      if (lane_id() == 0) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-          for (int t = 0; t < TMAX; ++t) partial[warp_id()][r][t] = acc[r][t];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          float sum = 0.0f;
-          for (int p = 0; p < k_split; ++p) sum += partial[slot * k_split + p][r][t];
-          acc[r][t] = sum;
-        }
-      __syncthreads();
-    }
+    if (k_split > 1) block_team_sum(acc, partial, slot, k_split);
     if (first + slot < units && part == 0) epilogue(unit, acc);
   }
 }

@@ -23,9 +23,9 @@ namespace mk {
 
 constexpr int kAttnRowsPerWarp = 4;   // query rows (token, head of the group) whose state a warp keeps
 // Keys per lane group per loop step (two loads of 16 bytes each); with the next step's loaded during a
-// step, twice that in flight. 3 in the 1- and 2-token kernels, 2 in the larger ones, where 3 spills
-// (NOTES.md, run 36). A build may ask for one count in every kernel
-// (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=2").
+// step, twice that in flight. 3 in the 1- and 2-token kernels (4-8% faster at 32K-128K, the same at 1K),
+// 2 in the larger ones (the 16-token kernel spills at 3; NOTES.md, run 36). A build may ask for one
+// count in every kernel (LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_KEYS=2").
 template <int TMAX>
 #ifdef LITHOS_MK_ATTN_KEYS
 constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;

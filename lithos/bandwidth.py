@@ -16,6 +16,23 @@ import jax
 import jax.numpy as jnp
 
 PROBE_METHOD = "device loop of reductions; per-reduction time = (long loop - short loop) / extra reductions"
+ROWS = 16384  # rows of the 2-D reduction layouts
+
+
+def probe_array(nbytes: int) -> jax.Array:
+    """float32 ones of about `nbytes`, rounded down to whole rows of both 2-D views (at least one)."""
+    nbytes = max(nbytes // (4 * ROWS), 1) * 4 * ROWS
+    return jnp.ones((nbytes // 4,), jnp.float32)
+
+
+def reduction_layouts() -> list[Callable[[jax.Array], jax.Array]]:
+    """The reductions timed: XLA's speed differs between layouts, and the floor should be what the
+    memory can deliver, not what one layout reaches."""
+    return [
+        lambda a: jnp.sum(a),
+        lambda a: jnp.sum(a.reshape(-1, ROWS), axis=0),
+        lambda a: jnp.sum(a.reshape(ROWS, -1), axis=1),
+    ]
 
 
 def _looped(reduction: Callable[[jax.Array], jax.Array]):
@@ -46,20 +63,12 @@ def _best_seconds(run, x: jax.Array, n: int, repeats: int) -> float:
 def measure_read_bandwidth(nbytes: int, repeats: int = 3, extra: int = 16) -> float:
     """Bytes/s of a reduction over `nbytes` of float32 (each byte read once per reduction).
 
-    Per layout (XLA's speed differs between reduction layouts; the floor should be what the memory
-    can deliver, not what one layout reaches), the best of `repeats` loops of 1 and of 1 + `extra`
-    reductions; their difference over `extra` is one reduction's device time. The best layout is kept.
+    Per layout (`reduction_layouts`), the best of `repeats` loops of 1 and of 1 + `extra` reductions;
+    their difference over `extra` is one reduction's device time. The best layout is kept.
     """
-    rows = 16384
-    nbytes = max(nbytes // (4 * rows), 1) * 4 * rows  # both 2-D views need whole rows
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    reductions = [
-        lambda a: jnp.sum(a),
-        lambda a: jnp.sum(a.reshape(-1, rows), axis=0),
-        lambda a: jnp.sum(a.reshape(rows, -1), axis=1),
-    ]
+    x = probe_array(nbytes)
     best = float("inf")
-    for reduction in reductions:
+    for reduction in reduction_layouts():
         run = _looped(reduction)
         run(x, jnp.int32(1)).block_until_ready()  # compile and warm up
         short = _best_seconds(run, x, 1, repeats)
@@ -68,5 +77,4 @@ def measure_read_bandwidth(nbytes: int, repeats: int = 3, extra: int = 16) -> fl
         # mean is then an upper bound on one reduction's time (a lower bound on the bandwidth).
         seconds = (long - short) / extra if long > short else long / (1 + extra)
         best = min(best, seconds)
-    del x
-    return nbytes / best
+    return x.nbytes / best

@@ -11,32 +11,24 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 
-from lithos.bandwidth import measure_read_bandwidth
+from lithos.bandwidth import measure_read_bandwidth, probe_array, reduction_layouts
 
 PROBE_BYTES = 4 << 30
 
 
 def host_timed(nbytes: int, repeats: int = 10) -> float:
     """The probe as lithos/bench.py had it before run 35: the best of single dispatches, host-timed."""
-    rows = 16384
-    nbytes = max(nbytes // (4 * rows), 1) * 4 * rows
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    reductions = (
-        lambda a: jnp.sum(a),
-        lambda a: jnp.sum(a.reshape(-1, rows), axis=0),
-        lambda a: jnp.sum(a.reshape(rows, -1), axis=1),
-    )
+    x = probe_array(nbytes)
     best = float("inf")
-    for reduction in reductions:
+    for reduction in reduction_layouts():
         run = jax.jit(reduction)
         run(x).block_until_ready()
         for _ in range(repeats):
             start = time.perf_counter()
             run(x).block_until_ready()
             best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return x.nbytes / best
 
 
 def torch_event_timed(nbytes: int, loops: int = 20) -> float:

@@ -95,8 +95,8 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   const bf16_t* values = a.v_cache + head_offset + dim0;
   const int key_stride = k_warps * keys_per_warp;  // between a lane's consecutive keys
 
-  // The keys of a loop step from `base`: key[u] for u < KEYS. Keys from `from` on are
-  // loaded, earlier ones kept (the first step loads the older keys before the wait, the rest after).
+  // The keys of a loop step from `base`: key[u] for u < KEYS. Keys from `from` on are loaded, earlier
+  // ones kept (the first step loads the older keys before the wait, the rest after).
   struct KeyStep {
     int key[KEYS];
     Bf16Vec<8> k[KEYS], v[KEYS];

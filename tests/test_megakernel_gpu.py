@@ -162,12 +162,14 @@ def test_trace_records_every_task_in_causal_order(monkeypatch, tmp_path, context
     assert np.all(trace.begin <= trace.ready) and np.all(trace.ready <= trace.end)  # the timer ticks in 256 ns
     assert mk_trace.causality_violations(trace, slack_ns=100) == []
     assert trace.context == context + 1 and 0 < trace.step_ns < 1e8
-    # Phase marks lie in order between a task's ready and end; only attention splits past the step's plan
-    # (at context 100) have none.
-    marks = np.column_stack([trace.ready, trace.phases, trace.end])
-    marked = ~np.isnan(trace.phases).any(axis=1)
-    assert np.all(np.diff(marks[marked], axis=1) >= 0)
+    # Phase marks lie in order between a task's ready and end: a matvec task's first three, every one of an
+    # attention split's five; only attention splits past the step's plan (at context 100) have none.
     attention = trace.tasks[:, FIELDS.index("op")] == Op.ATTENTION
-    assert marked[~attention].all() and marked[attention].any()
-    assert marked[attention].all() == (context == 1000)
+    matvec_marks = np.column_stack([trace.ready, trace.phases[:, :3], trace.end])[~attention]
+    assert not np.isnan(matvec_marks).any() and np.isnan(trace.phases[~attention, 3:]).all()
+    assert np.all(np.diff(matvec_marks, axis=1) >= 0)
+    attention_marks = np.column_stack([trace.ready, trace.phases, trace.end])[attention]
+    marked = ~np.isnan(attention_marks).any(axis=1)
+    assert np.all(np.diff(attention_marks[marked], axis=1) >= 0)
+    assert marked.any() and marked.all() == (context == 1000)
     assert {r["op"] for r in mk_trace.phase_summary(trace)} == {op.name.lower() for op in Op}

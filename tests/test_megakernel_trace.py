@@ -18,8 +18,10 @@ from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, Op
 from .test_megakernel import SHAPES
 
 DURATION_NS = {Op.QKV: 3000, Op.ATTENTION: 2000, Op.O_PROJ: 2500, Op.GATE_UP: 9000, Op.DOWN: 5000, Op.HEAD: 20000}
-# Where a task's duration goes: the first three phases' shares (the rest is the last phase).
+# Where a task's duration goes: the shares of the phases that end at its marks (the rest is the last
+# phase); a matvec task marks three phases, an attention split five.
 PHASE_SHARES = (0.1, 0.6, 0.2)
+ATTENTION_SHARES = (0.1, 0.3, 0.1, 0.2, 0.1)
 COMBINE_NS = 400  # what the last split of an attention head adds to its duration
 HANDOFF_NS = 700  # from a producer's signal to a waiting consumer's start
 EPOCH = 5_000_000_000  # the global timer does not start at zero
@@ -39,14 +41,16 @@ def simulated_trace(schedule, grid: int, context: int) -> dict:
         if task["wait_counter"] != NO_COUNTER:
             ready = max(begin, sorted(sent[task["wait_counter"]])[task["wait_target"] - 1] + HANDOFF_NS)
         duration = DURATION_NS[Op(task["op"])]
-        marks = list(ready + np.cumsum(PHASE_SHARES) * duration)
+        shares = ATTENTION_SHARES if task["op"] == Op.ATTENTION else PHASE_SHARES
+        marks = [EPOCH + int(m) for m in ready + np.cumsum(shares) * duration]
+        marks += [0] * (len(mk_trace.PHASES) - len(marks))  # phases the kind does not mark
         end = ready + duration
         sent.setdefault(task["signal_counter"], []).append(end)
         if task["op"] == Op.ATTENTION and len(sent[task["signal_counter"]]) == task["arrivals"]:
             end += COMBINE_NS
             sent.setdefault(task["aux"], []).append(end)
         free[block] = end
-        rows.append([*row.tolist(), block, EPOCH + begin, EPOCH + ready, EPOCH + end, *(EPOCH + int(m) for m in marks)])
+        rows.append([*row.tolist(), block, EPOCH + begin, EPOCH + ready, EPOCH + end, *marks])
     s = schedule.shape
     return {
         "ns_per_tick": 1.0,
@@ -122,12 +126,39 @@ def test_phases_split_each_kind_of_task_and_time_the_combine_on_the_last_split(t
     expected = [share * down for share in PHASE_SHARES] + [down * (1 - sum(PHASE_SHARES))]
     assert [phases["down"][k] for k in mk_trace.MATVEC_PHASES] == pytest.approx(expected, abs=1e-3)
     attention = DURATION_NS[Op.ATTENTION] / 1e3
-    assert phases["attention"]["scored"] == pytest.approx(PHASE_SHARES[0] * attention, abs=1e-3)
+    names = mk_trace.ATTENTION_PHASES
+    assert [phases["attention"][k] for k in names[:-1]] == pytest.approx(
+        [share * attention for share in ATTENTION_SHARES], abs=1e-3
+    )
     # Only the split that arrives last combines: its last phase is the rest of its duration and the combine.
-    rest = attention * (1 - sum(PHASE_SHARES)) + COMBINE_NS / 1e3
+    rest = attention * (1 - sum(ATTENTION_SHARES)) + COMBINE_NS / 1e3
     assert phases["attention"]["combined"] == pytest.approx(rest, abs=1e-3)
     assert mk_trace.main([str(path)]) == 0
-    assert "combined" in capsys.readouterr().out
+    assert "looped" in capsys.readouterr().out
+
+
+def test_a_trace_with_three_marks_per_task_reads_with_the_older_names(traced):
+    """Traces recorded before the attention's first two marks have three phase fields: matvec phases as
+    now, attention's scored, written, arrived and combined."""
+    _, path = traced
+    record = json.loads(path.read_text())
+    attention = [row[0] == Op.ATTENTION for row in record["tasks"]]
+    first_mark = len(FIELDS) + len(mk_trace.TIMES)
+    record["fields"] = record["fields"][: first_mark + 3]
+    # An attention split's three marks were its scored, written and arrived: today's last three.
+    record["tasks"] = [
+        row[:first_mark] + (row[first_mark + 2 :] if is_attention else row[first_mark : first_mark + 3])
+        for row, is_attention in zip(record["tasks"], attention, strict=True)
+    ]
+    path.write_text(json.dumps(record))
+    phases = {r["op"]: r for r in mk_trace.phase_summary(mk_trace.load(path))}
+    attention_us = DURATION_NS[Op.ATTENTION] / 1e3
+    assert list(phases["attention"])[1:] == list(mk_trace.ATTENTION_PHASES_3)
+    scored = sum(ATTENTION_SHARES[:3]) * attention_us  # the first three phases of today, in one
+    assert phases["attention"]["scored"] == pytest.approx(scored, abs=1e-3)
+    assert phases["attention"]["written"] == pytest.approx(ATTENTION_SHARES[3] * attention_us, abs=1e-3)
+    down = DURATION_NS[Op.DOWN] / 1e3
+    assert phases["down"]["dots"] == pytest.approx(PHASE_SHARES[1] * down, abs=1e-3)
 
 
 def test_a_trace_without_phase_marks_still_reads(traced):

@@ -147,6 +147,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       load_step(now, first_base, max(plan.fresh, key_begin), key_end);  // this step's own keys, now written
     else
       load_step(now, first_base, INT_MIN, key_end);
+    if (pass_first == 0) trace_phase_when(a, index, 0, q[0][0] + now.k[0][0]);
     // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
     for (int base = first_base; base < key_end; base += step_keys) {
       // The next step's keys fly while this step's are scored (at long context a step waited for its
@@ -188,6 +189,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       }
       now = next;
     }
+    if (pass_first == 0) trace_phase_when(a, index, 1, state[0].sum + state[0].acc[0]);
 
     // Lane groups of a warp saw different keys: fold them together.
 #pragma unroll
@@ -202,7 +204,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
         merge(state[j], other_max, other_sum, other_acc);
       }
     }
-    if (pass_first == 0) trace_phase(a, index, 0);
+    if (pass_first == 0) trace_phase(a, index, 2);
 
     // Warps that split the keys fold together through shared memory; the block writes the split.
     if (key_lane == 0) {
@@ -238,7 +240,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
     }
     __syncthreads();  // shared memory is reused by the next pass
   }
-  trace_phase(a, index, 1);
+  trace_phase(a, index, 3);
   return true;
 }
 
@@ -299,7 +301,7 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
   if (!attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait))
     return false;
   const int arrived = block_signal(a, task.signal_counter);
-  trace_phase(a, index, 2);
+  trace_phase(a, index, 4);
   if (arrived == task.arrivals - 1) {
     attention_combine<D>(a, plan, task.first);
     block_release(a, task.aux);

@@ -115,13 +115,14 @@ struct Args {
 };
 
 // A traced step records, per task: the block that ran it, when the block reached it, when its
-// inputs were ready (the wait ended), when it had signalled, and three marks inside the task that
+// inputs were ready (the wait ended), when it had signalled, and up to five marks inside the task that
 // say where its time goes (trace_clock ticks; 0 where a task has no such phase). The phases, as
-// trace.py PHASES names them:
-// - matvec tasks: inputs staged; warp 0's last dot products done; warp 0's epilogues done;
-// - attention: warp 0's keys scored; the split's partial written; its arrival counted (the last
-//   split of a head to arrive then combines the head before its end).
-constexpr int kTracePhases = 3;
+// trace.py MATVEC_PHASES and ATTENTION_PHASES name them:
+// - matvec tasks (phases 0-2): inputs staged; warp 0's last dot products done; warp 0's epilogues done;
+// - attention (0-4): warp 0's queries and first keys landed; its key loop done; its keys scored
+//   (lanes merged); the split's partial written; its arrival counted (the last split of a head to
+//   arrive then combines the head before its end).
+constexpr int kTracePhases = 5;
 enum TraceField { kTraceBlock = 0, kTraceBegin = 1, kTraceReady = 2, kTraceEnd = 3, kTracePhase = 4 };
 constexpr int kTraceFields = kTracePhase + kTracePhases;
 
@@ -148,6 +149,14 @@ __device__ __forceinline__ void trace_mark(const Args& a, int task_index, int fi
 // Thread 0 of a traced step marks the end of phase `phase` (< kTracePhases) of task `task_index`.
 __device__ __forceinline__ void trace_phase(const Args& a, int task_index, int phase) {
   trace_mark(a, task_index, kTracePhase + phase);
+}
+// The same once `landed` (a value computed from loaded data) is in thread 0's registers: the branch on
+// it makes the warp wait for those loads before it reads the clock, so a phase can end where data
+// arrives rather than where its loads were issued.
+__device__ __forceinline__ void trace_phase_when(const Args& a, int task_index, int phase, float landed) {
+  if (a.trace == nullptr || threadIdx.x != 0) return;
+  if (__float_as_uint(landed) == 0xffffffffu) return;  // never taken (no arithmetic makes this NaN)
+  trace_phase(a, task_index, phase);
 }
 
 // ---------------------------------------------------------------------------------------------

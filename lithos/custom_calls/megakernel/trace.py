@@ -16,8 +16,9 @@ stage's last signal to this stage's first start (negative where the stage depend
 previous one only: attention of KV head g starts when group g's Q/K/V are done); and the rate its
 bytes streamed at over the span. Then, per task kind, the phases of a task after its wait (marks the
 kernel stamps inside it, csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot
-products, its epilogues and its signal; for an attention split its keys scored, its partial written,
-its arrival counted and, on the split that arrives last, the head's combine.
+products, its epilogues and its signal; for an attention split its queries and first keys landed, its
+key loop, its lanes merged (keys scored), its partial written, its arrival counted and, on the split
+that arrives last, the head's combine.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ import numpy as np
 from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, ModelShape, Op
 
 TIMES = ("block", "begin", "ready", "end")
-# Marks inside a task (csrc/mk_common.h kTracePhases), named per task kind by what ends at each; 0 where a
-# task has none (an attention split past the step's plan).
-PHASES = ("phase0", "phase1", "phase2")
+# Marks inside a task (csrc/mk_common.h kTracePhases), in the order a task reaches them; 0 where a task
+# has none (the phases its kind does not mark, and every phase of an attention split past the step's
+# plan). Per task kind, the names of the phases that end at its marks and then at its end:
+PHASES = ("phase0", "phase1", "phase2", "phase3", "phase4")
 MATVEC_PHASES = ("staged", "dots", "epilogues", "signal")
-ATTENTION_PHASES = ("scored", "written", "arrived", "combined")
+ATTENTION_PHASES = ("inputs", "looped", "scored", "written", "arrived", "combined")
+# Traces with three marks (before the attention's queries-landed and loop-done marks).
+ATTENTION_PHASES_3 = ("scored", "written", "arrived", "combined")
 BF16_BYTES = 2
 
 
@@ -54,7 +58,7 @@ class StepTrace:
     begin: np.ndarray
     ready: np.ndarray
     end: np.ndarray
-    phases: np.ndarray | None = None  # [n, len(PHASES)] like the times, NaN where unmarked; None in older traces
+    phases: np.ndarray | None = None  # [n, 5 or 3] like the times, NaN where unmarked; None in older traces
 
     @property
     def step_ns(self) -> float:
@@ -64,7 +68,7 @@ class StepTrace:
 def load(path: str | Path) -> StepTrace:
     record = json.loads(Path(path).read_text())
     fields = list(record["fields"])
-    if fields not in ([*FIELDS, *TIMES, *PHASES], [*FIELDS, *TIMES]):
+    if fields not in ([*FIELDS, *TIMES, *PHASES], [*FIELDS, *TIMES, *PHASES[:3]], [*FIELDS, *TIMES]):
         raise ValueError(f"{path}: trace fields {fields} are not this lithos's {[*FIELDS, *TIMES, *PHASES]}")
     rows = np.asarray(record["tasks"], np.int64).reshape(-1, len(fields))
     times = slice(len(FIELDS) + 1, len(FIELDS) + len(TIMES))
@@ -221,6 +225,7 @@ def phase_summary(trace: StepTrace) -> list[dict]:
         return []
     ops = trace.tasks[:, FIELDS.index("op")]
     marks = np.column_stack([trace.ready, trace.phases, trace.end])
+    end = marks.shape[1] - 1
     rows = []
     for op in Op:
         of_op = ops == op
@@ -232,14 +237,16 @@ def phase_summary(trace: StepTrace) -> list[dict]:
             for counter in np.unique(heads[of_op]):
                 splits = np.flatnonzero(of_op & (heads == counter))
                 last[splits[np.argmax(trace.end[splits])]] = True
-            of_phase = [of_op, of_op, of_op, last]
-            names = ATTENTION_PHASES
+            names = ATTENTION_PHASES if trace.phases.shape[1] == len(PHASES) else ATTENTION_PHASES_3
+            of_phase = [of_op] * (len(names) - 1) + [last]
         else:
-            of_phase = [of_op] * 4
             names = MATVEC_PHASES
+            of_phase = [of_op] * len(names)
+        # The columns of `marks` this kind's phases end at: its marks in order, then its end.
+        columns = [0, *range(1, len(names)), end]
         durations = {}
         for k, name in enumerate(names):
-            d = (marks[:, k + 1] - marks[:, k])[of_phase[k]]
+            d = (marks[:, columns[k + 1]] - marks[:, columns[k]])[of_phase[k]]
             d = d[~np.isnan(d)]
             if len(d):
                 durations[name] = float(d.mean()) / 1e3

@@ -163,53 +163,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
         v[u] = k[u];
       }
     }
-#pragma unroll
-    for (int j = 0; j < kQueryRowsPerWarp; ++j) {
-      float score[kSteps];
-      float step_max = -INFINITY;
-#pragma unroll
-      for (int u = 0; u < kSteps; ++u) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
-        dot = group_sum<kLanesPerKey>(dot) * Read::kScoreFold;
-        const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
-        score[u] = visible ? dot : -INFINITY;
-        step_max = fmaxf(step_max, score[u]);
-      }
-      if (step_max != -INFINITY) {  // else no key of this step is visible to row j
-        Softmax& s = state[j];
-        const float new_max = fmaxf(s.max, step_max);
-        const float rescale = exp2f(s.max - new_max);
-        s.sum *= rescale;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
-#pragma unroll
-        for (int u = 0; u < kSteps; ++u) {
-          const float p = exp2f(score[u] - new_max);
-          s.sum += p;
-          const float p_value = p * Read::kValueFold;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p_value, v[u][e], s.acc[e]);
-        }
-        s.max = new_max;
-      }
-    }
+    score_keys<kQueryRowsPerWarp, kSteps, kLanesPerKey>(q, key, k, v, key_end, see_from, see_to, Read::kScoreFold,
+                                                        Read::kValueFold, state);
   }
 
-  // Lane groups of a warp saw different keys: fold them together.
-#pragma unroll
-  for (int mask = kLanesPerKey; mask < WARP_SIZE; mask *= 2) {
-#pragma unroll
-    for (int j = 0; j < kQueryRowsPerWarp; ++j) {
-      float other_acc[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
-      const float other_max = shfl_xor(state[j].max, mask);
-      const float other_sum = shfl_xor(state[j].sum, mask);
-      merge(state[j], other_max, other_sum, other_acc);
-    }
-  }
+  fold_lane_groups<kQueryRowsPerWarp, kLanesPerKey>(state);
 
   // Warps that split the keys fold together through shared memory, then the block writes its split.
   __shared__ float shared_acc[kAttnWarps][kQueryRowsPerWarp][HEAD_DIM];

@@ -40,14 +40,6 @@ __device__ inline SplitPlan plan_splits(const Args& a) {
   return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, kMinKeysPerSplit);
 }
 
-// Sum over aligned groups of W lanes (a power of two).
-template <int W>
-__device__ __forceinline__ float lanes_sum(float v) {
-#pragma unroll
-  for (int mask = W / 2; mask > 0; mask /= 2) v += shfl_xor(v, mask);
-  return v;
-}
-
 // Rows of the partial buffers: row = token * group + head-in-group.
 __device__ __forceinline__ size_t partial_row(const Args& a, int kv_head, int split, int row) {
   const int rows = a.tokens * (a.heads / a.kv_heads);
@@ -153,57 +145,13 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       // The next step's keys fly while this step's are scored (at long context a step waited for its
       // loads: 3 us per step, NOTES.md).
       if (base + step_keys < key_end) load_step(next, base + step_keys, INT_MIN, key_end);
-      const int (&key)[KEYS] = now.key;
-      const Bf16Vec<8>(&k)[KEYS] = now.k;
-      const Bf16Vec<8>(&v)[KEYS] = now.v;
-#pragma unroll
-      for (int j = 0; j < kAttnRowsPerWarp; ++j) {
-        float score[KEYS];
-        float step_max = -INFINITY;
-#pragma unroll
-        for (int u = 0; u < KEYS; ++u) {
-          float dot = 0.0f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
-          dot = lanes_sum<lanes_per_key>(dot);
-          const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
-          score[u] = visible ? dot : -INFINITY;
-          step_max = fmaxf(step_max, score[u]);
-        }
-        if (step_max != -INFINITY) {  // else no key of this step is visible to row j
-          Softmax& s = state[j];
-          const float new_max = fmaxf(s.max, step_max);
-          const float rescale = exp2f(s.max - new_max);
-          s.sum *= rescale;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
-#pragma unroll
-          for (int u = 0; u < KEYS; ++u) {
-            const float p = exp2f(score[u] - new_max);
-            s.sum += p;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p, v[u][e], s.acc[e]);
-          }
-          s.max = new_max;
-        }
-      }
+      score_keys<kAttnRowsPerWarp, KEYS, lanes_per_key>(q, now.key, now.k, now.v, key_end, see_from, see_to, 1.0f,
+                                                         1.0f, state);
       now = next;
     }
     if (pass_first == 0) trace_phase_when(a, index, 1, state[0].sum + state[0].acc[0]);
 
-    // Lane groups of a warp saw different keys: fold them together.
-#pragma unroll
-    for (int mask = lanes_per_key; mask < WARP_SIZE; mask *= 2) {
-#pragma unroll
-      for (int j = 0; j < kAttnRowsPerWarp; ++j) {
-        float other_acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
-        const float other_max = shfl_xor(state[j].max, mask);
-        const float other_sum = shfl_xor(state[j].sum, mask);
-        merge(state[j], other_max, other_sum, other_acc);
-      }
-    }
+    fold_lane_groups<kAttnRowsPerWarp, lanes_per_key>(state);
     if (pass_first == 0) trace_phase(a, index, 2);
 
     // Warps that split the keys fold together through shared memory; the block writes the split.

@@ -1,6 +1,7 @@
 // What the two split-attention kernels share (flash-decoding: attention.cu, and the megakernel's
 // mk_attention.h): the split plan taken from the positions on the device, a key position's slot in a
-// linear or ring cache, and one query row's online-softmax state in the exp2 domain.
+// linear or ring cache, one query row's online-softmax state in the exp2 domain, a loop step's scores
+// folded into it, and the fold of a warp's lane groups.
 #pragma once
 
 #include <climits>
@@ -63,6 +64,67 @@ __device__ __forceinline__ void merge(Softmax& s, float other_max, float other_s
 #pragma unroll
   for (int e = 0; e < 8; ++e) s.acc[e] = s.acc[e] * mine + other_acc[e] * theirs;
   s.max = new_max;
+}
+
+// One loop step of a split over ROWS query rows: each of the KEYS keys (key[u], with this lane's 8
+// elements of its K and V rows in k[u] and v[u], LANES lanes per key) is scored against every row
+// that sees it (see_from..see_to, and before key_end), and the visible ones are folded into the row's
+// state. `score_fold` and `value_fold` undo scales taken out of the cache's codes (FP8); 1 for bf16.
+template <int ROWS, int KEYS, int LANES, class Vec>
+__device__ __forceinline__ void score_keys(const float (&q)[ROWS][8], const int (&key)[KEYS], const Vec (&k)[KEYS],
+                                           const Vec (&v)[KEYS], int key_end, const int (&see_from)[ROWS],
+                                           const int (&see_to)[ROWS], float score_fold, float value_fold,
+                                           Softmax (&state)[ROWS]) {
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) {
+    float score[KEYS];
+    float step_max = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < KEYS; ++u) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot = fmaf(q[j][e], k[u][e], dot);
+      dot = group_sum<LANES>(dot) * score_fold;
+      const bool visible = key[u] < key_end && key[u] <= see_to[j] && key[u] >= see_from[j];
+      score[u] = visible ? dot : -INFINITY;
+      step_max = fmaxf(step_max, score[u]);
+    }
+    if (step_max != -INFINITY) {  // else no key of this step is visible to row j
+      Softmax& s = state[j];
+      const float new_max = fmaxf(s.max, step_max);
+      const float rescale = exp2f(s.max - new_max);
+      s.sum *= rescale;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s.acc[e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < KEYS; ++u) {
+        const float p = exp2f(score[u] - new_max);
+        s.sum += p;
+        const float p_value = p * value_fold;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s.acc[e] = fmaf(p_value, v[u][e], s.acc[e]);
+      }
+      s.max = new_max;
+    }
+  }
+}
+
+// The lane groups of a warp (LANES lanes each) saw different keys: fold their states together, so that
+// every group ends with the warp's.
+template <int ROWS, int LANES>
+__device__ __forceinline__ void fold_lane_groups(Softmax (&state)[ROWS]) {
+#pragma unroll
+  for (int mask = LANES; mask < WARP_SIZE; mask *= 2) {
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      float other_acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) other_acc[e] = shfl_xor(state[j].acc[e], mask);
+      const float other_max = shfl_xor(state[j].max, mask);
+      const float other_sum = shfl_xor(state[j].sum, mask);
+      merge(state[j], other_max, other_sum, other_acc);
+    }
+  }
 }
 
 }  // namespace lithos

@@ -496,20 +496,6 @@ class Comparison:
     b: EvalRun
     differences: list[Difference]
 
-    @property
-    def tokens_per_round(self) -> float | None:
-        """Speculative runs: mean tokens a round produced (accepted drafts + the target's token)."""
-        spec = [r["spec"] for r in self.records if r.get("spec")]
-        rounds = sum(s["rounds"] for s in spec)
-        return (sum(s["accepted"] for s in spec) + rounds) / rounds if rounds else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Speculative runs: the fraction of drafted tokens accepted."""
-        spec = [r["spec"] for r in self.records if r.get("spec")]
-        drafted = sum(s["rounds"] * s["draft_tokens"] for s in spec)
-        return sum(s["accepted"] for s in spec) / drafted if drafted else None
-
     def summary(self) -> dict[str, Any]:
         return {
             "task": self.a.task.name,

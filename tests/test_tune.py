@@ -250,7 +250,7 @@ def test_grid_search_times_every_candidate():
 
 
 def test_model_problems_cover_a_decode_step_once():
-    shape = tune.Shape(16, 2048, 32, 8, 64, 8192, 128256)
+    shape = tune.StepShape(16, 2048, 32, 8, 64, 8192, 128256)
     keys = [p.key for p in tune.model_problems(shape, [1, 8], 1024)]
     assert len(keys) == len(set(keys)) == 12
     assert "matvec in=2048 out=2048 T=1" in keys and "matvec in=8192 out=2048 T=8" in keys

@@ -10,7 +10,6 @@ The per-call time includes each call's launch gap inside XLA's loop (what a deco
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -23,26 +22,10 @@ import numpy as np
 
 from lithos.bandwidth import measure_read_bandwidth
 from lithos.custom_calls import decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
+from lithos.custom_calls.step_shape import StepShape
+from lithos.errors import LithosError
 
 BF16 = jnp.bfloat16
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-
-
-SHAPES = {
-    "smollm2-135m": Shape(30, 576, 9, 3, 64, 1536, 49152),
-    "llama-3.2-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256),
-    "llama-3.1-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
-}
 
 
 def median_seconds(fn: Callable, *args, runs: int = 5) -> float:
@@ -68,7 +51,7 @@ def chain_seconds(step: Callable, weights: dict, state, layers: int, iters: int)
     return median_seconds(run, weights, state) / (iters * layers)
 
 
-def random_weights(s: Shape, tokens: int, context: int) -> dict[str, jax.Array]:
+def random_weights(s: StepShape, tokens: int, context: int) -> dict[str, jax.Array]:
     k = iter(jax.random.split(jax.random.PRNGKey(1), 16))
     L, D, F, Dq, Dkv = s.layers, s.hidden, s.ffn, s.heads * s.head_dim, s.kv_heads * s.head_dim
 
@@ -94,12 +77,14 @@ def random_weights(s: Shape, tokens: int, context: int) -> dict[str, jax.Array]:
     )
 
 
-def op_chains(s: Shape, tokens: int, context: int, path: str) -> dict[str, tuple[Callable, str, int, int]]:
+def op_chains(s: StepShape, tokens: int, context: int, path: str) -> dict[str, tuple[Callable, str, int, int]]:
     """name -> (step, weights entry that starts the chain, layers in the chain, bytes one call reads).
 
     Each call's input is the previous call's output, so neither path can hoist work out of the loop;
-    q_size == hidden in these shapes, so queries and attention outputs stand in for hidden states."""
-    L, D, F, Dq, Dkv = s.layers, s.hidden, s.ffn, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    queries and attention outputs stand in for hidden states, so q_size must equal hidden."""
+    if s.q_size != s.hidden:
+        raise LithosError(f"the microbench chains attention outputs into hidden states: {s} has q_size {s.q_size}")
+    L, D, F, Dq, Dkv = s.layers, s.hidden, s.ffn, s.q_size, s.kv_heads * s.head_dim
 
     def qkv(w, state, layer):
         x, kc, vc = state
@@ -143,7 +128,7 @@ def op_chains(s: Shape, tokens: int, context: int, path: str) -> dict[str, tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(SHAPES), action="append")
+    parser.add_argument("--model", action="append", help="model shape from configs/models (repeatable)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, nargs="+", default=[1024])
     parser.add_argument("--iters", type=int, default=20)
@@ -156,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     paths = args.paths
     for model in args.model or ["llama-3.2-1b"]:
+        shape = StepShape.named(model, "the microbench")
         for tokens in args.tokens:
             for i, context in enumerate(args.context):
-                weights = random_weights(SHAPES[model], tokens, context)
+                weights = random_weights(shape, tokens, context)
                 starts = dict(h=weights["h"], q=weights["q"], ids=jnp.zeros((tokens,), jnp.int32),
                               qkv_state=(weights["h"], weights["k_cache"], weights["v_cache"]))  # fmt: skip
-                chains = {p: op_chains(SHAPES[model], tokens, context, p) for p in paths}
+                chains = {p: op_chains(shape, tokens, context, p) for p in paths}
                 for name, (_, _, _, nbytes) in chains[paths[0]].items():
                     if i > 0 and not name.startswith("attention"):
                         continue  # only attention depends on the context

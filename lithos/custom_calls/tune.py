@@ -38,6 +38,7 @@ from lithos.custom_calls.attention import decode_attention
 from lithos.custom_calls.lm_head import lm_head_argmax
 from lithos.custom_calls.matvec import gate_up_silu, matvec
 from lithos.custom_calls.qkv import qkv_rope_append
+from lithos.custom_calls.step_shape import StepShape
 from lithos.errors import LithosError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,46 +78,11 @@ LM_HEAD_CHAIN = 4  # the LM head runs once per step: a short chain of repeated c
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    """The dimensions of a Llama-family decode step that the kernels see."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-
-    @property
-    def q_size(self) -> int:
-        return self.heads * self.head_dim
-
-    @classmethod
-    def from_config(cls, cfg) -> Shape:
-        needed = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-        if not all(hasattr(cfg, name) for name in needed):
-            raise LithosError(
-                f"lithos tune times the dense Llama-family kernels; {getattr(cfg, 'architecture', cfg)} has no "
-                "dense decoder layers of that form"
-            )
-        return cls(
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class Problem:
     """One kernel call of a decode step, keyed as the table keys it."""
 
     role: str
-    shape: Shape
+    shape: StepShape
     tokens: int
     context: int
 
@@ -151,7 +117,7 @@ class Problem:
 
 
 def model_problems(
-    shape: Shape, tokens: Sequence[int], context: int, kernels: Sequence[str] | None = None
+    shape: StepShape, tokens: Sequence[int], context: int, kernels: Sequence[str] | None = None
 ) -> list[Problem]:
     """The distinct problems of one model's decode step (a 1B model's O projection and a down
     projection of the same dims are one problem), for the kernels named (default: all)."""
@@ -239,7 +205,7 @@ def grid_search(
 # ---------------------------------------------------------------------------------------------
 
 
-def random_inputs(s: Shape, tokens: int, context: int, roles: set[str]) -> dict[str, jax.Array]:
+def random_inputs(s: StepShape, tokens: int, context: int, roles: set[str]) -> dict[str, jax.Array]:
     """Random bf16 weights `[layers, out, in]`, caches `[layers, 1, kv_heads, context + 16, head_dim]`
     and activations for the roles asked for (only what their chains read)."""
     keys = iter(jax.random.split(jax.random.PRNGKey(1), 24))
@@ -464,10 +430,8 @@ def require_gpu() -> str:
     return platform
 
 
-def named_shapes(args: argparse.Namespace) -> dict[str, Shape]:
-    from lithos import bench
-
-    shapes = {name: Shape.from_config(bench.model_shape(name)) for name in args.shape or []}
+def named_shapes(args: argparse.Namespace) -> dict[str, StepShape]:
+    shapes = {name: StepShape.named(name, "lithos tune") for name in args.shape or []}
     if args.model:
         from lithos.checkpoint import load_checkpoint
 
@@ -480,7 +444,7 @@ def named_shapes(args: argparse.Namespace) -> dict[str, Shape]:
             cfg = family_for_architecture(hf["architectures"][0]).config_from_hf(hf)
         else:
             cfg = load_checkpoint(path).cfg
-        shapes[path.stem] = Shape.from_config(cfg)
+        shapes[path.stem] = StepShape.from_config(cfg, "lithos tune")
     if not shapes:
         raise LithosError("give the shapes to tune: --shape NAME (from configs/models, repeatable) or --model PATH")
     return shapes

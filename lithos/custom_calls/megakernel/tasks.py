@@ -16,6 +16,8 @@ import enum
 
 import numpy as np
 
+from lithos.custom_calls.step_shape import StepShape
+
 FIELDS = (
     "op",
     "layer",
@@ -66,21 +68,8 @@ class Task:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the schedule depends on: a Llama-family decoder's sizes."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head."""
-        return self.heads // self.kv_heads
+class ModelShape(StepShape):
+    """What the schedule depends on: a Llama-family decoder's sizes, and the row groups of its matrices."""
 
     @property
     def qkv_units_per_group(self) -> int:

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   unsigned char* ring = smem + kLutBytes + static_cast<size_t>(n_in) * 2 +
                         static_cast<size_t>(warp) * STAGES * kStageBytes<CHUNK>;
-  const uint32_t ring_at = smem_address(ring), xs_at = smem_address(xs);
+  const uint32_t ring_at = smem_address(ring);
 
   const int layer = iter % layers;
   w += layer * layer_bytes;

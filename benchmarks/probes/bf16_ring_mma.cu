@@ -1,0 +1,238 @@
+// Standalone probe (CUDA only, not part of the library): a bf16 matvec for 8 query positions (the
+// speculative verification of 7 drafts) on tensor cores. The fused and megakernel matvecs spend T FP32
+// FMAs per weight (NOTES.md: an 8-token verification round takes about three plain steps); an m16n8k16 mma
+// takes 16 rows x 16 inputs x 8 tokens per instruction, so with the tokens as the N side the arithmetic
+// all but vanishes and only the stream is left.
+// - Per warp and step, 16 weight rows x CHUNK bytes and the 8 tokens' x over the same inputs are copied
+//   into a per-warp ring in shared memory with cp.async (each warp instruction covers 256 or 512
+//   contiguous bytes), 16-byte chunks XOR-swizzled by row;
+// - ldmatrix.x4 gives the A fragment (16 rows x 16 inputs), ldmatrix.x2 the B fragment (16 inputs x 8
+//   tokens: x stored token-major is B column-major); one mma per 16 inputs accumulates in f32.
+// MODE 1: the copies and ldmatrix only (the layout's ceiling). Shapes: the 8B gate/up (28672 x 4096)
+// and down (4096 x 14336), 4 layer copies so that nothing is served from L2; checked against a host f64
+// sum over rows 0-7 and all 8 tokens.
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o bf16_ring_mma bf16_ring_mma.cu && ./bf16_ring_mma
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                        \
+  do {                                                               \
+    cudaError_t e = (x);                                             \
+    if (e != cudaSuccess) {                                          \
+      printf("%s: %s\n", #x, cudaGetErrorString(e));                 \
+      exit(1);                                                       \
+    }                                                                \
+  } while (0)
+
+constexpr int kWarps = 8, kThreads = kWarps * 32, kRows = 16, kTokens = 8;
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t to, const void* from) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A ring stage: 16 weight rows, then 8 token rows of x, CHUNK bytes each.
+template <int CHUNK>
+constexpr int kStageBytes = (kRows + kTokens) * CHUNK;
+
+// Copies row r's CHUNK bytes from `from` into a stage, chunk j of 16 bytes at j ^ (r & 7).
+template <int CHUNK>
+__device__ __forceinline__ void copy_rows(uint32_t stage, int first_row, int rows, const unsigned char* base,
+                                          size_t row_stride, int lane) {
+  constexpr int kRowsPerCopy = 512 / CHUNK, kLanesPerRow = 32 / kRowsPerCopy;
+  const int chunk = lane % kLanesPerRow;
+  for (int i = 0; i < rows / kRowsPerCopy; ++i) {
+    const int r = i * kRowsPerCopy + lane / kLanesPerRow;
+    cp_async16(stage + (first_row + r) * CHUNK + ((chunk ^ (r & 7)) * 16), base + r * row_stride + chunk * 16);
+  }
+}
+
+// Work: 16 rows x a share of n_in (k_split shares), `steps` steps of CHUNK bytes per row each.
+template <int CHUNK, int STAGES, int MODE>
+__global__ void __launch_bounds__(kThreads, 1)
+    bf16_ring_mma(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int n_out,
+                  int n_in, size_t layer_elements, int layers, int iter, int k_split) {
+  constexpr int kChunks = CHUNK / 16;  // 16-byte chunks (8 inputs) per row and step
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const uint32_t ring_at = smem_address(smem) + warp * STAGES * kStageBytes<CHUNK>;
+  w += (iter % layers) * layer_elements;
+  const size_t row_bytes = static_cast<size_t>(n_in) * 2;
+  const int steps = static_cast<int>(row_bytes / CHUNK) / k_split;
+  const int works = n_out / kRows * k_split, warps = gridDim.x * kWarps;
+  const int first_work = blockIdx.x * kWarps + warp;
+  const int my_works = first_work < works ? (works - first_work + warps - 1) / warps : 0;
+  const int total = my_works * steps;
+
+  auto issue = [&](int s) {
+    if (s < total) {
+      const int work = first_work + (s / steps) * warps, part = work % k_split, unit = work / k_split;
+      const size_t offset = static_cast<size_t>(part * steps + s % steps) * CHUNK;  // bytes into a row
+      const uint32_t stage = ring_at + (s % STAGES) * kStageBytes<CHUNK>;
+      copy_rows<CHUNK>(stage, 0, kRows,
+                       reinterpret_cast<const unsigned char*>(w) + static_cast<size_t>(unit) * kRows * row_bytes + offset,
+                       row_bytes, lane);
+      copy_rows<CHUNK>(stage, kRows, kTokens, reinterpret_cast<const unsigned char*>(x) + offset, row_bytes, lane);
+    }
+    cp_commit();
+  };
+
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint32_t sink = 0;
+  // ldmatrix addresses: A, lane l gives row l % 16 of chunk pair member l / 16; B (x2), lane l < 16 gives
+  // token l % 8 of chunk pair member l / 8.
+  const int a_row = lane & 15, a_col = lane >> 4, b_row = lane & 7, b_col = (lane >> 3) & 1;
+  for (int s = 0; s < total; ++s) {
+    __syncwarp();
+    issue(s + STAGES - 1);
+    cp_wait<STAGES - 1>();
+    __syncwarp();
+    const uint32_t stage = ring_at + (s % STAGES) * kStageBytes<CHUNK>;
+#pragma unroll 4
+    for (int c = 0; c < kChunks; c += 2) {
+      uint32_t a[4], b[2];
+      ldmatrix_x4(a, stage + a_row * CHUNK + (((c + a_col) ^ (a_row & 7)) * 16));
+      ldmatrix_x2(b, stage + (kRows + b_row) * CHUNK + (((c + b_col) ^ (b_row & 7)) * 16));
+      if (MODE == 1)
+        sink ^= a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1];
+      else
+        mma_bf16(d, a, b);
+    }
+    if (s % steps == steps - 1) {  // the work's last step: lane (g, t) holds rows g, g + 8, tokens 2t, 2t + 1
+      const int work = first_work + (s / steps) * warps, unit = work / k_split;
+      if (MODE == 1) d[0] = __uint_as_float(sink & 0x3F7FFFFFu);
+      const int row = unit * kRows + g;
+      float* out[4] = {y + static_cast<size_t>(2 * t) * n_out + row, y + static_cast<size_t>(2 * t + 1) * n_out + row,
+                       y + static_cast<size_t>(2 * t) * n_out + row + 8,
+                       y + static_cast<size_t>(2 * t + 1) * n_out + row + 8};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (k_split == 1)
+          *out[i] = d[i];
+        else
+          atomicAdd(out[i], d[i]);
+        d[i] = 0.0f;
+      }
+    }
+  }
+  cp_wait<0>();
+}
+
+template <int CHUNK, int STAGES, int MODE>
+void run(const char* name, const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int n_out, int n_in, int layers,
+         int sms, int k_split, const std::vector<double>& ref) {
+  if ((n_in * 2) % (CHUNK * k_split) != 0) return;
+  auto k = bf16_ring_mma<CHUNK, STAGES, MODE>;
+  const size_t smem = static_cast<size_t>(kWarps) * STAGES * kStageBytes<CHUNK>;
+  int max_smem = 0;
+  CK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  if (smem > static_cast<size_t>(max_smem)) {
+    printf("%-40s skipped: %zu bytes of shared memory\n", name, smem);
+    return;
+  }
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int works = n_out / kRows * k_split;
+  const int blocks = std::min(sms, (works + kWarps - 1) / kWarps);
+  const size_t le = static_cast<size_t>(n_out) * n_in;
+  CK(cudaMemset(y, 0, static_cast<size_t>(kTokens) * n_out * 4));
+  k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, 0, k_split);
+  CK(cudaDeviceSynchronize());
+  double err = 0;
+  for (int token = 0; token < kTokens; ++token) {
+    float hy[8];
+    CK(cudaMemcpy(hy, y + static_cast<size_t>(token) * n_out, sizeof hy, cudaMemcpyDeviceToHost));
+    for (int r = 0; r < 8; ++r)
+      err = std::max(err, std::fabs(hy[r] - ref[token * 8 + r]) / (std::fabs(ref[token * 8 + r]) + 1e-3));
+  }
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 10; ++i) k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, i, k_split);
+  CK(cudaDeviceSynchronize());
+  const int iters = 200;
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, i, k_split);
+  cudaEventRecord(b);
+  CK(cudaEventSynchronize(b));
+  float ms;
+  cudaEventElapsedTime(&ms, a, b);
+  const double us = ms * 1000 / iters, bytes = le * 2.0;
+  printf("%-40s out=%6d in=%6d  %7.2f us  %6.0f GB/s  k_split %d  rel err rows 0-7 x 8 tokens %.1e%s\n", name, n_out,
+         n_in, us, bytes / us / 1e3, k_split, err, MODE == 1 ? " (no arithmetic)" : "");
+}
+
+int main() {
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int shapes[2][2] = {{28672, 4096}, {4096, 14336}};
+  for (auto& sh : shapes) {
+    const int n_out = sh[0], n_in = sh[1], layers = 4;
+    const size_t le = static_cast<size_t>(n_out) * n_in;
+    std::vector<__nv_bfloat16> hw(le), hx(static_cast<size_t>(kTokens) * n_in);
+    uint32_t st = 12345;
+    auto next = [&] {
+      st = st * 1664525u + 1013904223u;
+      return ((st >> 8) / 16777216.0f - 0.5f);
+    };
+    for (auto& v : hw) v = __float2bfloat16(next() * 0.1f);
+    for (auto& v : hx) v = __float2bfloat16(next() * 4);
+    std::vector<double> ref(kTokens * 8);
+    for (int token = 0; token < kTokens; ++token)
+      for (int r = 0; r < 8; ++r) {
+        double s = 0;
+        for (int i = 0; i < n_in; ++i)
+          s += static_cast<double>(__bfloat162float(hw[static_cast<size_t>(r) * n_in + i])) *
+               __bfloat162float(hx[static_cast<size_t>(token) * n_in + i]);
+        ref[token * 8 + r] = s;
+      }
+    __nv_bfloat16 *w, *x;
+    float* y;
+    CK(cudaMalloc(&w, le * 2 * layers));
+    CK(cudaMalloc(&x, hx.size() * 2));
+    CK(cudaMalloc(&y, static_cast<size_t>(kTokens) * n_out * 4));
+    for (int l = 0; l < layers; ++l) CK(cudaMemcpy(w + l * le, hw.data(), le * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    printf("floor at 4.3 TB/s: %.1f us\n", le * 2 / 4.3e6);
+    for (int ks : {1, 2, 4, 7}) {
+      // A stage is 24 rows x CHUNK bytes per warp: 512 B x 2 and 256 B x 4 stages fill 192 KB.
+      run<512, 2, 1>("ring 512 B x2, copies + ldmatrix only", w, x, y, n_out, n_in, layers, sms, ks, ref);
+      run<256, 4, 1>("ring 256 B x4, copies + ldmatrix only", w, x, y, n_out, n_in, layers, sms, ks, ref);
+      run<512, 2, 0>("ring 512 B x2, mma", w, x, y, n_out, n_in, layers, sms, ks, ref);
+      run<256, 3, 0>("ring 256 B x3, mma", w, x, y, n_out, n_in, layers, sms, ks, ref);
+      run<256, 4, 0>("ring 256 B x4, mma", w, x, y, n_out, n_in, layers, sms, ks, ref);
+    }
+    CK(cudaFree(w));
+    CK(cudaFree(x));
+    CK(cudaFree(y));
+  }
+  return 0;
+}

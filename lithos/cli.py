@@ -59,6 +59,22 @@ def placement_options(args: argparse.Namespace) -> dict:
     return dict(tp=args.tp, devices_per_gpu=args.devices_per_gpu, pad_heads=args.pad_heads, overlap=args.tp_overlap)
 
 
+def load_model(args: argparse.Namespace):
+    """`lithos.load` with the model, cache, kernel, dtype and placement options a generating command parsed
+    (`lithos generate`, `lithos eval`)."""
+    import lithos
+
+    return lithos.load(
+        args.model,
+        max_len=args.max_len,
+        kernels=args.kernels,
+        dtype=args.dtype,
+        dequantize=args.dequantize,
+        kv_cache_dtype=args.kv_cache,
+        **placement_options(args),
+    )
+
+
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -69,17 +85,8 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import lithos
 
-    model = lithos.load(
-        args.model,
-        max_len=args.max_len,
-        kernels=args.kernels,
-        dtype=args.dtype,
-        dequantize=args.dequantize,
-        kv_cache_dtype=args.kv_cache,
-        **placement_options(args),
-    )
+    model = load_model(args)
     if args.raw:
         prompt = args.prompt
     else:

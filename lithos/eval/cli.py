@@ -64,7 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import lithos
     from lithos.eval import RunConfig, compare, evaluate, load_task
 
     task = load_task(
@@ -81,17 +80,9 @@ def main(args: argparse.Namespace) -> int:
     if config_b is not None and config_b.options == config_a.options:
         raise LithosError(f"--compare {' '.join(args.compare)} changes nothing: give an option that differs")
 
-    from lithos.cli import placement_options
+    from lithos.cli import load_model
 
-    model = lithos.load(
-        args.model,
-        max_len=args.max_len,
-        kernels=args.kernels,
-        dtype=args.dtype,
-        dequantize=args.dequantize,
-        kv_cache_dtype=args.kv_cache,
-        **placement_options(args),
-    )
+    model = load_model(args)
     run_options = dict(
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,

@@ -214,3 +214,32 @@ def test_the_kernel_names_the_fields_as_the_task_format_does():
     names = re.search(r"kFieldNames\[kFields\] = \{([^}]*)\}", header.read_text())
     assert names is not None
     assert tuple(re.findall(r'"(\w+)"', names.group(1))) == FIELDS
+
+
+def test_chrome_events_put_each_task_and_its_phases_on_its_blocks_track(traced, tmp_path):
+    schedule, path = traced
+    trace = mk_trace.load(path)
+    out = tmp_path / "events.json"
+    assert mk_trace.main([str(path), "--chrome", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    tasks = [e for e in events if e["ph"] == "X" and "args" in e]
+    assert len(tasks) == len(schedule)
+    for e in tasks:
+        i = e["args"]["task"]
+        assert e["tid"] == trace.block[i] and e["name"].split()[0] == Op(e["args"]["op"]).name.lower()
+        assert e["ts"] == pytest.approx(trace.ready[i] / 1e3) and e["dur"] == pytest.approx(
+            (trace.end[i] - trace.ready[i]) / 1e3
+        )
+    # Phases nest inside their task: a matvec task has four, an attention split five, six on the split that
+    # combined its head.
+    phases = [e for e in events if e["ph"] == "X" and "args" not in e and e["name"] != "wait"]
+    names = {e["name"] for e in phases}
+    assert set(mk_trace.MATVEC_PHASES) | set(mk_trace.ATTENTION_PHASES) == names
+    attention = sum(1 for row in schedule.tasks if row[0] == Op.ATTENTION)
+    heads = schedule.shape.kv_heads * schedule.shape.layers
+    assert len(phases) == 4 * (len(schedule) - attention) + 5 * attention + heads
+    for e in phases:
+        inside = [t for t in tasks if t["tid"] == e["tid"] and t["ts"] <= e["ts"] + 1e-9]
+        task = max(inside, key=lambda t: t["ts"])
+        assert e["ts"] + e["dur"] <= task["ts"] + task["dur"] + 1e-6
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {f"block {b}" for b in range(16)}

@@ -8,7 +8,7 @@ GPU, so a traced run's timings are not the benchmark's (write them elsewhere):
 
     LITHOS_MEGAKERNEL_TRACE=/tmp/step.json lithos bench --shape llama-3.2-1b --kernels megakernel \
         --context 1024 --steps 128 --runs 1 --out /tmp/traced
-    python -m lithos.custom_calls.megakernel.trace /tmp/step.json
+    python -m lithos.custom_calls.megakernel.trace /tmp/step.json [--chrome /tmp/step-events.json]
 
 A stage is one task kind of one layer (the list is stage by stage). Per stage: its span, from the
 first task having its inputs to the last one signalling; the hand-off before it, from the previous
@@ -18,7 +18,8 @@ bytes streamed at over the span. Then, per task kind, the phases of a task after
 kernel stamps inside it, csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot
 products, its epilogues and its signal; for an attention split its queries and first keys landed, its
 key loop, its lanes merged (keys scored), its partial written, its arrival counted and, on the split
-that arrives last, the head's combine.
+that arrives last, the head's combine. `--chrome` also writes the step as Chrome trace events, a track
+per block, to open in Perfetto (ui.perfetto.dev) or chrome://tracing.
 """
 
 from __future__ import annotations
@@ -216,6 +217,34 @@ def summary(trace: StepTrace) -> list[dict]:
     return rows
 
 
+def _phase_marks(trace: StepTrace) -> np.ndarray:
+    """Per task the times its phases end at, `[n, 2 + marks]`: its ready time, its marks, its end."""
+    return np.column_stack([trace.ready, trace.phases, trace.end])
+
+
+def _phase_columns(trace: StepTrace, op: Op) -> tuple[tuple[str, ...], list[int]]:
+    """The names of a task kind's phases and the columns of `_phase_marks` they start and end at: phase
+    k runs from column columns[k] to columns[k + 1] (its marks in order, then its end)."""
+    if op == Op.ATTENTION:
+        names = ATTENTION_PHASES if trace.phases.shape[1] == len(PHASES) else ATTENTION_PHASES_3
+    else:
+        names = MATVEC_PHASES
+    return names, [0, *range(1, len(names)), trace.phases.shape[1] + 1]
+
+
+def _combining_splits(trace: StepTrace) -> np.ndarray:
+    """Per task, whether it is the attention split that combined its head (and layer): the one that ends
+    last, the combine being after every split's arrival (arrivals themselves can tie on a coarse clock)."""
+    ops = trace.tasks[:, FIELDS.index("op")]
+    heads = trace.tasks[:, FIELDS.index("signal_counter")]
+    attention = ops == Op.ATTENTION
+    last = np.zeros(len(ops), bool)
+    for counter in np.unique(heads[attention]):
+        splits = np.flatnonzero(attention & (heads == counter))
+        last[splits[np.argmax(trace.end[splits])]] = True
+    return last
+
+
 def phase_summary(trace: StepTrace) -> list[dict]:
     """Per task kind, where a task's time goes from its inputs being ready to its end: the mean time of
     each phase (MATVEC_PHASES, ATTENTION_PHASES) over the tasks that marked it, in us. An attention
@@ -224,26 +253,14 @@ def phase_summary(trace: StepTrace) -> list[dict]:
     if trace.phases is None:
         return []
     ops = trace.tasks[:, FIELDS.index("op")]
-    marks = np.column_stack([trace.ready, trace.phases, trace.end])
-    end = marks.shape[1] - 1
+    marks = _phase_marks(trace)
+    combining = _combining_splits(trace)
     rows = []
     for op in Op:
         of_op = ops == op
-        if op == Op.ATTENTION:
-            # The split of each head (and layer) that combined: it ends last, the combine being after
-            # every split's arrival (arrivals themselves can tie on a coarse clock).
-            heads = trace.tasks[:, FIELDS.index("signal_counter")]
-            last = np.zeros(len(ops), bool)
-            for counter in np.unique(heads[of_op]):
-                splits = np.flatnonzero(of_op & (heads == counter))
-                last[splits[np.argmax(trace.end[splits])]] = True
-            names = ATTENTION_PHASES if trace.phases.shape[1] == len(PHASES) else ATTENTION_PHASES_3
-            of_phase = [of_op] * (len(names) - 1) + [last]
-        else:
-            names = MATVEC_PHASES
-            of_phase = [of_op] * len(names)
-        # The columns of `marks` this kind's phases end at: its marks in order, then its end.
-        columns = [0, *range(1, len(names)), end]
+        names, columns = _phase_columns(trace, op)
+        # An attention split's last phase is the combine, which only the head's last split runs.
+        of_phase = [of_op] * (len(names) - 1) + [combining if op == Op.ATTENTION else of_op]
         durations = {}
         for k, name in enumerate(names):
             d = (marks[:, columns[k + 1]] - marks[:, columns[k]])[of_phase[k]]
@@ -253,6 +270,46 @@ def phase_summary(trace: StepTrace) -> list[dict]:
         if durations:
             rows.append({"op": op.name.lower(), **durations})
     return rows
+
+
+def chrome_trace(trace: StepTrace) -> dict:
+    """The step as Chrome trace events (chrome://tracing, Perfetto): a track per block, on it each task's
+    wait and the task itself (named by kind and layer), with its phases nested inside."""
+    ops = trace.tasks[:, FIELDS.index("op")]
+    layers = trace.tasks[:, FIELDS.index("layer")]
+    marks = _phase_marks(trace) if trace.phases is not None else None
+    combining = _combining_splits(trace)
+    events = []
+
+    def slice_(name: str, start: float, end: float, block: int, args: dict | None = None) -> None:
+        if np.isnan(start) or np.isnan(end) or end < start:
+            return
+        event = {"name": name, "ph": "X", "ts": start / 1e3, "dur": (end - start) / 1e3, "pid": 0, "tid": int(block)}
+        events.append(event | ({"args": args} if args else {}))
+
+    for i in range(len(ops)):
+        op, block = Op(int(ops[i])), trace.block[i]
+        fields = {name: int(v) for name, v in zip(FIELDS, trace.tasks[i], strict=True)}
+        if trace.ready[i] > trace.begin[i]:
+            slice_("wait", trace.begin[i], trace.ready[i], block)
+        slice_(f"{op.name.lower()} {int(layers[i])}", trace.ready[i], trace.end[i], block, {"task": i, **fields})
+        if marks is None:
+            continue
+        names, columns = _phase_columns(trace, op)
+        for k, name in enumerate(names):
+            if op == Op.ATTENTION and k == len(names) - 1 and not combining[i]:
+                continue  # only the head's last split combines
+            slice_(name, marks[i, columns[k]], marks[i, columns[k + 1]], block)
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": int(b), "args": {"name": f"block {int(b)}"}}
+        for b in np.unique(trace.block)
+    ]
+    s = trace.shape
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {"step_us": trace.step_ns / 1e3, "tokens": trace.tokens, "context": trace.context, **vars(s)},
+    }
 
 
 def format_phases(trace: StepTrace) -> list[str]:
@@ -290,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Summarise a megakernel step trace (LITHOS_MEGAKERNEL_TRACE).")
     parser.add_argument("trace", type=Path)
     parser.add_argument("--json", action="store_true", help="print the per-kind summary and phases as JSON")
+    parser.add_argument("--chrome", type=Path, help="also write the step as Chrome trace events (Perfetto) here")
     args = parser.parse_args(argv)
     trace = load(args.trace)
+    if args.chrome:
+        args.chrome.write_text(json.dumps(chrome_trace(trace)))
     if args.json:
         print(json.dumps({"stages": summary(trace), "phases": phase_summary(trace)}, indent=1))
     else:

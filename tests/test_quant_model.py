@@ -155,9 +155,77 @@ def test_gguf_packed_equals_dequantized_load(smollm2_gguf):
     the dequantizing load (gguf.quants.dequantize, then un-permuted) gives."""
     from lithos.checkpoint import gguf_file
 
-    _, packed, _ = gguf_file.load(smollm2_gguf)
-    _, dense, _ = gguf_file.load(smollm2_gguf, dequantize=True)
+    _, packed, _, unpacked = gguf_file.load(smollm2_gguf)
+    _, dense, _, _ = gguf_file.load(smollm2_gguf, dequantize=True)
+    assert unpacked == {}  # every quantized tensor of the default model stays packed
     assert set(packed) == set(dense)
     for name, w in packed.items():
         values = np.asarray(jax.jit(quant.dequantize)(w)) if quant.is_quantized(w) else w
         np.testing.assert_array_equal(values, dense[name], err_msg=name)
+
+
+def _write_k_quant_gguf(path):
+    """A one-layer llama GGUF (hidden and ffn 256, byte-level tokenizer of 32 tokens) whose ffn_up is
+    Q4_K, a type lithos has no packed layout for; the rest float32."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    hidden, ffn, vocab = 256, 256, 32
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("a") + i) for i in range(26)] + ["0", "1", "2", "3", "ab", "<|endoftext|>"])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(vocab - 1)
+    dense = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (hidden // 2, hidden),
+        "blk.0.attn_v.weight": (hidden // 2, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in dense.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    # Q4_K super-blocks of 256 weights: f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes.
+    blocks = rng.integers(0, 256, (ffn, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
+    blocks[:, 2:4] = np.frombuffer(np.float16(0.0071).tobytes(), np.uint8)
+    writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    up = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    return gguf.quants.dequantize(up.data, up.tensor_type)
+
+
+def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path):
+    """Types without a packed layout (the K-quants) arrive dequantized; stored as bf16 their values round,
+    and the load says so and names the fix; stored as float32 they are exact and nothing is said."""
+    import warnings
+
+    from lithos.checkpoint import gguf_file, load_checkpoint
+
+    path = tmp_path / "tiny-q4_k.gguf"
+    expected = _write_k_quant_gguf(path)
+    _, flat, _, unpacked = gguf_file.load(path)
+    assert unpacked == {"Q4_K": 1}
+    np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
+    assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
+    with pytest.warns(UserWarning, match=r"\(1 Q4_K\).*stored as bfloat16.*dtype='float32'"):
+        load_checkpoint(path, dtype="bfloat16", use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = load_checkpoint(path, dtype="float32", use_cache=False)
+    np.testing.assert_array_equal(np.asarray(exact.params.layers.w_up[0]), expected)

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,19 +94,35 @@ def _cache_key(path: Path, dtype: str, dequantize: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_source(path: Path, dequantize: bool = False):
+def _read_source(path: Path, dtype: str, dequantize: bool = False):
     """Parse a HF directory or GGUF file: (cfg, flat params, tokenizer, writer of tokenizer files).
 
     Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8 block-scaled, MXFP4 blocks) arrive as
-    lithos.quant.QuantizedArray, or as float32 when `dequantize`.
+    lithos.quant.QuantizedArray, or as float32 when `dequantize`. `dtype` is what the dense weights
+    will be stored in (for the warning about quantized tensors it would round).
     """
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf: pass a .gguf file or a model directory")
-        cfg, flat, meta = gguf_file.load(path, dequantize=dequantize)
+        cfg, flat, meta, unpacked = gguf_file.load(path, dequantize=dequantize)
+        if warning := rounding_warning(path, unpacked, dtype):
+            warnings.warn(warning, stacklevel=3)
         return cfg, flat, Tokenizer.from_gguf_metadata(meta), _gguf_tokenizer_writer(meta)
     cfg, flat = safetensors_dir.load(path, dequantize=dequantize)
     return cfg, flat, Tokenizer.from_dir(path), tokenizer_writer(path)
+
+
+def rounding_warning(path: Path, unpacked: dict[str, int], dtype: str) -> str | None:
+    """What to tell the user when quantized GGUF tensors lithos cannot keep packed (`unpacked`, counts per
+    type) are about to be stored in a dtype that rounds their values; None when nothing is rounded."""
+    if not unpacked or DTYPES[dtype] == np.float32:
+        return None
+    types = ", ".join(f"{n} {kind}" for kind, n in sorted(unpacked.items()))
+    return (
+        f"{path}: its quantized tensors ({types}) have no packed layout in lithos yet (it keeps "
+        f"{', '.join(gguf_file.GGUF_FORMATS)} packed), so they are dequantized and stored as {dtype}, which "
+        "rounds their values: pass dtype='float32' (--dtype float32) to run them with their exact values"
+    )
 
 
 def _gguf_tokenizer_writer(meta: dict[str, Any]):
@@ -211,7 +228,7 @@ def load_checkpoint(
     if use_cache and store.is_converted(cached):
         return restore_converted(cached)
 
-    cfg, flat, tokenizer, write_tokenizer = _read_source(path, dequantize)
+    cfg, flat, tokenizer, write_tokenizer = _read_source(path, dtype, dequantize)
     _check_shapes(cfg, flat, path)
     np_dtype = DTYPES[dtype]
     device_flat = {name: _to_device(w, np_dtype) for name, w in flat.items()}
@@ -231,7 +248,7 @@ def convert(
     unless `dequantize`)."""
     path, out = Path(path), Path(out)
     dtype = dtype or default_dtype()
-    cfg, flat, _, write_tokenizer = _read_source(path, dequantize)
+    cfg, flat, _, write_tokenizer = _read_source(path, dtype, dequantize)
     _check_shapes(cfg, flat, path)
     device_flat = {name: _to_device(w, DTYPES[dtype]) for name, w in flat.items()}
     store.save(out, cfg, device_flat, dtype, str(path), write_tokenizer)

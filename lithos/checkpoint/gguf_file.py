@@ -68,11 +68,17 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """Returns (Config, flat params, metadata) for a GGUF file.
+# Tensor types whose values a float dtype holds as they are (no quantization to undo).
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
+    """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
     Matrices in Q8_0, Q4_0, Q4_1 and MXFP4 stay packed (lithos.quant.QuantizedArray with numpy
-    planes) unless `dequantize`; every other tensor arrives as float32.
+    planes) unless `dequantize`; every other tensor arrives as float32. `unpacked` counts, per GGUF
+    type, the quantized tensors that arrived as float32 although `dequantize` was not asked for (types
+    lithos has no packed layout for, such as the K-quants): their exact values are float32.
     """
     import gguf
 
@@ -87,13 +93,17 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
 
     flat: dict[str, np.ndarray] = {}
     per_layer: dict[str, list] = {}
+    unpacked: dict[str, int] = {}
     for t in reader.tensors:
         expected = tuple(int(d) for d in reversed(t.shape))
+        kind = t.tensor_type.name
         try:
-            if not dequantize and t.tensor_type.name in GGUF_FORMATS and len(expected) == 2:
-                w = from_gguf(t.data, t.tensor_type.name, expected)
+            if not dequantize and kind in GGUF_FORMATS and len(expected) == 2:
+                w = from_gguf(t.data, kind, expected)
             else:
                 w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+                if not dequantize and kind not in FLOAT_TYPES:
+                    unpacked[kind] = unpacked.get(kind, 0) + 1
         except Exception as e:
             raise CheckpointError(f"{path}: tensor {t.name} cannot be decoded ({e}); the file is corrupt") from e
         if w.shape != expected:
@@ -116,4 +126,4 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         if any(x is None for x in layers):
             raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
         flat[name] = stack(layers)
-    return cfg, flat, meta
+    return cfg, flat, meta, unpacked

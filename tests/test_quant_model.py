@@ -210,9 +210,10 @@ def _write_k_quant_gguf(path):
     return gguf.quants.dequantize(up.data, up.tensor_type)
 
 
-def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path):
+def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path, monkeypatch):
     """Types without a packed layout (the K-quants) arrive dequantized; stored as bf16 their values round,
-    and the load says so and names the fix; stored as float32 they are exact and nothing is said."""
+    and the load says so and names the fix, again when the converted copy is loaded; stored as float32
+    they are exact and nothing is said."""
     import warnings
 
     from lithos.checkpoint import gguf_file, load_checkpoint
@@ -223,8 +224,10 @@ def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(
     assert unpacked == {"Q4_K": 1}
     np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
     assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
-    with pytest.warns(UserWarning, match=r"\(1 Q4_K\).*stored as bfloat16.*dtype='float32'"):
-        load_checkpoint(path, dtype="bfloat16", use_cache=False)
+    monkeypatch.setenv("LITHOS_CACHE", str(tmp_path / "cache"))
+    for source in ("the GGUF", "its converted copy"):
+        with pytest.warns(UserWarning, match=r"\(1 Q4_K\).*stored as bfloat16.*dtype='float32'"):
+            assert load_checkpoint(path, dtype="bfloat16").restored == (source == "its converted copy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exact = load_checkpoint(path, dtype="float32", use_cache=False)

@@ -95,21 +95,23 @@ def _cache_key(path: Path, dtype: str, dequantize: bool = False) -> str:
 
 
 def _read_source(path: Path, dtype: str, dequantize: bool = False):
-    """Parse a HF directory or GGUF file: (cfg, flat params, tokenizer, writer of tokenizer files).
+    """Parse a HF directory or GGUF file: (cfg, flat params, tokenizer, writer of tokenizer files,
+    rounding), `rounding` the warning (already given) about quantized tensors that storing in `dtype`
+    rounds, or None.
 
     Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8 block-scaled, MXFP4 blocks) arrive as
-    lithos.quant.QuantizedArray, or as float32 when `dequantize`. `dtype` is what the dense weights
-    will be stored in (for the warning about quantized tensors it would round).
+    lithos.quant.QuantizedArray, or as float32 when `dequantize`.
     """
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf: pass a .gguf file or a model directory")
         cfg, flat, meta, unpacked = gguf_file.load(path, dequantize=dequantize)
-        if warning := rounding_warning(path, unpacked, dtype):
-            warnings.warn(warning, stacklevel=3)
-        return cfg, flat, Tokenizer.from_gguf_metadata(meta), _gguf_tokenizer_writer(meta)
+        rounding = rounding_warning(path, unpacked, dtype)
+        if rounding:
+            warnings.warn(rounding, stacklevel=3)
+        return cfg, flat, Tokenizer.from_gguf_metadata(meta), _gguf_tokenizer_writer(meta), rounding
     cfg, flat = safetensors_dir.load(path, dequantize=dequantize)
-    return cfg, flat, Tokenizer.from_dir(path), tokenizer_writer(path)
+    return cfg, flat, Tokenizer.from_dir(path), tokenizer_writer(path), None
 
 
 def rounding_warning(path: Path, unpacked: dict[str, int], dtype: str) -> str | None:
@@ -185,6 +187,8 @@ def _check_shapes(cfg, flat: dict[str, Any], source: Path) -> None:
 
 def restore_converted(path: Path, sharding=None) -> LoadedCheckpoint:
     meta = store.read_meta(path)
+    if meta.get("rounding"):
+        warnings.warn(meta["rounding"], stacklevel=3)
     cfg = store.config_from_json(meta["config"])
     family = family_for_architecture(cfg.architecture)
     formats = meta.get("formats", {})
@@ -228,13 +232,13 @@ def load_checkpoint(
     if use_cache and store.is_converted(cached):
         return restore_converted(cached)
 
-    cfg, flat, tokenizer, write_tokenizer = _read_source(path, dtype, dequantize)
+    cfg, flat, tokenizer, write_tokenizer, rounding = _read_source(path, dtype, dequantize)
     _check_shapes(cfg, flat, path)
     np_dtype = DTYPES[dtype]
     device_flat = {name: _to_device(w, np_dtype) for name, w in flat.items()}
     if use_cache:
         try:
-            store.save(cached, cfg, device_flat, dtype, str(path), write_tokenizer)
+            store.save(cached, cfg, device_flat, dtype, str(path), write_tokenizer, rounding)
         except OSError as e:  # a read-only home must not stop the model from loading
             print(f"lithos: could not cache the converted model in {cached} ({e}); continuing")
     family = family_for_architecture(cfg.architecture)
@@ -248,8 +252,8 @@ def convert(
     unless `dequantize`)."""
     path, out = Path(path), Path(out)
     dtype = dtype or default_dtype()
-    cfg, flat, _, write_tokenizer = _read_source(path, dtype, dequantize)
+    cfg, flat, _, write_tokenizer, rounding = _read_source(path, dtype, dequantize)
     _check_shapes(cfg, flat, path)
     device_flat = {name: _to_device(w, DTYPES[dtype]) for name, w in flat.items()}
-    store.save(out, cfg, device_flat, dtype, str(path), write_tokenizer)
+    store.save(out, cfg, device_flat, dtype, str(path), write_tokenizer, rounding)
     return out

@@ -3,7 +3,8 @@ what the tokenizer needs, so the second load of a model skips parsing and dequan
 
 Layout of a converted directory:
     lithos.json        {"format": 1, "config": {...}, "dtype": "bfloat16", "source": "...",
-                        "formats": {"layers.wq": "q4_1", ...}}   (packed parameters only; may be absent)
+                        "formats": {"layers.wq": "q4_1", ...},   (packed parameters only; may be absent)
+                        "rounding": "..."}   (what the conversion rounded and how not to; may be absent)
     tokenizer/         tokenizer.json etc. (HF sources) or gguf_tokenizer.json (GGUF sources)
     params/            orbax checkpoint of {"embed": ..., "layers": {"wq": ...}, ...}; a packed
                        parameter is a group of its planes, {"layers": {"wq": {"data", "scales", "mins"}}}
@@ -67,8 +68,17 @@ def config_from_json(d: dict[str, Any]):
     return family.Config(**fields)
 
 
-def save(path: Path, cfg, flat_params: dict[str, jax.Array], dtype: str, source: str, tokenizer_files) -> None:
-    """Write a converted checkpoint. `tokenizer_files` is a callable that fills a directory."""
+def save(
+    path: Path,
+    cfg,
+    flat_params: dict[str, jax.Array],
+    dtype: str,
+    source: str,
+    tokenizer_files,
+    rounding: str | None = None,
+) -> None:
+    """Write a converted checkpoint. `tokenizer_files` is a callable that fills a directory; `rounding`
+    is the warning the conversion gave about values it rounded, repeated whenever the copy is loaded."""
     import orbax.checkpoint as ocp
 
     tmp = path.with_name(path.name + ".partial")
@@ -83,6 +93,8 @@ def save(path: Path, cfg, flat_params: dict[str, jax.Array], dtype: str, source:
     meta = {"format": FORMAT_VERSION, "config": config_to_json(cfg), "dtype": dtype, "source": source}
     if formats:
         meta["formats"] = formats
+    if rounding:
+        meta["rounding"] = rounding
     (tmp / MARKER).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)  # the marker appears only once everything is written

@@ -580,13 +580,13 @@ def print_tables(
             )
     if timing_rows:
         header = (
-            f"\n{'model':<28}{'drafter':<9}{'k':>3}{'kernels':>10}{'ctx':>7}{'round ms':>10}{'step ms':>9}"
+            f"\n{'model':<28}{'drafter':<9}{'k':>3}{'kernels':>12}{'ctx':>7}{'round ms':>10}{'step ms':>9}"
             f"{'tok/round':>10}{'tok/s':>9}{'credited tok/s':>16}"
         )
         print(header)
         for r in timing_rows:
             print(
-                f"{r['model']:<28}{r['drafter']:<9}{r['draft_tokens']:>3}{r['kernels']:>10}{r['context']:>7}"
+                f"{r['model']:<28}{r['drafter']:<9}{r['draft_tokens']:>3}{r['kernels']:>12}{r['context']:>7}"
                 f"{r['round_ms']:>10.3f}{r['plain_step_ms']:>9.3f}{r['measured_tokens_per_round']:>10.2f}"
                 f"{r['measured_tokens_per_s']:>9.1f}{r['credited_tokens_per_s']:>16.1f}"
                 + (" (random weights)" if r["weights"] == "random" else "")

@@ -7,7 +7,6 @@ Skipped unless jax has a CUDA or ROCm device. Run on the device machine with
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import zlib
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from lithos.custom_calls import build, decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
+from lithos.custom_calls.step_shape import StepShape
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,26 +28,13 @@ KERNEL = "ffi"
 BF16 = jnp.bfloat16
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-
-    @property
-    def q_size(self) -> int:
-        return self.heads * self.head_dim
-
-
+# One layer of each shape: every case runs a single layer's kernels.
 SHAPES = {
-    "smollm2-135m": Shape(576, 9, 3, 64, 1536, 49152),
-    "llama-3.2-1b": Shape(2048, 32, 8, 64, 8192, 128256),
-    "llama-3.1-8b": Shape(4096, 32, 8, 128, 14336, 128256),
+    "smollm2-135m": StepShape(1, 576, 9, 3, 64, 1536, 49152),
+    "llama-3.2-1b": StepShape(1, 2048, 32, 8, 64, 8192, 128256),
+    "llama-3.1-8b": StepShape(1, 4096, 32, 8, 128, 14336, 128256),
     # hidden not a multiple of 8 (scalar loads), rows not a multiple of 4, a group of 5 query heads.
-    "odd": Shape(100, 5, 1, 64, 250, 1001),
+    "odd": StepShape(1, 100, 5, 1, 64, 250, 1001),
 }
 TOKENS = [1, 4, 8, 16]
 CASES = list(itertools.product(SHAPES, TOKENS)) + [("odd", 3), ("odd", 13)]

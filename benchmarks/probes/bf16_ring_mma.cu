@@ -12,68 +12,13 @@
 // and down (4096 x 14336), 4 layer copies so that nothing is served from L2; checked against a host f64
 // sum over rows 0-7 and all 8 tokens.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o bf16_ring_mma bf16_ring_mma.cu && ./bf16_ring_mma
-#include <cuda_bf16.h>
+#include "ring_mma.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                        \
-  do {                                                               \
-    cudaError_t e = (x);                                             \
-    if (e != cudaSuccess) {                                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e));                 \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
-
-constexpr int kWarps = 8, kThreads = kWarps * 32, kRows = 16, kTokens = 8;
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t to, const void* from) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+constexpr int kTokens = 8;
 
 // A ring stage: 16 weight rows, then 8 token rows of x, CHUNK bytes each.
 template <int CHUNK>
 constexpr int kStageBytes = (kRows + kTokens) * CHUNK;
-
-// Copies row r's CHUNK bytes from `from` into a stage, chunk j of 16 bytes at j ^ (r & 7).
-template <int CHUNK>
-__device__ __forceinline__ void copy_rows(uint32_t stage, int first_row, int rows, const unsigned char* base,
-                                          size_t row_stride, int lane) {
-  constexpr int kRowsPerCopy = 512 / CHUNK, kLanesPerRow = 32 / kRowsPerCopy;
-  const int chunk = lane % kLanesPerRow;
-  for (int i = 0; i < rows / kRowsPerCopy; ++i) {
-    const int r = i * kRowsPerCopy + lane / kLanesPerRow;
-    cp_async16(stage + (first_row + r) * CHUNK + ((chunk ^ (r & 7)) * 16), base + r * row_stride + chunk * 16);
-  }
-}
 
 // Work: 16 rows x a share of n_in (k_split shares), `steps` steps of CHUNK bytes per row each.
 template <int CHUNK, int STAGES, int MODE>
@@ -125,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (MODE == 1)
         sink ^= a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1];
       else
-        mma_bf16(d, a, b);
+        mma_bf16(d, a, b[0], b[1]);
     }
     if (s % steps == steps - 1) {  // the work's last step: lane (g, t) holds rows g, g + 8, tokens 2t, 2t + 1
       const int work = first_work + (s / steps) * warps, unit = work / k_split;
@@ -173,19 +118,9 @@ void run(const char* name, const __nv_bfloat16* w, const __nv_bfloat16* x, float
     for (int r = 0; r < 8; ++r)
       err = std::max(err, std::fabs(hy[r] - ref[token * 8 + r]) / (std::fabs(ref[token * 8 + r]) + 1e-3));
   }
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 10; ++i) k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, i, k_split);
-  CK(cudaDeviceSynchronize());
-  const int iters = 200;
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, i, k_split);
-  cudaEventRecord(b);
-  CK(cudaEventSynchronize(b));
-  float ms;
-  cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1000 / iters, bytes = le * 2.0;
+  const double us =
+      launch_us([&](int i) { k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, i, k_split); }, 200);
+  const double bytes = le * 2.0;
   printf("%-40s out=%6d in=%6d  %7.2f us  %6.0f GB/s  k_split %d  rel err rows 0-7 x 8 tokens %.1e%s\n", name, n_out,
          n_in, us, bytes / us / 1e3, k_split, err, MODE == 1 ? " (no arithmetic)" : "");
 }

@@ -19,25 +19,8 @@
 // 4096 x 14336, 8 layer copies); each variant is checked against a host f64 sum over rows 0-7.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o mxfp4_ring_mma mxfp4_ring_mma.cu && ./mxfp4_ring_mma
 // Results and what they decided: lithos/custom_calls/NOTES.md, "Packed weights".
-#include <cuda_bf16.h>
+#include "ring_mma.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                        \
-  do {                                                               \
-    cudaError_t e = (x);                                             \
-    if (e != cudaSuccess) {                                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e));                 \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
-
-constexpr int kWarps = 8, kThreads = kWarps * 32, kRows = 16;
 constexpr int kLutBytes = 256 * 256;  // entry b at bytes [256 b, 256 b + 128): one 4-byte copy per lane
 
 __host__ __device__ inline uint32_t e2m1_bf16_bits(uint32_t c) {
@@ -49,30 +32,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
   return d;
 }
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t to, const void* from) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Shared memory: the table, x (bf16, n_in), then per warp STAGES x (16 rows x CHUNK bytes of codes,
 // 16 rows x CHUNK / 16 scale bytes).
 template <int CHUNK>
@@ -89,8 +48,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                 float* y, int n_out, int n_in, size_t layer_bytes, size_t layer_scale_bytes, int layers, int iter,
                 int k_split) {
   constexpr int kBlocks = CHUNK / 16;           // 32-code MX blocks per row and step
-  constexpr int kRowsPerCopy = 512 / CHUNK;     // rows one warp-wide copy instruction covers
-  constexpr int kLanesPerRow = 32 / kRowsPerCopy;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   for (int i = threadIdx.x; i < 256 * 32; i += kThreads) {
@@ -122,13 +79,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int work = first_work + (s / steps) * warps, part = work % k_split, unit = work / k_split;
       const int step = part * steps + s % steps;
       const uint32_t stage = ring_at + (s % STAGES) * kStageBytes<CHUNK>;
-      const int chunk = lane % kLanesPerRow;  // this lane's 16-byte chunk of its row
-#pragma unroll
-      for (int i = 0; i < kRows / kRowsPerCopy; ++i) {
-        const int r = i * kRowsPerCopy + lane / kLanesPerRow;
-        const uint8_t* from = w + static_cast<size_t>(unit * kRows + r) * row_bytes + step * CHUNK + chunk * 16;
-        cp_async16(stage + r * CHUNK + ((chunk ^ (r & 7)) * 16), from);
-      }
+      copy_rows<CHUNK>(stage, 0, kRows, w + static_cast<size_t>(unit) * kRows * row_bytes + step * CHUNK, row_bytes,
+                       lane);
       // Scales: 16 rows x kBlocks bytes, 16 bytes a lane.
       constexpr int kScaleCopies = kRows * kBlocks / 16;
       if (lane < kScaleCopies) {
@@ -226,19 +178,9 @@ void run(const char* name, const uint8_t* w, const uint8_t* sc, const __nv_bfloa
   CK(cudaMemcpy(hy, y, sizeof hy, cudaMemcpyDeviceToHost));
   double err = 0;
   for (int r = 0; r < 8; ++r) err = std::max(err, std::fabs(hy[r] - ref[r]) / (std::fabs(ref[r]) + 1e-3));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 10; ++i) k<<<blocks, kThreads, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split);
-  CK(cudaDeviceSynchronize());
-  const int iters = 400;
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) k<<<blocks, kThreads, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split);
-  cudaEventRecord(b);
-  CK(cudaEventSynchronize(b));
-  float ms;
-  cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1000 / iters, bytes = lb + ls;
+  const double us = launch_us(
+      [&](int i) { k<<<blocks, kThreads, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split); }, 400);
+  const double bytes = lb + ls;
   printf("%-40s out=%6d in=%6d  %7.2f us  %6.0f GB/s  k_split %d  rel err rows 0-7 %.1e%s\n", name, n_out, n_in, us,
          bytes / us / 1e3, k_split, err, MODE == 1 ? " (no arithmetic)" : "");
 }

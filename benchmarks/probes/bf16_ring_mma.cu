@@ -98,15 +98,8 @@ void run(const char* name, const __nv_bfloat16* w, const __nv_bfloat16* x, float
   if ((n_in * 2) % (CHUNK * k_split) != 0) return;
   auto k = bf16_ring_mma<CHUNK, STAGES, MODE>;
   const size_t smem = static_cast<size_t>(kWarps) * STAGES * kStageBytes<CHUNK>;
-  int max_smem = 0;
-  CK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  if (smem > static_cast<size_t>(max_smem)) {
-    printf("%-40s skipped: %zu bytes of shared memory\n", name, smem);
-    return;
-  }
-  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int works = n_out / kRows * k_split;
-  const int blocks = std::min(sms, (works + kWarps - 1) / kWarps);
+  if (!allow_shared_memory(k, smem, name)) return;
+  const int blocks = ring_blocks(sms, n_out / kRows * k_split);
   const size_t le = static_cast<size_t>(n_out) * n_in;
   CK(cudaMemset(y, 0, static_cast<size_t>(kTokens) * n_out * 4));
   k<<<blocks, kThreads, smem>>>(w, x, y, n_out, n_in, le, layers, 0, k_split);

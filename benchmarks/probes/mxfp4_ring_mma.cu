@@ -160,15 +160,8 @@ void run(const char* name, const uint8_t* w, const uint8_t* sc, const __nv_bfloa
   if ((n_in / 2) % (CHUNK * k_split) != 0) return;
   auto k = mx_ring_mma<CHUNK, STAGES, MODE>;
   const size_t smem = smem_bytes<CHUNK, STAGES>(n_in);
-  int max_smem = 0;
-  CK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  if (smem > static_cast<size_t>(max_smem)) {
-    printf("%-40s skipped: %zu bytes of shared memory\n", name, smem);
-    return;
-  }
-  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int works = n_out / kRows * k_split;
-  const int blocks = std::min(sms, (works + kWarps - 1) / kWarps);
+  if (!allow_shared_memory(k, smem, name)) return;
+  const int blocks = ring_blocks(sms, n_out / kRows * k_split);
   const size_t lb = static_cast<size_t>(n_out) * n_in / 2, ls = static_cast<size_t>(n_out) * n_in / 32;
   // Correctness first: one launch on layer 0 against the host's rows 0-7.
   CK(cudaMemset(y, 0, n_out * 4));

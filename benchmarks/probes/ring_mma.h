@@ -65,6 +65,23 @@ __device__ __forceinline__ void copy_rows(uint32_t stage, int first_row, int row
   }
 }
 
+// Lets `kernel` use `smem` bytes of dynamic shared memory; false, and a line naming the variant, when the
+// GPU offers a block fewer.
+template <class Kernel>
+bool allow_shared_memory(Kernel kernel, size_t smem, const char* name) {
+  int max_smem = 0;
+  CK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  if (smem > static_cast<size_t>(max_smem)) {
+    printf("%-40s skipped: %zu bytes of shared memory\n", name, smem);
+    return false;
+  }
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return true;
+}
+
+// Blocks for `works` 16-row works of one warp each: one block of kWarps warps per SM at most.
+inline int ring_blocks(int sms, int works) { return std::min(sms, (works + kWarps - 1) / kWarps); }
+
 // Microseconds per launch of `launch(i)` (i: the launch's index), after 10 warm-up launches.
 template <class Launch>
 double launch_us(Launch launch, int iters) {

@@ -4,6 +4,7 @@
 
 #include "mk_common.h"
 #include "mk_lane_ring.h"
+#include "mma_rowdot.h"
 #include "rowdot.h"
 
 namespace lithos {
@@ -48,7 +49,8 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 //
 // bf16 rows in the 1- and 2-token kernels come through the lane ring (mk_lane_ring.h: each lane's
 // chunks copied into shared memory steps ahead, the task's first steps before its wait) and the inputs
-// from a shared-memory copy when they fit; otherwise the warps stream the rows through registers.
+// from a shared-memory copy when they fit; otherwise the warps stream the rows through registers, and
+// in the 4- to 16-token kernels (CUDA) multiply them on tensor cores (mma_rowdot.h).
 template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
@@ -101,7 +103,12 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
       const bf16_t* bf16_rows[kRowsPerWarp];
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) bf16_rows[r] = reinterpret_cast<const bf16_t*>(rows[r].data);
-      warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(bf16_rows, in, part, k_split, acc);
+#if !defined(LITHOS_HIP)
+      if constexpr (kMmaRowDot<TMAX>)
+        mma_rows_dot<TMAX, true, kMmaChunks<TMAX>>(bf16_rows, in, part, k_split, acc);
+      else
+#endif
+        warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(bf16_rows, in, part, k_split, acc);
     } else {
       // Packed rows are decoded in registers (packed.h).
       packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);

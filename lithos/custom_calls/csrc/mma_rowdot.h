@@ -1,0 +1,187 @@
+// The tensor-core twin of warp_rows_dot (rowdot.h) for 4-16 query positions (the speculative
+// verification buckets): the same row group of kRowsPerWarp rows, the same share of the inputs, the same
+// result in every lane, but the products go through m16n8k16 bf16 mma instead of T FP32 FMAs per weight
+// and lane, which made the 8- and 16-token matvecs issue-bound (NOTES.md, "tensor cores for the
+// verification buckets").
+//
+// Layout, per 64-input step of the warp. Lane (g, t) = (lane / 4, lane % 4).
+// - B (16 inputs x 8 columns): column n is row n % 4 of the group over the step's half n / 4 (inputs
+//   0-31 or 32-63). Lane (g, t) loads the 8 weights at half * 32 + 8t of row g % 4 and feeds them to two
+//   mma, 4 each: the mma's k index is permuted within the lane (k = 2t, 2t+1, 2t+8, 2t+9 are the loaded
+//   elements 4j..4j+3 of mma j), which the sum does not see as long as A uses the same permutation.
+// - A (16 M-rows x 16 inputs): M-row m is token m % 8 (of the token group) over half m / 8. Lane (g, t)
+//   holds M-rows g and g + 8: its token's 8 inputs at 8t of both halves, in the same order.
+// - D[m][n] pairs half m / 8 of the inputs with half n / 4 of the weights: where they agree it is a
+//   partial dot product, elsewhere it is discarded. Lane (g, t) holds D[g][2t..2t+1] (half 0: used
+//   when t < 2) and D[g + 8][2t..2t+1] (half 1: used when t >= 2): one shuffle adds the halves, and
+//   shuffles hand every lane every sum.
+// Half the products are discarded: the mma is cheap enough that the layout that keeps the register
+// path's loads (16 bytes a lane, 4 lanes a 64-byte run of a row) is worth more than the arithmetic.
+//
+// With an RMSNorm weight, x * norm_w is split into a bf16 high and low part, each through the mma: the
+// products keep about 16 bits of it (the FMA path keeps 24; one bf16 rounding would keep 8). How the
+// parts are computed is LITHOS_MMA_NORM.
+// CUDA (sm_80 and later) only: HIP builds keep the FMA path (kMmaRowDot).
+#pragma once
+
+#include "rowdot.h"
+
+namespace lithos {
+
+// Whether the TMAX-token bf16 matvecs take this path.
+template <int TMAX>
+#if defined(LITHOS_HIP)
+constexpr bool kMmaRowDot = false;
+#else
+constexpr bool kMmaRowDot = TMAX >= 4;
+#endif
+
+// 256-input chunks loaded at once: 8 weight loads of 16 bytes a lane in flight, as the FMA path's 2
+// chunks x 4 rows; one chunk at 16 tokens, whose activations take twice the registers.
+template <int TMAX>
+constexpr int kMmaChunks = TMAX <= 8 ? 2 : 1;
+
+#if !defined(LITHOS_HIP)
+
+// d += a * b: one m16n8k16 bf16 mma, f32 accumulators.
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, rounded to nearest even (lo in the low half: the lower address).
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+// How x * norm_w becomes the mma's bf16 operand; a build may ask for another
+// (LITHOS_KERNEL_DEFINES="LITHOS_MMA_NORM=1"):
+// 0: a high and a low part, from the f32 product (cvt.rn.bf16x2; about 12 instructions a pair);
+// 1: the same two parts in bf16x2 arithmetic: high = x * nw rounded once (mul.rn.bf16x2), low = x * nw -
+//    high rounded once (fma.rn.bf16x2, exact intermediate). A bf16 product is exact in f32 and so is its
+//    difference from its rounding, so these are mode 0's bits, in 3 instructions a pair (sm_90);
+// 2: x * nw rounded once (the reference path also rounds its normed input to bf16): one mma, not two.
+#ifndef LITHOS_MMA_NORM
+#define LITHOS_MMA_NORM 0
+#endif
+constexpr int kMmaNormParts = LITHOS_MMA_NORM == 2 ? 1 : 2;
+
+// x (8 bf16) times the norm weight nw (8 bf16) as bf16 high and low parts (LITHOS_MMA_NORM).
+__device__ __forceinline__ void scaled_parts(const Bf16Vec<8>& x, const Bf16Vec<8>& nw, Bf16Vec<8>& hi,
+                                             Bf16Vec<8>& lo) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+#if LITHOS_MMA_NORM == 0
+    const float v0 = x[2 * p] * nw[2 * p], v1 = x[2 * p + 1] * nw[2 * p + 1];
+    hi.pair[p] = bf16_pair(v0, v1);
+    lo.pair[p] = bf16_pair(v0 - bf16_pair_at(hi.pair[p], 0), v1 - bf16_pair_at(hi.pair[p], 1));
+#else
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(hi.pair[p]) : "r"(x.pair[p]), "r"(nw.pair[p]));
+    if constexpr (kMmaNormParts == 2)
+      asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+          : "=r"(lo.pair[p])
+          : "r"(x.pair[p]), "r"(nw.pair[p]), "r"(hi.pair[p] ^ 0x80008000u));
+#endif
+  }
+}
+
+// The mma of one 64-input step for one token group: w this lane's 8 weights, x0 / x1 its token's inputs
+// over the step's two halves.
+__device__ __forceinline__ void mma_step(float (&d)[4], const Bf16Vec<8>& w, const Bf16Vec<8>& x0,
+                                         const Bf16Vec<8>& x1) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    mma_m16n8k16(d, x0.pair[2 * j], x1.pair[2 * j], x0.pair[2 * j + 1], x1.pair[2 * j + 1], w.pair[2 * j],
+                 w.pair[2 * j + 1]);
+}
+
+// acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i], as warp_rows_dot<TMAX,
+// 8, COHERENT> computes it: the share is the 256-input chunks part, part + parts, ...; CHUNKS of them are
+// loaded at once. Every lane ends with every sum (zero for t >= in.tokens). Rows and x rows are
+// 16-byte aligned and n_in a multiple of 8 (the VEC = 8 condition).
+template <int TMAX, bool COHERENT, int CHUNKS>
+__device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPerWarp], const TokenRows& in,
+                                             int part, int parts, float (&acc)[kRowsPerWarp][TMAX]) {
+  static_assert(kRowsPerWarp == 4 && WARP_SIZE == 32, "the fragment layout is 4 rows x 2 halves, 32 lanes");
+  constexpr int kGroups = (TMAX + 7) / 8;      // token groups of 8: the mma's M side
+  constexpr int kSteps = WARP_SIZE * 8 / 64;   // 64-input steps per 256-input chunk
+  const int lane = lane_id(), g = lane / 4, t = lane % 4, r = g % 4;
+  const bf16_t* row = r == 0 ? rows[0] : r == 1 ? rows[1] : r == 2 ? rows[2] : rows[3];
+  const int w_at = (g / 4) * 32 + 8 * t;  // this lane's weights within a step
+  const int chunk = WARP_SIZE * 8, stride = parts * chunk;
+  float d[kGroups][4];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q) d[q][0] = d[q][1] = d[q][2] = d[q][3] = 0.0f;
+
+  for (int base = part * chunk; base < in.n_in; base += stride * CHUNKS) {
+    // Every load of the round first, weights then activations: the weights are what we wait on.
+    Bf16Vec<8> w[CHUNKS][kSteps], x[CHUNKS][kSteps][kGroups][2];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int k = base + c * stride + s * 64 + w_at;
+        w[c][s] = k < in.n_in ? load_streaming<8>(row + k) : Bf16Vec<8>{};
+      }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int k = base + c * stride + s * 64 + h * 32 + 8 * t, token = q * 8 + g;
+            x[c][s][q][h] = k < in.n_in && token < in.tokens
+                                ? load_activation<8, COHERENT>(in.x + static_cast<size_t>(token) * in.n_in + k)
+                                : Bf16Vec<8>{};
+          }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        if (in.norm_w == nullptr) {
+#pragma unroll
+          for (int q = 0; q < kGroups; ++q) mma_step(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1]);
+        } else {
+          const int k = base + c * stride + s * 64 + 8 * t;
+          const Bf16Vec<8> nw0 = k < in.n_in ? load_cached<8>(in.norm_w + k) : Bf16Vec<8>{};
+          const Bf16Vec<8> nw1 = k + 32 < in.n_in ? load_cached<8>(in.norm_w + k + 32) : Bf16Vec<8>{};
+#pragma unroll
+          for (int q = 0; q < kGroups; ++q) {
+            Bf16Vec<8> hi0, lo0, hi1, lo1;
+            scaled_parts(x[c][s][q][0], nw0, hi0, lo0);
+            scaled_parts(x[c][s][q][1], nw1, hi1, lo1);
+            mma_step(d[q], w[c][s], hi0, hi1);
+            if constexpr (kMmaNormParts == 2) mma_step(d[q], w[c][s], lo0, lo1);
+          }
+        }
+      }
+  }
+
+  // Lane (g, t) holds token g's sums of rows 2(t % 2), 2(t % 2) + 1 over half t / 2 (D's used entries);
+  // add the halves, then hand out: row r, token q * 8 + gg is at lane 4 gg + r / 2, entry r % 2.
+  float sums[kGroups][2];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      sums[q][e] = t < 2 ? d[q][e] : d[q][2 + e];
+      sums[q][e] += shfl_xor(sums[q][e], 2);
+    }
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr)
+#pragma unroll
+    for (int token = 0; token < TMAX; ++token)
+      acc[rr][token] = __shfl_sync(0xffffffffu, sums[token / 8][rr % 2], 4 * (token % 8) + rr / 2);
+}
+
+#endif  // !LITHOS_HIP
+
+}  // namespace lithos

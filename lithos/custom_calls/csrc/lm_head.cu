@@ -8,6 +8,7 @@
 
 #include "ffi_util.h"
 #include "portable.h"
+#include "row_groups.h"
 #include "rowdot.h"
 
 namespace lithos {

@@ -4,6 +4,7 @@
 // stacked per layer, [layers, out, in]; `layer` is a device scalar so the call sits inside a scan.
 #include "ffi_util.h"
 #include "portable.h"
+#include "row_groups.h"
 #include "rowdot.h"
 
 namespace lithos {

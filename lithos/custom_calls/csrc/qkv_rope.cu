@@ -13,6 +13,7 @@
 #include "fp8.h"
 #include "portable.h"
 #include "qkv_epilogue.h"
+#include "row_groups.h"
 #include "rowdot.h"
 
 namespace lithos {

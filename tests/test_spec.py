@@ -277,3 +277,16 @@ def test_replayed_rounds_equal_the_loops(tiny, kind, options):
         assert loop["accepted"] > 0, "a test that accepts nothing compares nothing"
         for field in ("rounds", "accepted", "histogram", "per_prompt_tokens_per_round"):
             assert replayed[field] == loop[field], (field, k)
+
+
+def test_round_timing_starts_every_loop_from_the_same_prefill(tiny):
+    """`lithos bench --spec` round timing: each timed loop runs exactly `rounds` rounds from one prefill,
+    so the counters it reports are one loop's, whatever the number of loops."""
+    from lithos.spec import make_speculator
+    from lithos.spec.bench import time_rounds
+
+    speculator = make_speculator(tiny, "ngram", draft_tokens=3)
+    per_round, seen = time_rounds(tiny.params, tiny.cfg, speculator, 16, "reference", rounds=4, runs=2)
+    assert len(per_round) == 2 and min(per_round) > 0
+    assert sum(seen["histogram"]) == 4
+    assert 1 <= seen["tokens_per_round"] <= 4

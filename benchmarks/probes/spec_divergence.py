@@ -18,32 +18,18 @@ import numpy as np
 
 from lithos import bench
 from lithos.models import family_for_architecture, init_model_cache
-from lithos.sampling import SamplingParams
-from lithos.spec.loop import spec_prefill, spec_rounds
+from lithos.spec.bench import prefilled_rounds_state
+from lithos.spec.engine import Speculator
+from lithos.spec.loop import spec_rounds
 from lithos.spec.ngram import NGramDrafter
 
 
-def speculative_tokens(params, cfg, prompt, kernels: str, k: int, rounds: int) -> tuple[np.ndarray, list[int]]:
-    """Prompt and generated tokens after `rounds` greedy n-gram rounds, and the rounds' histogram."""
-    context = prompt.shape[1]
-    drafter = NGramDrafter()
-    cache = init_model_cache(cfg, 1, context + rounds * (k + 1) + k + 2, params.embed.dtype, step_tokens=k + 1)
-    start, _ = spec_prefill(
-        params,
-        None,
-        prompt,
-        jnp.array([context], jnp.int32),
-        cache,
-        jnp.array([1 << 30], jnp.int32),
-        jnp.array([-1], jnp.int32),
-        SamplingParams.make(),
-        jax.random.key(0),
-        cfg=cfg,
-        drafter=drafter,
-        k=k,
-        greedy=True,
-    )
-    state = spec_rounds(params, None, start, cfg, drafter, k, rounds, True, kernels)
+def speculative_tokens(params, cfg, kernels: str, context: int, k: int, rounds: int) -> tuple[np.ndarray, list[int]]:
+    """Prompt and generated tokens after `rounds` greedy n-gram rounds from the spec bench's prompt, and
+    the rounds' histogram."""
+    speculator = Speculator(NGramDrafter(), None, k)
+    start = prefilled_rounds_state(params, cfg, speculator, context, rounds)
+    state = spec_rounds(params, None, start, cfg, speculator.drafter, k, rounds, True, kernels)
     return np.asarray(state.history[0, : int(state.decode.position[0])]), state.stats.histogram[0].tolist()
 
 
@@ -67,9 +53,11 @@ def main() -> None:
     args = p.parse_args()
     cfg = bench.model_shape(args.shape)
     fam = family_for_architecture(cfg.architecture)
-    params = fam.init_params(cfg, jax.random.key(0), jnp.bfloat16)  # the spec bench's weights and prompt
-    prompt = jax.random.randint(jax.random.key(1), (1, args.context), 0, cfg.vocab_size, jnp.int32)
-    run = lambda kernels: speculative_tokens(params, cfg, prompt, kernels, args.draft_tokens, args.rounds)  # noqa: E731
+    params = fam.init_params(cfg, jax.random.key(0), jnp.bfloat16)  # the spec bench's weights
+
+    def run(kernels: str):
+        return speculative_tokens(params, cfg, kernels, args.context, args.draft_tokens, args.rounds)
+
     ref, histogram = run("reference")
     print(f"reference  positions {len(ref)} histogram {histogram}")
     for kernels in args.kernels.split(","):

@@ -235,16 +235,13 @@ def early_exit_profile(
 # --------------------------------------------------------------------------------------------
 
 
-def time_rounds(
-    params, cfg, speculator: Speculator, context: int, kernels: str, rounds: int, runs: int
-) -> tuple[list[float], dict[str, Any]]:
-    """Per-round ms of `runs` device loops of `rounds` greedy rounds after a `context`-token prompt,
-    and the acceptance those rounds saw."""
+def prefilled_rounds_state(params, cfg, speculator: Speculator, context: int, rounds: int):
+    """The state of greedy speculative rounds after a prefill of `context` random tokens (the same
+    tokens every call), with room for `rounds` full rounds."""
     k = speculator.draft_tokens
     max_len = context + rounds * (k + 1) + k + 2  # never full: every round is a full round
-    dtype = params.embed.dtype
     tokens = jax.random.randint(jax.random.key(1), (1, context), 0, cfg.vocab_size, jnp.int32)
-    cache = init_model_cache(cfg, 1, max_len, dtype, step_tokens=k + 1)  # a ring for windowed models
+    cache = init_model_cache(cfg, 1, max_len, params.embed.dtype, step_tokens=k + 1)  # a ring for windowed models
     start, _ = spec_prefill(
         params,
         speculator.draft_params,
@@ -260,6 +257,16 @@ def time_rounds(
         k=k,
         greedy=True,
     )
+    return start
+
+
+def time_rounds(
+    params, cfg, speculator: Speculator, context: int, kernels: str, rounds: int, runs: int
+) -> tuple[list[float], dict[str, Any]]:
+    """Per-round ms of `runs` device loops of `rounds` greedy rounds after a `context`-token prompt,
+    and the acceptance those rounds saw."""
+    k = speculator.draft_tokens
+    start = prefilled_rounds_state(params, cfg, speculator, context, rounds)
 
     def run():  # a fresh copy of the state after prefill each time: the loop donates its input
         state = jax.tree_util.tree_map(jnp.copy, start)

@@ -101,6 +101,42 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const Bf16Vec<8>& w, con
                  w.pair[2 * j + 1]);
 }
 
+// This lane's weights within a 64-input step: row (lane / 4) % 4, over half lane / 16, at 8 (lane % 4).
+__device__ __forceinline__ int mma_weight_offset() { return (lane_id() / 16) * 32 + 8 * (lane_id() % 4); }
+
+// The mma of one 64-input step for token group d with an RMSNorm weight: nw0 / nw1 its values over the
+// step's two halves (LITHOS_MMA_NORM says how x * norm_w is split).
+__device__ __forceinline__ void mma_step_normed(float (&d)[4], const Bf16Vec<8>& w, const Bf16Vec<8>& x0,
+                                                const Bf16Vec<8>& x1, const Bf16Vec<8>& nw0,
+                                                const Bf16Vec<8>& nw1) {
+  Bf16Vec<8> hi0, lo0, hi1, lo1;
+  scaled_parts(x0, nw0, hi0, lo0);
+  scaled_parts(x1, nw1, hi1, lo1);
+  mma_step(d, w, hi0, hi1);
+  if constexpr (kMmaNormParts == 2) mma_step(d, w, lo0, lo1);
+}
+
+// The warp's sums from its accumulators d[token group]: lane (g, t) holds token g's sums of rows
+// 2(t % 2), 2(t % 2) + 1 over half t / 2 (D's used entries); add the halves, then hand out: row r,
+// token q * 8 + gg is at lane 4 gg + r / 2, entry r % 2. Every lane ends with every acc[r][t].
+template <int TMAX, int GROUPS>
+__device__ __forceinline__ void mma_hand_out(const float (&d)[GROUPS][4], float (&acc)[kRowsPerWarp][TMAX]) {
+  const int t = lane_id() % 4;
+  float sums[GROUPS][2];
+#pragma unroll
+  for (int q = 0; q < GROUPS; ++q)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      sums[q][e] = t < 2 ? d[q][e] : d[q][2 + e];
+      sums[q][e] += shfl_xor(sums[q][e], 2);
+    }
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr)
+#pragma unroll
+    for (int token = 0; token < TMAX; ++token)
+      acc[rr][token] = __shfl_sync(0xffffffffu, sums[token / 8][rr % 2], 4 * (token % 8) + rr / 2);
+}
+
 // acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i], as warp_rows_dot<TMAX,
 // 8, COHERENT> computes it: the share is the 256-input chunks part, part + parts, ...; CHUNKS of them are
 // loaded at once. Every lane ends with every sum (zero for t >= in.tokens). Rows and x rows are
@@ -113,7 +149,7 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   constexpr int kSteps = WARP_SIZE * 8 / 64;   // 64-input steps per 256-input chunk
   const int lane = lane_id(), g = lane / 4, t = lane % 4, r = g % 4;
   const bf16_t* row = r == 0 ? rows[0] : r == 1 ? rows[1] : r == 2 ? rows[2] : rows[3];
-  const int w_at = (g / 4) * 32 + 8 * t;  // this lane's weights within a step
+  const int w_at = mma_weight_offset();
   const int chunk = WARP_SIZE * 8, stride = parts * chunk;
   float d[kGroups][4];
 #pragma unroll
@@ -154,32 +190,12 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
           const Bf16Vec<8> nw0 = k < in.n_in ? load_cached<8>(in.norm_w + k) : Bf16Vec<8>{};
           const Bf16Vec<8> nw1 = k + 32 < in.n_in ? load_cached<8>(in.norm_w + k + 32) : Bf16Vec<8>{};
 #pragma unroll
-          for (int q = 0; q < kGroups; ++q) {
-            Bf16Vec<8> hi0, lo0, hi1, lo1;
-            scaled_parts(x[c][s][q][0], nw0, hi0, lo0);
-            scaled_parts(x[c][s][q][1], nw1, hi1, lo1);
-            mma_step(d[q], w[c][s], hi0, hi1);
-            if constexpr (kMmaNormParts == 2) mma_step(d[q], w[c][s], lo0, lo1);
-          }
+          for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1], nw0, nw1);
         }
       }
   }
 
-  // Lane (g, t) holds token g's sums of rows 2(t % 2), 2(t % 2) + 1 over half t / 2 (D's used entries);
-  // add the halves, then hand out: row r, token q * 8 + gg is at lane 4 gg + r / 2, entry r % 2.
-  float sums[kGroups][2];
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      sums[q][e] = t < 2 ? d[q][e] : d[q][2 + e];
-      sums[q][e] += shfl_xor(sums[q][e], 2);
-    }
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr)
-#pragma unroll
-    for (int token = 0; token < TMAX; ++token)
-      acc[rr][token] = __shfl_sync(0xffffffffu, sums[token / 8][rr % 2], 4 * (token % 8) + rr / 2);
+  mma_hand_out(d, acc);
 }
 
 #endif  // !LITHOS_HIP

@@ -10,8 +10,9 @@
 //
 // CUDA (sm_80 and later) only for now: HIP builds stream weights through registers (the CDNA
 // equivalent, buffer loads with LDS as their destination, has no form for 16 bytes a lane before
-// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets); packed rows and
-// larger buckets use the register path.
+// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets), and with
+// LITHOS_MK_MMA_RING at 4-16 tokens in the tensor-core layout (mma_rowdot.h); packed rows and, by
+// default, the larger buckets use the register path.
 #pragma once
 
 #include "mk_common.h"

@@ -65,8 +65,9 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 // 0: a high and a low part, from the f32 product (cvt.rn.bf16x2; about 12 instructions a pair);
 // 1: the same two parts in bf16x2 arithmetic: high = x * nw rounded once (mul.rn.bf16x2), low = x * nw -
 //    high rounded once (fma.rn.bf16x2, exact intermediate). A bf16 product is exact in f32 and so is its
-//    difference from its rounding, so these are mode 0's bits, in 3 instructions a pair (sm_90);
+//    difference from its rounding, so these are mode 0's bits, in 3 instructions a pair;
 // 2: x * nw rounded once (the reference path also rounds its normed input to bf16): one mma, not two.
+// Modes 1 and 2 need sm_90 (mul.bf16x2).
 #ifndef LITHOS_MMA_NORM
 #define LITHOS_MMA_NORM 0
 #endif

@@ -71,6 +71,9 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
 #ifndef LITHOS_MMA_NORM
 #define LITHOS_MMA_NORM 0
 #endif
+#if LITHOS_MMA_NORM < 0 || LITHOS_MMA_NORM > 2
+#error "LITHOS_MMA_NORM is 0 (f32 high and low parts), 1 (bf16x2 high and low parts) or 2 (rounded once)"
+#endif
 constexpr int kMmaNormParts = LITHOS_MMA_NORM == 2 ? 1 : 2;
 
 // x (8 bf16) times the norm weight nw (8 bf16) as bf16 high and low parts (LITHOS_MMA_NORM).

@@ -156,8 +156,7 @@ struct RingStream {
     if (base < end) {
       const int k = k0 + s * step;
       if constexpr (MMA) {
-        const int r = (lane_id() / 4) % kRowsPerWarp;
-        const bf16_t* row = r == 0 ? rows[0] : r == 1 ? rows[1] : r == 2 ? rows[2] : rows[3];
+        const bf16_t* row = mma_lane_row(rows);
 #pragma unroll
         for (int j = 0; j < kRowsPerWarp; ++j)
           if (k + j * 64 < n_in) async_copy16(ring_slot(stage, j), row + k + j * 64, policy);
@@ -213,7 +212,6 @@ template <int TMAX, class Stream>
 __device__ __forceinline__ void mma_ring_rows_dot(Stream& stream, int& stage, const TokenRows& in,
                                                   float (&acc)[kRowsPerWarp][TMAX]) {
   constexpr int kGroups = (TMAX + 7) / 8;
-  const int g = lane_id() / 4, t = lane_id() % 4;
   const int chunk_at = stream.k0 - mma_weight_offset();  // the warp's first chunk
   float d[kGroups][4];
 #pragma unroll
@@ -222,16 +220,7 @@ __device__ __forceinline__ void mma_ring_rows_dot(Stream& stream, int& stage, co
     const int base = chunk_at + s * stream.step;
     Bf16Vec<8> x[kRowsPerWarp][kGroups][2];
 #pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j)
-#pragma unroll
-      for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int k = base + j * 64 + h * 32 + 8 * t, token = q * 8 + g;
-          x[j][q][h] = k < in.n_in && token < in.tokens
-                           ? load_activation<8, true>(in.x + static_cast<size_t>(token) * in.n_in + k)
-                           : Bf16Vec<8>{};
-        }
+    for (int j = 0; j < kRowsPerWarp; ++j) mma_step_inputs<kGroups, true>(x[j], in, base + j * 64);
     async_wait<kRingStages - 2>();  // this step's group has landed
     Bf16Vec<8> w[kRowsPerWarp];
 #pragma unroll
@@ -251,9 +240,8 @@ __device__ __forceinline__ void mma_ring_rows_dot(Stream& stream, int& stage, co
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) mma_step(d[q], w[j], x[j][q][0], x[j][q][1]);
       } else {
-        const int k = base + j * 64 + 8 * t;
-        const Bf16Vec<8> nw0 = k < in.n_in ? load_activation<8, true>(in.norm_w + k) : Bf16Vec<8>{};
-        const Bf16Vec<8> nw1 = k + 32 < in.n_in ? load_activation<8, true>(in.norm_w + k + 32) : Bf16Vec<8>{};
+        Bf16Vec<8> nw0, nw1;
+        mma_step_norm<true>(nw0, nw1, in, base + j * 64);
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[j], x[j][q][0], x[j][q][1], nw0, nw1);
       }

@@ -141,6 +141,43 @@ __device__ __forceinline__ void mma_hand_out(const float (&d)[GROUPS][4], float 
       acc[rr][token] = __shfl_sync(0xffffffffu, sums[token / 8][rr % 2], 4 * (token % 8) + rr / 2);
 }
 
+// The row of the group this lane's weights come from, (lane / 4) % 4: a select, since an array of
+// pointers indexed by a lane-dependent value would go to local memory.
+__device__ __forceinline__ const bf16_t* mma_lane_row(const bf16_t* const (&rows)[kRowsPerWarp]) {
+  const int r = (lane_id() / 4) % kRowsPerWarp;
+  return r == 0 ? rows[0] : r == 1 ? rows[1] : r == 2 ? rows[2] : rows[3];
+}
+
+// This lane's inputs for the 64-input step at input `at`: x[q][h], its token of group q over half h
+// (zero past the inputs or the tokens).
+template <int GROUPS, bool COHERENT>
+__device__ __forceinline__ void mma_step_inputs(Bf16Vec<8> (&x)[GROUPS][2], const TokenRows& in, int at) {
+  const int g = lane_id() / 4, t = lane_id() % 4;
+#pragma unroll
+  for (int q = 0; q < GROUPS; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = at + h * 32 + 8 * t, token = q * 8 + g;
+      x[q][h] = k < in.n_in && token < in.tokens
+                    ? load_activation<8, COHERENT>(in.x + static_cast<size_t>(token) * in.n_in + k)
+                    : Bf16Vec<8>{};
+    }
+}
+
+// The RMSNorm weights over the two halves of the 64-input step at `at`, for this lane's inputs. STAGED:
+// in.norm_w may be a copy in shared memory (generic loads), else it is read-only global memory.
+template <bool STAGED>
+__device__ __forceinline__ void mma_step_norm(Bf16Vec<8>& nw0, Bf16Vec<8>& nw1, const TokenRows& in, int at) {
+  const int k = at + 8 * (lane_id() % 4);
+  auto load = [&](int i) {
+    if (i >= in.n_in) return Bf16Vec<8>{};
+    if constexpr (STAGED) return load_activation<8, true>(in.norm_w + i);
+    else return load_cached<8>(in.norm_w + i);
+  };
+  nw0 = load(k);
+  nw1 = load(k + 32);
+}
+
 // acc[r][t] = sum over this warp's share of i of rows[r][i] * x[t, i] * norm_w[i], as warp_rows_dot<TMAX,
 // 8, COHERENT> computes it: the share is the 256-input chunks part, part + parts, ...; CHUNKS of them are
 // loaded at once. Every lane ends with every sum (zero for t >= in.tokens). Rows and x rows are
@@ -151,8 +188,7 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   static_assert(kRowsPerWarp == 4 && WARP_SIZE == 32, "the fragment layout is 4 rows x 2 halves, 32 lanes");
   constexpr int kGroups = (TMAX + 7) / 8;      // token groups of 8: the mma's M side
   constexpr int kSteps = WARP_SIZE * 8 / 64;   // 64-input steps per 256-input chunk
-  const int lane = lane_id(), g = lane / 4, t = lane % 4, r = g % 4;
-  const bf16_t* row = r == 0 ? rows[0] : r == 1 ? rows[1] : r == 2 ? rows[2] : rows[3];
+  const bf16_t* row = mma_lane_row(rows);
   const int w_at = mma_weight_offset();
   const int chunk = WARP_SIZE * 8, stride = parts * chunk;
   float d[kGroups][4];
@@ -172,16 +208,7 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-        for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int k = base + c * stride + s * 64 + h * 32 + 8 * t, token = q * 8 + g;
-            x[c][s][q][h] = k < in.n_in && token < in.tokens
-                                ? load_activation<8, COHERENT>(in.x + static_cast<size_t>(token) * in.n_in + k)
-                                : Bf16Vec<8>{};
-          }
+      for (int s = 0; s < kSteps; ++s) mma_step_inputs<kGroups, COHERENT>(x[c][s], in, base + c * stride + s * 64);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
@@ -190,9 +217,8 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
 #pragma unroll
           for (int q = 0; q < kGroups; ++q) mma_step(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1]);
         } else {
-          const int k = base + c * stride + s * 64 + 8 * t;
-          const Bf16Vec<8> nw0 = k < in.n_in ? load_cached<8>(in.norm_w + k) : Bf16Vec<8>{};
-          const Bf16Vec<8> nw1 = k + 32 < in.n_in ? load_cached<8>(in.norm_w + k + 32) : Bf16Vec<8>{};
+          Bf16Vec<8> nw0, nw1;
+          mma_step_norm<false>(nw0, nw1, in, base + c * stride + s * 64);
 #pragma unroll
           for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1], nw0, nw1);
         }

@@ -19,8 +19,7 @@
 // path's loads (16 bytes a lane, 4 lanes a 64-byte run of a row) is worth more than the arithmetic.
 //
 // With an RMSNorm weight, x * norm_w is split into a bf16 high and low part, each through the mma: the
-// products keep about 16 bits of it (the FMA path keeps 24; one bf16 rounding would keep 8). How the
-// parts are computed is LITHOS_MMA_NORM.
+// products keep about 16 bits of it (the FMA path keeps 24; one bf16 rounding would keep 8).
 // CUDA (sm_80 and later) only: HIP builds keep the FMA path (kMmaRowDot).
 #pragma once
 
@@ -60,37 +59,24 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
   return out;
 }
 
-// How x * norm_w becomes the mma's bf16 operand; a build may ask for another
-// (LITHOS_KERNEL_DEFINES="LITHOS_MMA_NORM=1"):
-// 0: a high and a low part, from the f32 product (cvt.rn.bf16x2; about 12 instructions a pair);
-// 1: the same two parts in bf16x2 arithmetic: high = x * nw rounded once (mul.rn.bf16x2), low = x * nw -
-//    high rounded once (fma.rn.bf16x2, exact intermediate). A bf16 product is exact in f32 and so is its
-//    difference from its rounding, so these are mode 0's bits, in 3 instructions a pair;
-// 2: x * nw rounded once (the reference path also rounds its normed input to bf16): one mma, not two.
-// Modes 1 and 2 need sm_90 (mul.bf16x2).
-#ifndef LITHOS_MMA_NORM
-#define LITHOS_MMA_NORM 0
-#endif
-#if LITHOS_MMA_NORM < 0 || LITHOS_MMA_NORM > 2
-#error "LITHOS_MMA_NORM is 0 (f32 high and low parts), 1 (bf16x2 high and low parts) or 2 (rounded once)"
-#endif
-constexpr int kMmaNormParts = LITHOS_MMA_NORM == 2 ? 1 : 2;
-
-// x (8 bf16) times the norm weight nw (8 bf16) as bf16 high and low parts (LITHOS_MMA_NORM).
+// x (8 bf16) times the norm weight nw (8 bf16) as bf16 high and low parts: high = x * nw rounded once, low
+// = x * nw - high rounded once. A bf16 product is exact in f32 and so is its difference from its
+// rounding, so Hopper's bf16x2 arithmetic (mul.rn, then fma.rn with an exact intermediate: 3
+// instructions a pair) and the f32 route older GPUs take (about 12) give the same bits. Rounding once
+// and skipping the low part would save an mma but keep 8 bits instead of 16 (NOTES.md, run 48).
 __device__ __forceinline__ void scaled_parts(const Bf16Vec<8>& x, const Bf16Vec<8>& nw, Bf16Vec<8>& hi,
                                              Bf16Vec<8>& lo) {
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-#if LITHOS_MMA_NORM == 0
+#if __CUDA_ARCH__ >= 900
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(hi.pair[p]) : "r"(x.pair[p]), "r"(nw.pair[p]));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+        : "=r"(lo.pair[p])
+        : "r"(x.pair[p]), "r"(nw.pair[p]), "r"(hi.pair[p] ^ 0x80008000u));
+#else
     const float v0 = x[2 * p] * nw[2 * p], v1 = x[2 * p + 1] * nw[2 * p + 1];
     hi.pair[p] = bf16_pair(v0, v1);
     lo.pair[p] = bf16_pair(v0 - bf16_pair_at(hi.pair[p], 0), v1 - bf16_pair_at(hi.pair[p], 1));
-#else
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(hi.pair[p]) : "r"(x.pair[p]), "r"(nw.pair[p]));
-    if constexpr (kMmaNormParts == 2)
-      asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-          : "=r"(lo.pair[p])
-          : "r"(x.pair[p]), "r"(nw.pair[p]), "r"(hi.pair[p] ^ 0x80008000u));
 #endif
   }
 }
@@ -109,7 +95,7 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const Bf16Vec<8>& w, con
 __device__ __forceinline__ int mma_weight_offset() { return (lane_id() / 16) * 32 + 8 * (lane_id() % 4); }
 
 // The mma of one 64-input step for token group d with an RMSNorm weight: nw0 / nw1 its values over the
-// step's two halves (LITHOS_MMA_NORM says how x * norm_w is split).
+// step's two halves (scaled_parts).
 __device__ __forceinline__ void mma_step_normed(float (&d)[4], const Bf16Vec<8>& w, const Bf16Vec<8>& x0,
                                                 const Bf16Vec<8>& x1, const Bf16Vec<8>& nw0,
                                                 const Bf16Vec<8>& nw1) {
@@ -117,7 +103,7 @@ __device__ __forceinline__ void mma_step_normed(float (&d)[4], const Bf16Vec<8>&
   scaled_parts(x0, nw0, hi0, lo0);
   scaled_parts(x1, nw1, hi1, lo1);
   mma_step(d, w, hi0, hi1);
-  if constexpr (kMmaNormParts == 2) mma_step(d, w, lo0, lo1);
+  mma_step(d, w, lo0, lo1);
 }
 
 // The warp's sums from its accumulators d[token group]: lane (g, t) holds token g's sums of rows

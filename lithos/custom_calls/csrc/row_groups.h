@@ -1,15 +1,10 @@
 // How the fused row-group kernels (matvec, gate/up, Q/K/V, LM head) walk their row groups: warps of the
 // grid take groups round-robin, and each group's dot products run on the FMA path (warp_rows_dot) or,
-// in a build with LITHOS_FUSED_MMA=1 and 4-16 tokens, on tensor cores (mma_rowdot.h, which the
-// megakernel uses by default). The fused form stays off by default until its GPU tests have run.
+// at 4-16 tokens on CUDA, on tensor cores (mma_rowdot.h, as in the megakernel).
 #pragma once
 
 #include "mma_rowdot.h"
 #include "rowdot.h"
-
-#ifndef LITHOS_FUSED_MMA
-#define LITHOS_FUSED_MMA 0
-#endif
 
 namespace lithos {
 
@@ -27,7 +22,7 @@ __device__ __forceinline__ void for_each_row_group(const TokenRows& in, int unit
     const bf16_t* rows[kRowsPerWarp];
     rows_of(unit, rows);
     float acc[kRowsPerWarp][TMAX];
-#if LITHOS_FUSED_MMA && !defined(LITHOS_HIP)
+#if !defined(LITHOS_HIP)
     if constexpr (VEC == 8 && kMmaRowDot<TMAX>)
       mma_rows_dot<TMAX, false, kMmaChunks<TMAX>>(rows, in, part, k_split, acc);
     else

@@ -314,23 +314,6 @@ def test_megakernel_without_lane_ring_compiles():
     assert b"LithosMegakernel" in library.read_bytes()
 
 
-@pytest.mark.parametrize(
-    "kernel, defines",
-    [
-        ("megakernel", ("LITHOS_MMA_NORM=1", "LITHOS_MK_MMA_RING=1")),
-        ("matvec", ("LITHOS_FUSED_MMA=1", "LITHOS_MMA_NORM=2")),
-    ],
-)
-def test_tensor_core_variants_compile(kernel, defines):
-    """The tensor-core matvec variants waiting for their device run (csrc/mma_rowdot.h LITHOS_MMA_NORM,
-    csrc/mk_lane_ring.h LITHOS_MK_MMA_RING, csrc/row_groups.h LITHOS_FUSED_MMA) build, so they cannot rot
-    before it."""
-    variant = check_build(compiler_toolchain("cuda"), defines=defines)
-    library = build.build(kernel, variant)
-    assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
-    assert library.stat().st_size > 0
-
-
 def test_packed_megakernel_compiles(toolchain):
     """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
     head: the packed dot products with mins, and a second format in one kernel), for both vendors.

@@ -10,13 +10,12 @@
 //
 // CUDA (sm_80 and later) only for now: HIP builds stream weights through registers (the CDNA
 // equivalent, buffer loads with LDS as their destination, has no form for 16 bytes a lane before
-// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets), and with
-// LITHOS_MK_MMA_RING at 4-16 tokens in the tensor-core layout (mma_rowdot.h); packed rows and, by
-// default, the larger buckets use the register path.
+// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets); packed rows and
+// the larger buckets use the register path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in
+// that layout was slower, NOTES.md run 48).
 #pragma once
 
 #include "mk_common.h"
-#include "mma_rowdot.h"
 #include "rowdot.h"
 
 // Stages of the ring (0: off). A build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_LANE_RING=3").
@@ -26,12 +25,6 @@
 #else
 #define LITHOS_MK_LANE_RING 4
 #endif
-#endif
-// Whether the 4- to 16-token kernels' tensor-core matvecs (mma_rowdot.h) also read their weights through
-// the ring (0: through registers, the tested default). A build may ask for it
-// (LITHOS_KERNEL_DEFINES="LITHOS_MK_MMA_RING=1").
-#ifndef LITHOS_MK_MMA_RING
-#define LITHOS_MK_MMA_RING 0
 #endif
 // Shared memory for a task's staged activations and RMSNorm weight.
 #ifndef LITHOS_MK_RING_INPUT_KB
@@ -53,11 +46,10 @@ constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 
-// Whether the TMAX-token kernel's bf16 matvecs read their weights through the ring (in the FMA layout at
-// T <= 2, in the mma layout at 4-16 tokens with LITHOS_MK_MMA_RING), and the dynamic
+// Whether the TMAX-token kernel's bf16 matvecs read their weights through the ring, and the dynamic
 // shared memory that takes (the staged inputs, then the stages); none in a build without bf16 weights.
 template <int TMAX>
-constexpr bool kRingFor = kRingStages > 0 && (TMAX <= 2 || (LITHOS_MK_MMA_RING && kMmaRowDot<TMAX>)) &&
+constexpr bool kRingFor = kRingStages > 0 && TMAX <= 2 &&
                           (kAttentionFormat == WeightFormat::kBf16 || kMlpFormat == WeightFormat::kBf16 ||
                            kHeadFormat == WeightFormat::kBf16);
 template <int TMAX>
@@ -127,10 +119,8 @@ __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 // for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step, at input element
 // k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
 // one past the task's end, so that every step's wait counts the same); `rows_of(unit, rows)` is the
-// task's row map (mk_weight_rows.h). With MMA the step is the tensor-core layout's (mma_rowdot.h): a lane
-// copies 16 bytes of one row (its row of the group, (lane / 4) % 4) at each of the chunk's four 64-input
-// steps, k0 + s * step + j * 64 for slot j, k0 = the chunk's start + mma_weight_offset().
-template <class RowsOf, bool MMA = false>
+// task's row map (mk_weight_rows.h).
+template <class RowsOf>
 struct RingStream {
   RowsOf rows_of;
   int end, slots, slot;      // the task's row groups end; teams per round; this warp's team
@@ -155,12 +145,7 @@ struct RingStream {
   __device__ __forceinline__ void issue() {
     if (base < end) {
       const int k = k0 + s * step;
-      if constexpr (MMA) {
-        const bf16_t* row = mma_lane_row(rows);
-#pragma unroll
-        for (int j = 0; j < kRowsPerWarp; ++j)
-          if (k + j * 64 < n_in) async_copy16(ring_slot(stage, j), row + k + j * 64, policy);
-      } else if (k < n_in) {
+      if (k < n_in) {
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
       }
@@ -202,52 +187,6 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
     if (k < in.n_in) add_chunk<TMAX, 8, true, true>(w, in, k, acc);
   }
   warp_sum_rows(acc, in.tokens);
-}
-
-// The tensor-core twin of ring_rows_dot (mma_rowdot.h's layout, a RingStream<..., true>): each step's four
-// slots are this lane's weights at the chunk's four 64-input steps. The step's activations (and RMSNorm
-// weight: staged in shared memory, or in global memory) are asked for before the ring wait, so their
-// latency overlaps it. As ring_rows_dot: every lane ends with every sum.
-template <int TMAX, class Stream>
-__device__ __forceinline__ void mma_ring_rows_dot(Stream& stream, int& stage, const TokenRows& in,
-                                                  float (&acc)[kRowsPerWarp][TMAX]) {
-  constexpr int kGroups = (TMAX + 7) / 8;
-  const int chunk_at = stream.k0 - mma_weight_offset();  // the warp's first chunk
-  float d[kGroups][4];
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q) d[q][0] = d[q][1] = d[q][2] = d[q][3] = 0.0f;
-  for (int s = 0; s < stream.steps; ++s) {
-    const int base = chunk_at + s * stream.step;
-    Bf16Vec<8> x[kRowsPerWarp][kGroups][2];
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) mma_step_inputs<kGroups, true>(x[j], in, base + j * 64);
-    async_wait<kRingStages - 2>();  // this step's group has landed
-    Bf16Vec<8> w[kRowsPerWarp];
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) {
-      const uint4 v = *ring_slot(stage, j);
-      const bool copied = stream.k0 + s * stream.step + j * 64 < in.n_in;  // else the slot is stale
-      w[j].pair[0] = copied ? v.x : 0u;
-      w[j].pair[1] = copied ? v.y : 0u;
-      w[j].pair[2] = copied ? v.z : 0u;
-      w[j].pair[3] = copied ? v.w : 0u;
-    }
-    stage = stage + 1 == kRingStages ? 0 : stage + 1;
-    stream.issue();  // into the stage read one step ago: its values are in registers
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) {
-      if (in.norm_w == nullptr) {
-#pragma unroll
-        for (int q = 0; q < kGroups; ++q) mma_step(d[q], w[j], x[j][q][0], x[j][q][1]);
-      } else {
-        Bf16Vec<8> nw0, nw1;
-        mma_step_norm<true>(nw0, nw1, in, base + j * 64);
-#pragma unroll
-        for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[j], x[j][q][0], x[j][q][1], nw0, nw1);
-      }
-    }
-  }
-  mma_hand_out(d, acc);
 }
 
 #else

@@ -65,11 +65,9 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
   __syncthreads();  // the counters are zero (and the last task's staged inputs read) before anyone writes
 #if LITHOS_MK_LANE_RING
   constexpr bool kRing = F == WeightFormat::kBf16 && kRingFor<TMAX>;
-  constexpr bool kMmaRing = kRing && kMmaRowDot<TMAX>;  // the ring in the tensor-core layout
   const int step = k_split * WARP_SIZE * 8;
-  const int k0 = kMmaRing ? part * WARP_SIZE * 8 + mma_weight_offset() : (part * WARP_SIZE + lane_id()) * 8;
-  RingStream<RowsOf, kMmaRing> stream{rows_of, end, slots, slot, k0, step, (task_in.n_in + step - 1) / step,
-                                      task_in.n_in};
+  RingStream<RowsOf> stream{rows_of, end, slots, slot, (part * WARP_SIZE + lane_id()) * 8, step,
+                            (task_in.n_in + step - 1) / step, task_in.n_in};
   int read_stage = 0;
   if constexpr (kRing) {  // the task's first steps: the weights do not depend on the step's data
     stream.start(task.first);
@@ -97,9 +95,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     PackedRow rows[kRowsPerWarp];
     if constexpr (!kRing) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
-    if constexpr (kMmaRing) {
-      mma_ring_rows_dot<TMAX>(stream, read_stage, in, acc);
-    } else if constexpr (kRing) {
+    if constexpr (kRing) {
       ring_rows_dot<TMAX>(stream, read_stage, in, acc);
     } else
 #endif

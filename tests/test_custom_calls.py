@@ -314,6 +314,16 @@ def test_megakernel_without_lane_ring_compiles():
     assert b"LithosMegakernel" in library.read_bytes()
 
 
+@pytest.mark.parametrize("kernel", ["megakernel", "matvec"])
+def test_pipelined_tensor_core_matvec_compiles(kernel):
+    """The tensor-core matvec waiting for its device run (csrc/mma_rowdot.h LITHOS_MMA_PIPELINE and
+    LITHOS_MMA_ACCUMULATORS) builds in both users, so it cannot rot before it."""
+    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_MMA_PIPELINE=1", "LITHOS_MMA_ACCUMULATORS=4"))
+    library = build.build(kernel, variant)
+    assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
+    assert library.stat().st_size > 0
+
+
 def test_packed_megakernel_compiles(toolchain):
     """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
     head: the packed dot products with mins, and a second format in one kernel), for both vendors.

@@ -40,6 +40,26 @@ constexpr bool kMmaRowDot = TMAX >= 4;
 template <int TMAX>
 constexpr int kMmaChunks = TMAX <= 8 ? 2 : 1;
 
+// Two forms waiting for their device run (NOTES.md, "seventh session"); a build may ask for them
+// (LITHOS_KERNEL_DEFINES="LITHOS_MMA_PIPELINE=1 LITHOS_MMA_ACCUMULATORS=4"):
+// - LITHOS_MMA_PIPELINE=1: the next round's weight loads are issued before this round's mma, so a
+//   warp's weights stream while it computes (the default waits for each round, then computes it);
+// - LITHOS_MMA_ACCUMULATORS=2 or 4: a step's mma go round-robin to that many accumulators per token
+//   group, added before the hand-out, so the chain of dependent mma in a round is that much shorter.
+#ifndef LITHOS_MMA_PIPELINE
+#define LITHOS_MMA_PIPELINE 0
+#endif
+#ifndef LITHOS_MMA_ACCUMULATORS
+#define LITHOS_MMA_ACCUMULATORS 1
+#endif
+#if LITHOS_MMA_PIPELINE != 0 && LITHOS_MMA_PIPELINE != 1
+#error "LITHOS_MMA_PIPELINE is 0 (wait for each round's weights) or 1 (ask for the next round's first)"
+#endif
+#if LITHOS_MMA_ACCUMULATORS != 1 && LITHOS_MMA_ACCUMULATORS != 2 && LITHOS_MMA_ACCUMULATORS != 4
+#error "LITHOS_MMA_ACCUMULATORS is 1, 2 or 4 (accumulators per token group)"
+#endif
+constexpr int kMmaAccumulators = LITHOS_MMA_ACCUMULATORS;
+
 #if !defined(LITHOS_HIP)
 
 // d += a * b: one m16n8k16 bf16 mma, f32 accumulators.
@@ -81,29 +101,30 @@ __device__ __forceinline__ void scaled_parts(const Bf16Vec<8>& x, const Bf16Vec<
   }
 }
 
-// The mma of one 64-input step for one token group: w this lane's 8 weights, x0 / x1 its token's inputs
-// over the step's two halves.
-__device__ __forceinline__ void mma_step(float (&d)[4], const Bf16Vec<8>& w, const Bf16Vec<8>& x0,
-                                         const Bf16Vec<8>& x1) {
+// The two mma of one 64-input step for one token group: w this lane's 8 weights, x0 / x1 its token's
+// inputs over the step's two halves; mma j adds into accumulator (first + j) % kMmaAccumulators.
+__device__ __forceinline__ void mma_step(float (&d)[kMmaAccumulators][4], int first, const Bf16Vec<8>& w,
+                                         const Bf16Vec<8>& x0, const Bf16Vec<8>& x1) {
 #pragma unroll
   for (int j = 0; j < 2; ++j)
-    mma_m16n8k16(d, x0.pair[2 * j], x1.pair[2 * j], x0.pair[2 * j + 1], x1.pair[2 * j + 1], w.pair[2 * j],
-                 w.pair[2 * j + 1]);
+    mma_m16n8k16(d[(first + j) % kMmaAccumulators], x0.pair[2 * j], x1.pair[2 * j], x0.pair[2 * j + 1],
+                 x1.pair[2 * j + 1], w.pair[2 * j], w.pair[2 * j + 1]);
 }
 
 // This lane's weights within a 64-input step: row (lane / 4) % 4, over half lane / 16, at 8 (lane % 4).
 __device__ __forceinline__ int mma_weight_offset() { return (lane_id() / 16) * 32 + 8 * (lane_id() % 4); }
 
-// The mma of one 64-input step for token group d with an RMSNorm weight: nw0 / nw1 its values over the
-// step's two halves (scaled_parts).
-__device__ __forceinline__ void mma_step_normed(float (&d)[4], const Bf16Vec<8>& w, const Bf16Vec<8>& x0,
-                                                const Bf16Vec<8>& x1, const Bf16Vec<8>& nw0,
-                                                const Bf16Vec<8>& nw1) {
+// The four mma of one 64-input step for one token group with an RMSNorm weight: nw0 / nw1 its values
+// over the step's two halves (scaled_parts); the high parts' mma go to accumulators 0 and 1, the low
+// parts' to 2 and 3 (modulo kMmaAccumulators).
+__device__ __forceinline__ void mma_step_normed(float (&d)[kMmaAccumulators][4], const Bf16Vec<8>& w,
+                                                const Bf16Vec<8>& x0, const Bf16Vec<8>& x1,
+                                                const Bf16Vec<8>& nw0, const Bf16Vec<8>& nw1) {
   Bf16Vec<8> hi0, lo0, hi1, lo1;
   scaled_parts(x0, nw0, hi0, lo0);
   scaled_parts(x1, nw1, hi1, lo1);
-  mma_step(d, w, hi0, hi1);
-  mma_step(d, w, lo0, lo1);
+  mma_step(d, 0, w, hi0, hi1);
+  mma_step(d, 2, w, lo0, lo1);
 }
 
 // The warp's sums from its accumulators d[token group]: lane (g, t) holds token g's sums of rows
@@ -176,14 +197,14 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   constexpr int kSteps = WARP_SIZE * 8 / 64;   // 64-input steps per 256-input chunk
   const bf16_t* row = mma_lane_row(rows);
   const int w_at = mma_weight_offset();
-  const int chunk = WARP_SIZE * 8, stride = parts * chunk;
-  float d[kGroups][4];
+  const int chunk = WARP_SIZE * 8, stride = parts * chunk, round_stride = stride * CHUNKS;
+  float d[kGroups][kMmaAccumulators][4];
 #pragma unroll
-  for (int q = 0; q < kGroups; ++q) d[q][0] = d[q][1] = d[q][2] = d[q][3] = 0.0f;
-
-  for (int base = part * chunk; base < in.n_in; base += stride * CHUNKS) {
-    // Every load of the round first, weights then activations: the weights are what we wait on.
-    Bf16Vec<8> w[CHUNKS][kSteps], x[CHUNKS][kSteps][kGroups][2];
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
+  // This lane's weights of the round at `base`: what a round waits on.
+  auto load_weights = [&](Bf16Vec<8>(&w)[CHUNKS][kSteps], int base) {
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
@@ -191,17 +212,45 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
         const int k = base + c * stride + s * 64 + w_at;
         w[c][s] = k < in.n_in ? load_streaming<8>(row + k) : Bf16Vec<8>{};
       }
+  };
+  Bf16Vec<8> w[CHUNKS][kSteps];
+#if LITHOS_MMA_PIPELINE
+  Bf16Vec<8> w_next[CHUNKS][kSteps];
+  load_weights(w_next, part * chunk);
+#endif
+
+  for (int base = part * chunk; base < in.n_in; base += round_stride) {
+#if LITHOS_MMA_PIPELINE
+    // This round's weights were asked for a round ago; ask for the next round's before computing.
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) w[c][s] = w_next[c][s];
+    if (base + round_stride < in.n_in) load_weights(w_next, base + round_stride);
+#else
+    load_weights(w, base);  // every load of the round first, weights then activations
+#endif
+    // The activations: L1 hits but for the first warp. Without the pipeline, the whole round's are
+    // asked for at once, behind its weights; with it, a chunk's just before its mma, which keeps the
+    // registers the second weight buffer takes.
+    Bf16Vec<8> x[CHUNKS][kSteps][kGroups][2];
+    auto load_inputs = [&](int c) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) mma_step_inputs<kGroups, COHERENT>(x[c][s], in, base + c * stride + s * 64);
+    };
+    if constexpr (!LITHOS_MMA_PIPELINE) {
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
+      for (int c = 0; c < CHUNKS; ++c) load_inputs(c);
+    }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      if constexpr (LITHOS_MMA_PIPELINE) load_inputs(c);
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         if (in.norm_w == nullptr) {
+          const int first = 2 * ((c * kSteps + s) % 2);  // steps alternate between pairs when there are 4
 #pragma unroll
-          for (int q = 0; q < kGroups; ++q) mma_step(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1]);
+          for (int q = 0; q < kGroups; ++q) mma_step(d[q], first, w[c][s], x[c][s][q][0], x[c][s][q][1]);
         } else {
           Bf16Vec<8> nw0, nw1;
           mma_step_norm<false>(nw0, nw1, in, base + c * stride + s * 64);
@@ -209,9 +258,19 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
           for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1], nw0, nw1);
         }
       }
+    }
   }
 
-  mma_hand_out(d, acc);
+  float sum[kGroups][4];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sum[q][e] = d[q][0][e];
+#pragma unroll
+      for (int a = 1; a < kMmaAccumulators; ++a) sum[q][e] += d[q][a][e];
+    }
+  mma_hand_out(sum, acc);
 }
 
 #endif  // !LITHOS_HIP

@@ -40,20 +40,12 @@ constexpr bool kMmaRowDot = TMAX >= 4;
 template <int TMAX>
 constexpr int kMmaChunks = TMAX <= 8 ? 2 : 1;
 
-// Two forms waiting for their device run (NOTES.md, "seventh session"); a build may ask for them
-// (LITHOS_KERNEL_DEFINES="LITHOS_MMA_PIPELINE=1 LITHOS_MMA_ACCUMULATORS=4"):
-// - LITHOS_MMA_PIPELINE=1: the next round's weight loads are issued before this round's mma, so a
-//   warp's weights stream while it computes (the default waits for each round, then computes it);
-// - LITHOS_MMA_ACCUMULATORS=2 or 4: a step's mma go round-robin to that many accumulators per token
-//   group, added before the hand-out, so the chain of dependent mma in a round is that much shorter.
-#ifndef LITHOS_MMA_PIPELINE
-#define LITHOS_MMA_PIPELINE 0
-#endif
+// Accumulators per token group: a step's mma go round-robin to LITHOS_MMA_ACCUMULATORS of them, added
+// before the hand-out, so a round's chain of dependent mma is that much shorter. 4 made the 8B
+// verification round 4.7% faster (NOTES.md, run 51a); 1 stays the default until the GPU tests have run
+// on it (the sums' order changes). A build may ask for it (LITHOS_KERNEL_DEFINES="LITHOS_MMA_ACCUMULATORS=4").
 #ifndef LITHOS_MMA_ACCUMULATORS
 #define LITHOS_MMA_ACCUMULATORS 1
-#endif
-#if LITHOS_MMA_PIPELINE != 0 && LITHOS_MMA_PIPELINE != 1
-#error "LITHOS_MMA_PIPELINE is 0 (wait for each round's weights) or 1 (ask for the next round's first)"
 #endif
 #if LITHOS_MMA_ACCUMULATORS != 1 && LITHOS_MMA_ACCUMULATORS != 2 && LITHOS_MMA_ACCUMULATORS != 4
 #error "LITHOS_MMA_ACCUMULATORS is 1, 2 or 4 (accumulators per token group)"
@@ -197,14 +189,16 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   constexpr int kSteps = WARP_SIZE * 8 / 64;   // 64-input steps per 256-input chunk
   const bf16_t* row = mma_lane_row(rows);
   const int w_at = mma_weight_offset();
-  const int chunk = WARP_SIZE * 8, stride = parts * chunk, round_stride = stride * CHUNKS;
+  const int chunk = WARP_SIZE * 8, stride = parts * chunk;
   float d[kGroups][kMmaAccumulators][4];
 #pragma unroll
   for (int q = 0; q < kGroups; ++q)
 #pragma unroll
     for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
-  // This lane's weights of the round at `base`: what a round waits on.
-  auto load_weights = [&](Bf16Vec<8>(&w)[CHUNKS][kSteps], int base) {
+
+  for (int base = part * chunk; base < in.n_in; base += stride * CHUNKS) {
+    // Every load of the round first, weights then activations: the weights are what we wait on.
+    Bf16Vec<8> w[CHUNKS][kSteps], x[CHUNKS][kSteps][kGroups][2];
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
@@ -212,39 +206,12 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
         const int k = base + c * stride + s * 64 + w_at;
         w[c][s] = k < in.n_in ? load_streaming<8>(row + k) : Bf16Vec<8>{};
       }
-  };
-  Bf16Vec<8> w[CHUNKS][kSteps];
-#if LITHOS_MMA_PIPELINE
-  Bf16Vec<8> w_next[CHUNKS][kSteps];
-  load_weights(w_next, part * chunk);
-#endif
-
-  for (int base = part * chunk; base < in.n_in; base += round_stride) {
-#if LITHOS_MMA_PIPELINE
-    // This round's weights were asked for a round ago; ask for the next round's before computing.
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) w[c][s] = w_next[c][s];
-    if (base + round_stride < in.n_in) load_weights(w_next, base + round_stride);
-#else
-    load_weights(w, base);  // every load of the round first, weights then activations
-#endif
-    // The activations: L1 hits but for the first warp. Without the pipeline, the whole round's are
-    // asked for at once, behind its weights; with it, a chunk's just before its mma, which keeps the
-    // registers the second weight buffer takes.
-    Bf16Vec<8> x[CHUNKS][kSteps][kGroups][2];
-    auto load_inputs = [&](int c) {
-#pragma unroll
       for (int s = 0; s < kSteps; ++s) mma_step_inputs<kGroups, COHERENT>(x[c][s], in, base + c * stride + s * 64);
-    };
-    if constexpr (!LITHOS_MMA_PIPELINE) {
 #pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) load_inputs(c);
-    }
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      if constexpr (LITHOS_MMA_PIPELINE) load_inputs(c);
+    for (int c = 0; c < CHUNKS; ++c)
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         if (in.norm_w == nullptr) {
@@ -258,7 +225,6 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
           for (int q = 0; q < kGroups; ++q) mma_step_normed(d[q], w[c][s], x[c][s][q][0], x[c][s][q][1], nw0, nw1);
         }
       }
-    }
   }
 
   float sum[kGroups][4];

@@ -287,6 +287,30 @@ def toolchain(request):
     return compiler_toolchain(request.param)
 
 
+def test_megakernel_on_a_gpu_older_than_hopper_names_the_fused_path(monkeypatch, tmp_path):
+    """An A100 or L40 (sm_80-sm_89) cannot hold the megakernel's static shared memory: the build stops
+    before the compiler with a message naming kernels='fused'; newer GPUs and AMD pass the check."""
+    monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        with pytest.raises(LithosError, match=rf"compute capability 9\.0 or newer .* is {arch}: use kernels='fused'"):
+            build.build("megakernel", build.Toolchain("cuda", "nvcc", "V13.0", arch))
+    for tc in (
+        build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a"),
+        build.Toolchain("cuda", "nvcc", "V13.0", "sm_100a"),
+        build.Toolchain("rocm", "hipcc", "5.2", "gfx90a"),
+    ):
+        build.check_arch("megakernel", tc)
+    build.check_arch("matvec", build.Toolchain("cuda", "nvcc", "V13.0", "sm_80"))
+
+
+@pytest.mark.parametrize("kernel", ["matvec", "qkv_rope", "lm_head"])
+def test_fused_kernels_compile_for_ampere(kernel):
+    """The fused row-group kernels build for sm_80, where the tensor-core matvec splits its normed
+    inputs in f32 (mma_rowdot.h's route for GPUs without bf16x2 arithmetic) instead of bf16x2."""
+    library = build.build(kernel, check_build(compiler_toolchain("cuda"), arch="sm_80"))
+    assert library.stat().st_size > 0
+
+
 @pytest.mark.parametrize("kernel", sorted(build.KERNELS))
 def test_kernel_source_compiles(toolchain, kernel):
     """Every kernel builds for Hopper with nvcc and for CDNA (wave64) with hipcc; a compiler error fails.

@@ -61,6 +61,10 @@ PLATFORMS = ("cuda", "rocm")
 # jax's platform names for register_ffi_target.
 XLA_PLATFORM = {"cuda": "CUDA", "rocm": "ROCM"}
 DEFAULT_ARCH = {"cuda": "sm_90a", "rocm": "gfx942"}
+# The oldest NVIDIA GPU a kernel builds for (compute capability x 10), and what to use below it. The
+# megakernel's 16-token kernel declares 51.7 KB of static shared memory, above the 48 KB that sm_80 to
+# sm_89 allow; the fused kernels build for those GPUs (test_fused_kernels_compile_for_ampere).
+MIN_CUDA_ARCH = {"megakernel": (90, "use kernels='fused', whose kernels build for it")}
 
 # The XLA FFI headers warn about missing returns inside them; those warnings are not ours.
 _NVCC_FLAGS = (
@@ -231,10 +235,24 @@ def library_path(kernel: str, tc: Toolchain) -> Path:
     return cache_dir() / f"{kernel}-{tc.platform}-{tc.arch}-{source_key(kernel, tc)}.so"
 
 
+def check_arch(kernel: str, tc: Toolchain) -> None:
+    """Raises, naming the way out, when `kernel` does not build for `tc`'s GPU (MIN_CUDA_ARCH)."""
+    if tc.platform != "cuda" or kernel not in MIN_CUDA_ARCH:
+        return
+    oldest, fix = MIN_CUDA_ARCH[kernel]
+    digits = tc.arch.removeprefix("sm_").rstrip("abf")  # sm_90a, sm_100a, sm_120f
+    if digits.isdigit() and int(digits) < oldest:
+        raise LithosError(
+            f"{kernel}.cu needs an NVIDIA GPU of compute capability {oldest // 10}.{oldest % 10} or newer "
+            f"(Hopper, Blackwell), and this one is {tc.arch}: {fix}"
+        )
+
+
 def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     """Compile csrc/<kernel>.cu for `tc` unless the cache already holds it; returns the library."""
     if kernel not in KERNELS:
         raise LithosError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
+    check_arch(kernel, tc)
     output = library_path(kernel, tc)
     if output.exists() and not force:
         return output

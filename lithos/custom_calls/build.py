@@ -62,8 +62,8 @@ PLATFORMS = ("cuda", "rocm")
 XLA_PLATFORM = {"cuda": "CUDA", "rocm": "ROCM"}
 DEFAULT_ARCH = {"cuda": "sm_90a", "rocm": "gfx942"}
 # The oldest NVIDIA GPU a kernel builds for (compute capability x 10), and what to use below it. The
-# megakernel's 16-token kernel declares 51.7 KB of static shared memory, above the 48 KB that sm_80 to
-# sm_89 allow; the fused kernels build for those GPUs (test_fused_kernels_compile_for_ampere).
+# megakernel's 16-token kernel declares 51,712 bytes of static shared memory, above the 48 KiB that sm_80
+# to sm_89 allow; the fused kernels build for those GPUs (test_fused_kernels_compile_for_ampere).
 MIN_CUDA_ARCH = {"megakernel": (90, "use kernels='fused', whose kernels build for it")}
 
 # The XLA FFI headers warn about missing returns inside them; those warnings are not ours.

@@ -349,6 +349,17 @@ def test_multi_accumulator_tensor_core_matvec_compiles(kernel):
     assert library.stat().st_size > 0
 
 
+@pytest.mark.parametrize("kernel", ["matvec", "qkv_rope", "lm_head"])
+def test_wide_tensor_core_layout_compiles(kernel):
+    """The fused kernels' 16-row tensor-core layout (csrc/row_groups.h LITHOS_FUSED_WIDE_MMA; level 2
+    puts every row-group kernel on it), measured but waiting for its GPU tests, builds for every kernel
+    that can take it, so it cannot rot before them."""
+    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_FUSED_WIDE_MMA=2",))
+    library = build.build(kernel, variant)
+    assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
+    assert library.stat().st_size > 0
+
+
 def test_packed_megakernel_compiles(toolchain):
     """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
     head: the packed dot products with mins, and a second format in one kernel), for both vendors.

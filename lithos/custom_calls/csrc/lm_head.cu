@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kMatvecThreads) lm_head_kernel(LmHeadArgs a) {
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
 
   const int units = (a.vocab + kRowsPerWarp - 1) / kRowsPerWarp;
-  for_each_row_group<TMAX, VEC>(
+  for_each_row_group<TMAX, VEC, kWideForLargeNormed>(
       in, units, a.k_split,
       [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
@@ -149,8 +149,10 @@ ffi::Error lm_head_argmax_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
       constexpr auto kernel = lm_head_kernel<decltype(tmax)::value, decltype(vec)::value>;
-      const RowGroupGrid grid = row_group_grid((a.vocab + kRowsPerWarp - 1) / kRowsPerWarp, a.hidden,
-                                               resident_blocks_per_unit<kernel>(launch.threads()), launch);
+      const RowGroupGrid grid = row_group_grid(
+          row_group_work<decltype(tmax)::value, decltype(vec)::value, kWideForLargeNormed>(
+              (a.vocab + kRowsPerWarp - 1) / kRowsPerWarp),
+          a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
       LmHeadArgs args = a;
       args.blocks = std::min(grid.blocks, capacity);  // one best per block and token fits the scratch
       args.k_split = grid.k_split;

@@ -27,6 +27,10 @@ struct MatvecArgs {
   float eps;
 };
 
+// The gate/up kernel reads many rows with normed inputs; the plain one serves the O and down projections.
+template <bool GATED>
+constexpr int kMatvecWideFrom = GATED ? kWideForLargeNormed : kWideForRest;
+
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // Each warp owns kRowsPerWarp weight rows at a time: four outputs, or in the gated variant two
@@ -43,7 +47,7 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(MatvecArgs a) {
   if (in.norm_w != nullptr) block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
 
   const int units = (a.n_out + kOutsPerWarp - 1) / kOutsPerWarp;
-  for_each_row_group<TMAX, VEC>(
+  for_each_row_group<TMAX, VEC, kMatvecWideFrom<GATED>>(
       in, units, a.k_split,
       [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
 #pragma unroll
@@ -85,8 +89,10 @@ ffi::Error launch_matvec(gpuStream_t stream, const MatvecArgs& a, const RowGroup
   return with_token_bucket(a.tokens, [&](auto tmax) {
     return with_vector_width(a.n_in, aligned, [&](auto vec) {
       constexpr auto kernel = matvec_kernel<decltype(tmax)::value, decltype(vec)::value, GATED>;
-      const RowGroupGrid grid = row_group_grid((a.n_out + outs_per_warp - 1) / outs_per_warp, a.n_in,
-                                               resident_blocks_per_unit<kernel>(launch.threads()), launch);
+      const RowGroupGrid grid = row_group_grid(
+          row_group_work<decltype(tmax)::value, decltype(vec)::value, kMatvecWideFrom<GATED>>(
+              (a.n_out + outs_per_warp - 1) / outs_per_warp),
+          a.n_in, resident_blocks_per_unit<kernel>(launch.threads()), launch);
       MatvecArgs args = a;
       args.k_split = grid.k_split;
       kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);

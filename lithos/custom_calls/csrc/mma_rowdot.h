@@ -239,6 +239,103 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   mma_hand_out(sum, acc);
 }
 
+// The wide layout of the fused row-group kernels: 16 rows a warp (four row groups), the weights as the
+// mma's A side and the tokens as its N side, so no product is discarded. Per 32-input span, lane (g, t)
+// loads the 8 weights at 8t of rows g and g + 8 and the 8 inputs at 8t of token g of each token group;
+// mma j takes the loaded elements 4j..4j+3 as its k = 2t, 2t+1, 2t+8, 2t+9 on both sides (mma_step with
+// the roles swapped: its "x0 / x1" are the two rows, its "w" the token's inputs). Per weight byte that is
+// a quarter of the 4-row layout's activation loads and half its mma, and a lane holds a quarter of the
+// activation registers, which at 8 tokens kept that layout at one block per SM (NOTES.md, eighth session).
+// D[row][token]: lane (g, t) ends with rows g (entries 0, 1) and g + 8 (2, 3), tokens 2t and 2t + 1 of
+// each token group.
+
+// The 16 rows' span of 32 inputs at `at` for one token group's inputs x (this lane's 8): with an RMSNorm
+// weight nw, x * nw goes through as its high and low parts (scaled_parts).
+template <bool NORMED>
+__device__ __forceinline__ void mma_wide_span(float (&d)[kMmaAccumulators][4], const Bf16Vec<8>& row_g,
+                                              const Bf16Vec<8>& row_g8, const Bf16Vec<8>& x, const Bf16Vec<8>& nw) {
+  if constexpr (NORMED) {
+    Bf16Vec<8> hi, lo;
+    scaled_parts(x, nw, hi, lo);
+    mma_step(d, 0, hi, row_g, row_g8);
+    mma_step(d, 2, lo, row_g, row_g8);
+  } else {
+    mma_step(d, 0, x, row_g, row_g8);
+  }
+}
+
+// Inputs per round of the wide layout: 4 spans, so a lane has 8 weight loads of 16 bytes in flight (as
+// the 4-row layout's 2 chunks x 4 steps).
+constexpr int kWideChunk = 128;
+
+// d[q] = this warp's share of the 16 rows' dot products with token group q (layout above), before the
+// hand-out; the share is the 128-input chunks part, part + parts, ... `row_g` / `row_g8` are this lane's
+// rows g and g + 8. Rows and x rows are 16-byte aligned and n_in a multiple of 8.
+template <int TMAX>
+__device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf16_t* row_g8, const TokenRows& in,
+                                                  int part, int parts, float (&sum)[(TMAX + 7) / 8][4]) {
+  constexpr int kGroups = (TMAX + 7) / 8;
+  constexpr int kSpans = kWideChunk / 32;
+  const int g = lane_id() / 4, at = 8 * (lane_id() % 4);
+  float d[kGroups][kMmaAccumulators][4];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
+
+  for (int base = part * kWideChunk; base < in.n_in; base += parts * kWideChunk) {
+    // Every weight load of the round first: the weights are what we wait on.
+    Bf16Vec<8> wg[kSpans], wg8[kSpans], x[kSpans][kGroups], nw[kSpans];
+#pragma unroll
+    for (int s = 0; s < kSpans; ++s) {
+      const int k = base + s * 32 + at;
+      wg[s] = k < in.n_in ? load_streaming<8>(row_g + k) : Bf16Vec<8>{};
+      wg8[s] = k < in.n_in ? load_streaming<8>(row_g8 + k) : Bf16Vec<8>{};
+    }
+#pragma unroll
+    for (int s = 0; s < kSpans; ++s) {
+      const int k = base + s * 32 + at;
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) {
+        const int token = q * 8 + g;
+        x[s][q] = k < in.n_in && token < in.tokens
+                      ? load_cached<8>(in.x + static_cast<size_t>(token) * in.n_in + k)
+                      : Bf16Vec<8>{};
+      }
+      if (in.norm_w != nullptr) nw[s] = k < in.n_in ? load_cached<8>(in.norm_w + k) : Bf16Vec<8>{};
+    }
+#pragma unroll
+    for (int s = 0; s < kSpans; ++s)
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) {
+        if (in.norm_w != nullptr) mma_wide_span<true>(d[q], wg[s], wg8[s], x[s][q], nw[s]);
+        else mma_wide_span<false>(d[q], wg[s], wg8[s], x[s][q], nw[s]);
+      }
+  }
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sum[q][e] = d[q][0][e];
+#pragma unroll
+      for (int a = 1; a < kMmaAccumulators; ++a) sum[q][e] += d[q][a][e];
+    }
+}
+
+// Row group SUB (rows 4 SUB .. 4 SUB + 3) of the wide layout's sums, in every lane: row r's sums are in
+// lane 4 (r % 8) + token % 8 / 2, entry 2 (r / 8) + token % 2 of token group token / 8.
+template <int SUB, int TMAX>
+__device__ __forceinline__ void mma_wide_hand_out(const float (&sum)[(TMAX + 7) / 8][4],
+                                                  float (&acc)[kRowsPerWarp][TMAX]) {
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+    const int r = SUB * kRowsPerWarp + rr;
+#pragma unroll
+    for (int token = 0; token < TMAX; ++token)
+      acc[rr][token] = __shfl_sync(0xffffffffu, sum[token / 8][2 * (r / 8) + token % 2], 4 * (r % 8) + token % 8 / 2);
+  }
+}
+
 #endif  // !LITHOS_HIP
 
 }  // namespace lithos

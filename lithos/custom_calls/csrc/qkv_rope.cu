@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
     return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads;
   };
 
-  for_each_row_group<TMAX, VEC>(
+  for_each_row_group<TMAX, VEC, kWideForRest>(
       in, units, a.k_split,
       [&](int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
         const int head = head_of(unit);
@@ -171,7 +171,8 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
     return with_vector_width(a.hidden, aligned, [&](auto vec) {
       constexpr auto kernel = qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value, Cache>;
       const RowGroupGrid grid =
-          row_group_grid(units, a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
+          row_group_grid(row_group_work<decltype(tmax)::value, decltype(vec)::value, kWideForRest>(units),
+                         a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
       QkvArgs args = a;
       args.k_split = grid.k_split;
       kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);

@@ -119,6 +119,29 @@ __device__ __forceinline__ void mma_step_normed(float (&d)[kMmaAccumulators][4],
   mma_step(d, 2, w, lo0, lo1);
 }
 
+// Every accumulator of every token group at zero.
+template <int GROUPS>
+__device__ __forceinline__ void zero_accumulators(float (&d)[GROUPS][kMmaAccumulators][4]) {
+#pragma unroll
+  for (int q = 0; q < GROUPS; ++q)
+#pragma unroll
+    for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
+}
+
+// sum[q][e] = the total of token group q's accumulators' entry e.
+template <int GROUPS>
+__device__ __forceinline__ void add_accumulators(const float (&d)[GROUPS][kMmaAccumulators][4],
+                                                 float (&sum)[GROUPS][4]) {
+#pragma unroll
+  for (int q = 0; q < GROUPS; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sum[q][e] = d[q][0][e];
+#pragma unroll
+      for (int a = 1; a < kMmaAccumulators; ++a) sum[q][e] += d[q][a][e];
+    }
+}
+
 // The warp's sums from its accumulators d[token group]: lane (g, t) holds token g's sums of rows
 // 2(t % 2), 2(t % 2) + 1 over half t / 2 (D's used entries); add the halves, then hand out: row r,
 // token q * 8 + gg is at lane 4 gg + r / 2, entry r % 2. Every lane ends with every acc[r][t].
@@ -191,10 +214,7 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   const int w_at = mma_weight_offset();
   const int chunk = WARP_SIZE * 8, stride = parts * chunk;
   float d[kGroups][kMmaAccumulators][4];
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-    for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
+  zero_accumulators(d);
 
   for (int base = part * chunk; base < in.n_in; base += stride * CHUNKS) {
     // Every load of the round first, weights then activations: the weights are what we wait on.
@@ -228,14 +248,7 @@ __device__ __forceinline__ void mma_rows_dot(const bf16_t* const (&rows)[kRowsPe
   }
 
   float sum[kGroups][4];
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sum[q][e] = d[q][0][e];
-#pragma unroll
-      for (int a = 1; a < kMmaAccumulators; ++a) sum[q][e] += d[q][a][e];
-    }
+  add_accumulators(d, sum);
   mma_hand_out(sum, acc);
 }
 
@@ -278,10 +291,7 @@ __device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf1
   constexpr int kSpans = kWideChunk / 32;
   const int g = lane_id() / 4, at = 8 * (lane_id() % 4);
   float d[kGroups][kMmaAccumulators][4];
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-    for (int a = 0; a < kMmaAccumulators; ++a) d[q][a][0] = d[q][a][1] = d[q][a][2] = d[q][a][3] = 0.0f;
+  zero_accumulators(d);
 
   for (int base = part * kWideChunk; base < in.n_in; base += parts * kWideChunk) {
     // Every weight load of the round first: the weights are what we wait on.
@@ -312,14 +322,7 @@ __device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf1
         else mma_wide_span<false>(d[q], wg[s], wg8[s], x[s][q], nw[s]);
       }
   }
-#pragma unroll
-  for (int q = 0; q < kGroups; ++q)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sum[q][e] = d[q][0][e];
-#pragma unroll
-      for (int a = 1; a < kMmaAccumulators; ++a) sum[q][e] += d[q][a][e];
-    }
+  add_accumulators(d, sum);
 }
 
 // Row group SUB (rows 4 SUB .. 4 SUB + 3) of the wide layout's sums, in every lane: row r's sums are in

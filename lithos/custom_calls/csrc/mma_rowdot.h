@@ -325,14 +325,15 @@ __device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf1
   add_accumulators(d, sum);
 }
 
-// Row group SUB (rows 4 SUB .. 4 SUB + 3) of the wide layout's sums, in every lane: row r's sums are in
-// lane 4 (r % 8) + token % 8 / 2, entry 2 (r / 8) + token % 2 of token group token / 8.
-template <int SUB, int TMAX>
-__device__ __forceinline__ void mma_wide_hand_out(const float (&sum)[(TMAX + 7) / 8][4],
+// Row group `sub` (rows 4 sub .. 4 sub + 3) of the wide layout's sums, in every lane: row r's sums are in
+// lane 4 (r % 8) + token % 8 / 2, entry 2 (r / 8) + token % 2 of token group token / 8. Called from an
+// unrolled loop, so `sub` is a constant and the entries stay in registers.
+template <int TMAX>
+__device__ __forceinline__ void mma_wide_hand_out(const float (&sum)[(TMAX + 7) / 8][4], int sub,
                                                   float (&acc)[kRowsPerWarp][TMAX]) {
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    const int r = SUB * kRowsPerWarp + rr;
+    const int r = sub * kRowsPerWarp + rr;
 #pragma unroll
     for (int token = 0; token < TMAX; ++token)
       acc[rr][token] = __shfl_sync(0xffffffffu, sum[token / 8][2 * (r / 8) + token % 2], 4 * (r % 8) + token % 8 / 2);

@@ -1,7 +1,7 @@
 // How the fused row-group kernels (matvec, gate/up, Q/K/V, LM head) walk their row groups: warps of the
 // grid take groups round-robin, and each group's dot products run on the FMA path (warp_rows_dot) or,
-// at 4-16 tokens on CUDA, on tensor cores four groups at a time (mma_rowdot.h's wide layout: 16 rows a
-// warp).
+// at 4-16 tokens on CUDA, on tensor cores (mma_rowdot.h): in the megakernel's 4-row layout, or where
+// LITHOS_FUSED_WIDE_MMA asks, four groups at a time in the wide layout (16 rows a warp).
 #pragma once
 
 #include "mma_rowdot.h"
@@ -60,9 +60,7 @@ __device__ __forceinline__ void block_team_sum_fragments(float (&sum)[GROUPS][4]
     }
   __syncthreads();
 }
-#endif
 
-#if !defined(LITHOS_HIP)
 // One work item of the wide layout: row groups 4 item .. 4 item + 3 (16 rows).
 template <int TMAX, class RowsOf, class Epilogue>
 __device__ __forceinline__ void wide_row_groups(const TokenRows& in, int item, int units, int part, int k_split,
@@ -81,15 +79,13 @@ __device__ __forceinline__ void wide_row_groups(const TokenRows& in, int item, i
   // The team adds its fragments before the hand-out: 4 values a lane, not 4 rows x TMAX sums a group.
   if (k_split > 1) block_team_sum_fragments(sum, team, slot, k_split);
   if (!owner) return;
-  float acc[kRowsPerWarp][TMAX];
-  mma_wide_hand_out<0, TMAX>(sum, acc);
-  epilogue(item * 4, acc);
-  mma_wide_hand_out<1, TMAX>(sum, acc);
-  if (item * 4 + 1 < units) epilogue(item * 4 + 1, acc);
-  mma_wide_hand_out<2, TMAX>(sum, acc);
-  if (item * 4 + 2 < units) epilogue(item * 4 + 2, acc);
-  mma_wide_hand_out<3, TMAX>(sum, acc);
-  if (item * 4 + 3 < units) epilogue(item * 4 + 3, acc);
+#pragma unroll
+  for (int sub = 0; sub < 4; ++sub) {
+    if (item * 4 + sub >= units) break;
+    float acc[kRowsPerWarp][TMAX];
+    mma_wide_hand_out<TMAX>(sum, sub, acc);
+    epilogue(item * 4 + sub, acc);
+  }
 }
 #endif
 

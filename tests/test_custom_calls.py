@@ -351,9 +351,10 @@ def test_multi_accumulator_tensor_core_matvec_compiles(kernel):
 
 @pytest.mark.parametrize("kernel", ["matvec", "qkv_rope", "lm_head"])
 def test_wide_tensor_core_layout_compiles(kernel):
-    """The fused kernels' 16-row tensor-core layout (csrc/row_groups.h LITHOS_FUSED_WIDE_MMA; level 2
-    puts every row-group kernel on it), measured but waiting for its GPU tests, builds for every kernel
-    that can take it, so it cannot rot before them."""
+    """The fused kernels' 16-row tensor-core layout on every row-group kernel (csrc/row_groups.h
+    LITHOS_FUSED_WIDE_MMA=2; the default build, level 1, puts only gate/up and the LM head on it), an
+    experiment that measured slower on the O, down and Q/K/V projections, builds for every kernel that
+    can take it, so the comparison can be run again."""
     variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_FUSED_WIDE_MMA=2",))
     library = build.build(kernel, variant)
     assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))

@@ -10,11 +10,11 @@
 namespace lithos {
 
 // Which kernels' tensor-core paths take the wide layout (16 rows a warp) instead of the megakernel's 4:
-// 0 none (the default), 1 the gate/up and LM-head kernels (many rows, normed inputs: where it measured
-// faster, NOTES.md run 54), 2 every row-group kernel. A build may ask for 1 or 2
-// (LITHOS_KERNEL_DEFINES="LITHOS_FUSED_WIDE_MMA=1") until the GPU tests have run on it.
+// 0 none, 1 the gate/up and LM-head kernels (the default: many rows and normed inputs, where it measured
+// faster; the O, down and Q/K/V projections, with fewer rows, spread better over the SMs in groups of 4:
+// NOTES.md runs 54 and 55), 2 every row-group kernel. Others by LITHOS_KERNEL_DEFINES, for experiments.
 #ifndef LITHOS_FUSED_WIDE_MMA
-#define LITHOS_FUSED_WIDE_MMA 0
+#define LITHOS_FUSED_WIDE_MMA 1
 #endif
 #if LITHOS_FUSED_WIDE_MMA < 0 || LITHOS_FUSED_WIDE_MMA > 2
 #error "LITHOS_FUSED_WIDE_MMA is 0, 1 or 2 (which kernels take the wide layout)"

@@ -41,11 +41,11 @@ template <int TMAX>
 constexpr int kMmaChunks = TMAX <= 8 ? 2 : 1;
 
 // Accumulators per token group: a step's mma go round-robin to LITHOS_MMA_ACCUMULATORS of them, added
-// before the hand-out, so a round's chain of dependent mma is that much shorter. 4 made the 8B
-// verification round 4.7% faster (NOTES.md, run 51a); 1 stays the default until the GPU tests have run
-// on it (the sums' order changes). A build may ask for it (LITHOS_KERNEL_DEFINES="LITHOS_MMA_ACCUMULATORS=4").
+// before the hand-out, so a round's chain of dependent mma is that much shorter. 4 (the default) made
+// the 8B verification round 4.7% faster on the megakernel (NOTES.md, run 51a) and 2.0% on the fused
+// kernels (run 57); 1 and 2 stay for comparisons (LITHOS_KERNEL_DEFINES="LITHOS_MMA_ACCUMULATORS=1").
 #ifndef LITHOS_MMA_ACCUMULATORS
-#define LITHOS_MMA_ACCUMULATORS 1
+#define LITHOS_MMA_ACCUMULATORS 4
 #endif
 #if LITHOS_MMA_ACCUMULATORS != 1 && LITHOS_MMA_ACCUMULATORS != 2 && LITHOS_MMA_ACCUMULATORS != 4
 #error "LITHOS_MMA_ACCUMULATORS is 1, 2 or 4 (accumulators per token group)"

@@ -361,6 +361,16 @@ def test_wide_tensor_core_layout_compiles(kernel):
     assert library.stat().st_size > 0
 
 
+def test_attention_on_tensor_cores_compiles():
+    """The split attention on tensor cores at 4-16 query positions (csrc/attention.cu
+    LITHOS_ATTENTION_MMA=1), waiting for its GPU tests (the decode_attention cases of
+    tests/test_custom_calls_gpu.py under that define), builds, so it cannot rot before them."""
+    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_ATTENTION_MMA=1",))
+    library = build.build("attention", variant)
+    assert library != build.library_path("attention", dataclasses.replace(variant, defines=()))
+    assert b"attention_split_mma_kernel" in library.read_bytes()
+
+
 def test_packed_megakernel_compiles(toolchain):
     """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
     head: the packed dot products with mins, and a second format in one kernel), for both vendors.

@@ -18,6 +18,11 @@
 // The cache is bf16, or FP8 E4M3 codes with one scale per (layer, KV head) (lithos/kv_cache.py):
 // then a lane reads 8 bytes per key, twice the keys per loop step keep the same bytes in flight,
 // and the scales and fp8.h's 2^-120 are folded into the query and the output (see CacheRead).
+//
+// With LITHOS_ATTENTION_MMA=1 (CUDA, bf16 cache, head_dim <= 128, 4-16 query positions) the splits run
+// on tensor cores instead (attention_split_mma_kernel): the query rows of a KV head are the mma's M side,
+// so a key is read once for 16 rows and scored by one instruction, where the FMA kernel spends about 30
+// lane instructions per row and key (NOTES.md, run 56). Off by default until its GPU tests have run.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -25,8 +30,13 @@
 
 #include "ffi_util.h"
 #include "fp8.h"
+#include "mma_rowdot.h"
 #include "portable.h"
 #include "split_attention.h"
+
+#ifndef LITHOS_ATTENTION_MMA
+#define LITHOS_ATTENTION_MMA 0
+#endif
 
 namespace lithos {
 namespace {
@@ -63,6 +73,28 @@ __host__ __device__ inline int query_rows(const AttnArgs& a) { return a.tokens *
 __host__ __device__ inline int query_warps(int rows) {
   const int chunks = (rows + kQueryRowsPerWarp - 1) / kQueryRowsPerWarp;
   return chunks >= 4 ? 4 : (chunks >= 2 ? 2 : 1);
+}
+
+// Whether a call's splits run on tensor cores (attention_split_mma_kernel): CUDA, a bf16 cache, head_dim
+// up to 128 (the output fragments of 16 rows take head_dim / 2 registers a lane), and 4-16 positions.
+__host__ __device__ inline bool splits_on_tensor_cores(int tokens, int head_dim, bool fp8_cache) {
+#if defined(LITHOS_HIP)
+  return false;
+#else
+  return LITHOS_ATTENTION_MMA && !fp8_cache && head_dim <= 128 && tokens >= 4;
+#endif
+}
+
+// The tensor-core kernel's query rows come in tiles of 16 (the mma's M side); a block's warps take up to
+// four tiles, the rest of them split the keys.
+constexpr int kRowTile = 16;
+__host__ __device__ inline int row_tiles(int rows) { return (rows + kRowTile - 1) / kRowTile; }
+__host__ __device__ inline int tile_warps(int tiles) { return tiles >= 4 ? 4 : (tiles >= 2 ? 2 : 1); }
+
+// Blocks along a split's query rows, for either kernel.
+inline int split_row_blocks(int rows, bool on_tensor_cores) {
+  const int per_block = on_tensor_cores ? tile_warps(row_tiles(rows)) * kRowTile : query_warps(rows) * kQueryRowsPerWarp;
+  return (rows + per_block - 1) / per_block;
 }
 
 __device__ SplitPlan plan_splits(const AttnArgs& a) {
@@ -206,6 +238,206 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   }
 }
 
+#if !defined(LITHOS_HIP)
+// The splits on tensor cores (m16n8k16 bf16, f32 accumulators). Warp w takes row tile w % tile_warps of
+// the block (16 query rows: token x query head of the KV head) and every (key_warps)-th 16-key chunk of
+// the split. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of its tile.
+// - Scores S = Q K^T, two 8-key tiles a chunk (N side: key g of the tile). A dot product may take its
+//   dimensions in any order as long as both sides agree: k-step s = 2c + h of lane t covers dimensions
+//   32c + 8t + 4h .. + 3 (k = 2t, 2t + 1, 2t + 8, 2t + 9 in that order), so a lane reads 16 contiguous
+//   bytes of a key row (or query row) per c and both fragments come straight from registers.
+// - Online softmax on the score fragments (rows g and g + 8: 2 keys per tile, the row max over the 4
+//   lanes t by two shuffles), in the exp2 domain as the FMA kernel.
+// - O += P V: the score fragments of the two key tiles are the A fragment of one 16-key k-step (as in
+//   FlashAttention-2), P split into bf16 high and low parts so the weights keep about 16 bits. The
+//   output's n-tile j column n is dimension n * (head_dim / 8) + j, so lane (g, t) reads head_dim / 8
+//   contiguous dimensions of keys 2t, 2t + 1, 2t + 8, 2t + 9 and pairs them by byte permutes.
+// Warps that share a tile fold their states through shared memory and the block writes its split as
+// the FMA kernel does; attention_combine_kernel is the same for both.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnArgs a) {
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "16 rows of output fragments: head_dim / 2 registers");
+  constexpr int kSteps = HEAD_DIM / 16;      // Q.K k-steps
+  constexpr int kDimLoads = HEAD_DIM / 32;   // 16-byte loads per key (or query) row and lane
+  constexpr int kOutTiles = HEAD_DIM / 8;    // P.V n-tiles
+  constexpr int kValueLoads = HEAD_DIM / 64; // 16-byte loads per value row and lane (head_dim / 8 dims)
+  constexpr int kChunk = 16;                 // keys per loop step
+
+  const SplitPlan plan = plan_splits(a);
+  const int split = blockIdx.y;
+  if (split >= plan.splits) return;  // the combine reads only the splits in use
+  const int key_begin = plan.begin + split * plan.split_len;
+  const int key_end = min(key_begin + plan.split_len, plan.end);
+
+  const int kv_head = blockIdx.z;
+  const int group = a.heads / a.kv_heads;
+  const int rows = query_rows(a);
+  const int tw = tile_warps(row_tiles(rows));
+  const int key_warps = kAttnWarps / tw;
+  const int warp_tile = warp_id() % tw, warp_keys = warp_id() / tw;
+  const int first_row = (blockIdx.x * tw + warp_tile) * kRowTile;
+  const int g = lane_id() / 4, t = lane_id() % 4;
+
+  // Query fragments (kept for the whole split) and the keys each of the lane's two rows sees.
+  uint32_t qa[kSteps][4];
+  int see_from[2], see_to[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = first_row + g + 8 * r;
+    const bool valid = row < rows;
+    const int token = valid ? row / group : 0;
+    const int head = kv_head * group + (valid ? row % group : 0);
+    const bf16_t* q_row = a.q + (static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + 8 * t;
+#pragma unroll
+    for (int c = 0; c < kDimLoads; ++c) {
+      const Bf16Vec<8> v = valid ? load_cached<8>(q_row + 32 * c) : Bf16Vec<8>{{0u, 0u, 0u, 0u}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        qa[2 * c + h][r] = v.pair[2 * h];
+        qa[2 * c + h][r + 2] = v.pair[2 * h + 1];
+      }
+    }
+    see_to[r] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
+    see_from[r] = a.window > 0 ? see_to[r] - a.window + 1 : 0;
+  }
+
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // sum: this lane's keys only
+  float out[kOutTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) out[j][0] = out[j][1] = out[j][2] = out[j][3] = 0.0f;
+
+  const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.slots * HEAD_DIM;
+  const bf16_t* keys = static_cast<const bf16_t*>(a.k_cache) + head_offset;
+  const bf16_t* values = static_cast<const bf16_t*>(a.v_cache) + head_offset;
+  // Keys past the split's end read its last key (valid memory) and are masked.
+  auto row_at = [&](int key) {
+    return static_cast<size_t>(slot_of(plan, a.slots, min(key, key_end - 1))) * HEAD_DIM;
+  };
+
+  const bool has_rows = first_row < rows;  // the grid's last block may hold a warp without a tile
+  for (int chunk = key_begin + warp_keys * kChunk; has_rows && chunk < key_end; chunk += key_warps * kChunk) {
+    Bf16Vec<8> k[2][kDimLoads], v[4][kValueLoads];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const bf16_t* key_row = keys + row_at(chunk + 8 * n + g) + 8 * t;
+#pragma unroll
+      for (int c = 0; c < kDimLoads; ++c) k[n][c] = load_cached<8>(key_row + 32 * c);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the chunk
+      const bf16_t* value_row = values + row_at(chunk + 2 * t + (i & 1) + 8 * (i >> 1)) + g * (HEAD_DIM / 8);
+#pragma unroll
+      for (int c = 0; c < kValueLoads; ++c) v[i][c] = load_cached<8>(value_row + 8 * c);
+    }
+
+    // score[n][e]: row g + 8 * (e / 2), key chunk + 8n + 2t + e % 2.
+    float score[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      score[n][0] = score[n][1] = score[n][2] = score[n][3] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        mma_m16n8k16(score[n], qa[s][0], qa[s][1], qa[s][2], qa[s][3], k[n][s / 2].pair[2 * (s % 2)],
+                     k[n][s / 2].pair[2 * (s % 2) + 1]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float chunk_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const int key = chunk + 8 * n + 2 * t + e % 2;
+          const bool visible = key < key_end && key >= see_from[r] && key <= see_to[r];
+          score[n][e] = visible ? score[n][e] * a.scale_log2 : -INFINITY;
+          chunk_max = fmaxf(chunk_max, score[n][e]);
+        }
+      chunk_max = fmaxf(chunk_max, shfl_xor(chunk_max, 1));
+      chunk_max = fmaxf(chunk_max, shfl_xor(chunk_max, 2));
+      const float new_max = fmaxf(row_max[r], chunk_max);
+      // Nothing visible yet: no rescale, and every weight 0 (exp2(-inf - -inf) would be NaN).
+      const float rescale = new_max == -INFINITY ? 1.0f : exp2f(row_max[r] - new_max);
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          score[n][e] = new_max == -INFINITY ? 0.0f : exp2f(score[n][e] - new_max);
+          row_sum[r] += score[n][e];
+        }
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j) {
+        out[j][2 * r] *= rescale;
+        out[j][2 * r + 1] *= rescale;
+      }
+      row_max[r] = new_max;
+    }
+
+    // P as one k-step's A fragment, in high and low bf16 parts.
+    uint32_t p_hi[4], p_lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float p0 = score[i / 2][2 * (i % 2)], p1 = score[i / 2][2 * (i % 2) + 1];
+      p_hi[i] = bf16_pair(p0, p1);
+      p_lo[i] = bf16_pair(p0 - bf16_pair_at(p_hi[i], 0), p1 - bf16_pair_at(p_hi[i], 1));
+    }
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j) {
+      // Column g of n-tile j is dimension g * head_dim / 8 + j: element j of each loaded value run.
+      const uint32_t select = j % 2 == 0 ? 0x5410u : 0x7632u;
+      const int word = (j % 8) / 2, load = j / 8;
+      const uint32_t b0 = __byte_perm(v[0][load].pair[word], v[1][load].pair[word], select);
+      const uint32_t b1 = __byte_perm(v[2][load].pair[word], v[3][load].pair[word], select);
+      mma_m16n8k16(out[j], p_hi[0], p_hi[1], p_hi[2], p_hi[3], b0, b1);
+      mma_m16n8k16(out[j], p_lo[0], p_lo[1], p_lo[2], p_lo[3], b0, b1);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += shfl_xor(row_sum[r], 1);
+    row_sum[r] += shfl_xor(row_sum[r], 2);
+  }
+
+  // Warps of one tile fold together through shared memory, then the block writes its split.
+  __shared__ float shared_out[kAttnWarps][kRowTile][HEAD_DIM];
+  __shared__ float shared_max[kAttnWarps][kRowTile];
+  __shared__ float shared_sum[kAttnWarps][kRowTile];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int local_row = g + 8 * r;
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j) {
+      shared_out[warp_id()][local_row][(2 * t) * (HEAD_DIM / 8) + j] = out[j][2 * r];
+      shared_out[warp_id()][local_row][(2 * t + 1) * (HEAD_DIM / 8) + j] = out[j][2 * r + 1];
+    }
+    if (t == 0) {
+      shared_max[warp_id()][local_row] = row_max[r];
+      shared_sum[warp_id()][local_row] = row_sum[r];
+    }
+  }
+  __syncthreads();
+  const size_t split_base = (static_cast<size_t>(split) * a.kv_heads + kv_head) * rows;
+  for (int i = threadIdx.x; i < tw * kRowTile * HEAD_DIM; i += kAttnThreads) {
+    const int local_row = i / HEAD_DIM, d = i % HEAD_DIM;
+    const int wt = local_row / kRowTile, tile_row = local_row % kRowTile;
+    const int row = blockIdx.x * tw * kRowTile + local_row;
+    if (row >= rows) continue;
+    float best = -INFINITY;
+    for (int w = wt; w < kAttnWarps; w += tw) best = fmaxf(best, shared_max[w][tile_row]);
+    float sum = 0.0f, acc = 0.0f;
+    if (best != -INFINITY) {
+      for (int w = wt; w < kAttnWarps; w += tw) {
+        const float weight = exp2f(shared_max[w][tile_row] - best);
+        sum += shared_sum[w][tile_row] * weight;
+        acc += shared_out[w][tile_row][d] * weight;
+      }
+    }
+    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum : 0.0f;
+    if (d == 0) a.split_lse[split_base + row] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
+  }
+}
+#endif  // !LITHOS_HIP
+
 // One block per (token, query head), one thread per output dimension: weight each split's output by
 // its share of the softmax mass. A row that sees no key (no valid position) gets zeros.
 template <int HEAD_DIM>
@@ -234,10 +466,16 @@ __global__ void __launch_bounds__(HEAD_DIM) attention_combine_kernel(AttnArgs a)
 
 template <int HEAD_DIM, typename Cache>
 ffi::Error launch_attention(gpuStream_t stream, const AttnArgs& a) {
+  constexpr bool kFp8 = std::is_same_v<Cache, uint8_t>;
   const int rows = query_rows(a);
-  const int rows_per_block = query_warps(rows) * kQueryRowsPerWarp;
-  const dim3 split_grid((rows + rows_per_block - 1) / rows_per_block, a.max_splits, a.kv_heads);
-  attention_split_kernel<HEAD_DIM, Cache><<<split_grid, kAttnThreads, 0, stream>>>(a);
+  const bool on_tensor_cores = splits_on_tensor_cores(a.tokens, HEAD_DIM, kFp8);
+  const dim3 split_grid(split_row_blocks(rows, on_tensor_cores), a.max_splits, a.kv_heads);
+#if !defined(LITHOS_HIP)
+  if constexpr (!kFp8 && HEAD_DIM <= 128) {
+    if (on_tensor_cores) attention_split_mma_kernel<HEAD_DIM><<<split_grid, kAttnThreads, 0, stream>>>(a);
+  }
+#endif
+  if (!on_tensor_cores) attention_split_kernel<HEAD_DIM, Cache><<<split_grid, kAttnThreads, 0, stream>>>(a);
   if (ffi::Error err = launch_status("decode_attention (splits)"); err.failure()) return err;
   attention_combine_kernel<HEAD_DIM><<<a.tokens * a.heads, HEAD_DIM, 0, stream>>>(a);
   return launch_status("decode_attention (combine)");
@@ -304,7 +542,7 @@ ffi::Error decode_attention_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> q, f
 
   // Enough splits to put a few blocks on every SM/CU at long context, within the scratch provided.
   const int rows = query_rows(a);
-  const int row_blocks = (rows + query_warps(rows) * kQueryRowsPerWarp - 1) / (query_warps(rows) * kQueryRowsPerWarp);
+  const int row_blocks = split_row_blocks(rows, splits_on_tensor_cores(a.tokens, head_dim, k_scale != nullptr));
   const int capacity = static_cast<int>(split_lse->dimensions()[0]);
   if (split_lse->element_count() != static_cast<size_t>(capacity) * a.kv_heads * rows ||
       split_out->element_count() != split_lse->element_count() * head_dim)

@@ -329,46 +329,33 @@ def test_kernel_source_compiles(toolchain, kernel):
 HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 
 
-def test_megakernel_without_lane_ring_compiles():
-    """The CUDA megakernel with its weights through registers (LITHOS_MK_LANE_RING=0: the path HIP builds
-    and the larger token buckets take, and the knob the grid error names) builds too."""
-    registers = check_build(compiler_toolchain("cuda"), defines=("LITHOS_MK_LANE_RING=0",))
-    library = build.build("megakernel", registers)
-    assert library != build.library_path("megakernel", dataclasses.replace(registers, defines=()))
-    assert b"LithosMegakernel" in library.read_bytes()
+# Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES): each builds
+# for every kernel that reads its define, so none rots between the runs that compare it (NOTES.md).
+BUILD_VARIANTS = {
+    # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
+    # megakernel's grid error names.
+    "LITHOS_MK_LANE_RING=0": ("megakernel",),
+    # One accumulator per token group in the tensor-core matvecs (the default is 4).
+    "LITHOS_MMA_ACCUMULATORS=1": ("megakernel", "matvec"),
+    # Every fused row-group kernel on the 16-row tensor-core layout (the default puts gate/up and the LM
+    # head there): measured slower on the O, down and Q/K/V projections.
+    "LITHOS_FUSED_WIDE_MMA=2": ("matvec", "qkv_rope", "lm_head"),
+    # The split attention on tensor cores at 4-16 positions, waiting for its GPU tests.
+    "LITHOS_ATTENTION_MMA=1": ("attention",),
+    # Every token's epilogue at once (rowdot.h for_each_token), waiting for its GPU tests.
+    "LITHOS_PARALLEL_EPILOGUE=1": ("matvec", "qkv_rope", "megakernel"),
+}
 
 
-@pytest.mark.parametrize("kernel", ["megakernel", "matvec"])
-def test_single_accumulator_tensor_core_matvec_compiles(kernel):
-    """The tensor-core matvec with one accumulator per token group (csrc/mma_rowdot.h
-    LITHOS_MMA_ACCUMULATORS=1; the default is 4), kept to measure the default against, builds in both
-    users, so the comparison can be run again."""
-    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_MMA_ACCUMULATORS=1",))
+@pytest.mark.parametrize(
+    "define,kernel", [(define, kernel) for define, kernels in BUILD_VARIANTS.items() for kernel in kernels]
+)
+def test_build_variant_compiles(define, kernel):
+    variant = check_build(compiler_toolchain("cuda"), defines=(define,))
     library = build.build(kernel, variant)
     assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
-    assert library.stat().st_size > 0
-
-
-@pytest.mark.parametrize("kernel", ["matvec", "qkv_rope", "lm_head"])
-def test_wide_tensor_core_layout_compiles(kernel):
-    """The fused kernels' 16-row tensor-core layout on every row-group kernel (csrc/row_groups.h
-    LITHOS_FUSED_WIDE_MMA=2; the default build, level 1, puts only gate/up and the LM head on it), an
-    experiment that measured slower on the O, down and Q/K/V projections, builds for every kernel that
-    can take it, so the comparison can be run again."""
-    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_FUSED_WIDE_MMA=2",))
-    library = build.build(kernel, variant)
-    assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
-    assert library.stat().st_size > 0
-
-
-def test_attention_on_tensor_cores_compiles():
-    """The split attention on tensor cores at 4-16 query positions (csrc/attention.cu
-    LITHOS_ATTENTION_MMA=1), waiting for its GPU tests (the decode_attention cases of
-    tests/test_custom_calls_gpu.py under that define), builds, so it cannot rot before them."""
-    variant = check_build(compiler_toolchain("cuda"), defines=("LITHOS_ATTENTION_MMA=1",))
-    library = build.build("attention", variant)
-    assert library != build.library_path("attention", dataclasses.replace(variant, defines=()))
-    assert b"attention_split_mma_kernel" in library.read_bytes()
+    for symbol in build.KERNELS[kernel]:
+        assert symbol.encode() in library.read_bytes()
 
 
 def test_packed_megakernel_compiles(toolchain):

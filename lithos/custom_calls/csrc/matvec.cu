@@ -58,24 +58,19 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(MatvecArgs a) {
         }
       },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
-        // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
+        for_each_token<TMAX>(acc, a.tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
+          const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-            const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
-#pragma unroll
-            for (int j = 0; j < kOutsPerWarp; ++j) {
-              const int out = unit * kOutsPerWarp + j;
-              if (out < a.n_out) {
-                const size_t at = static_cast<size_t>(t) * a.n_out + out;
-                float value =
-                    GATED ? silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
-                if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
-                a.y[at] = float_to_bf16(value);
-              }
+          for (int j = 0; j < kOutsPerWarp; ++j) {
+            const int out = unit * kOutsPerWarp + j;
+            if (out < a.n_out) {
+              const size_t at = static_cast<size_t>(t) * a.n_out + out;
+              float value = GATED ? silu(sums[2 * j] * scale) * (sums[2 * j + 1] * scale) : sums[j] * scale;
+              if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
+              a.y[at] = float_to_bf16(value);
             }
           }
-        }
+        });
       });
 }
 

@@ -60,27 +60,22 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_matvec_kernel(PackedMat
         }
       },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
-        // Lane t writes token t's outputs (a compile-time index into acc keeps it in registers).
+        for_each_token<TMAX>(acc, a.tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
+          const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-            const float scale = in.norm_w != nullptr ? rms_scale[t] : 1.0f;
-#pragma unroll
-            for (int j = 0; j < kOutsPerWarp; ++j) {
-              const int out = unit * kOutsPerWarp + j;
-              if (out < n_out) {
-                const size_t at = static_cast<size_t>(t) * n_out + out;
-                float value =
-                    GATED ? packed_silu(acc[2 * j][t] * scale) * (acc[2 * j + 1][t] * scale) : acc[j][t] * scale;
-                if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
-                if (a.y_f32)
-                  static_cast<float*>(a.y)[at] = value;
-                else
-                  static_cast<bf16_t*>(a.y)[at] = float_to_bf16(value);
-              }
+          for (int j = 0; j < kOutsPerWarp; ++j) {
+            const int out = unit * kOutsPerWarp + j;
+            if (out < n_out) {
+              const size_t at = static_cast<size_t>(t) * n_out + out;
+              float value = GATED ? packed_silu(sums[2 * j] * scale) * (sums[2 * j + 1] * scale) : sums[j] * scale;
+              if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
+              if (a.y_f32)
+                static_cast<float*>(a.y)[at] = value;
+              else
+                static_cast<bf16_t*>(a.y)[at] = float_to_bf16(value);
             }
           }
-        }
+        });
       });
 }
 

@@ -22,19 +22,16 @@ __device__ bool gate_up_task(const Args& a, const Task& task, int index) {
           a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        for_each_token<TMAX>(acc, a.tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-#pragma unroll
-            for (int j = 0; j < kOuts; ++j) {
-              const int f = unit * kOuts + j;
-              if (f < a.ffn) {
-                const float gate = acc[2 * j][t] * rms_scale[t], up = acc[2 * j + 1][t] * rms_scale[t];
-                a.gated[static_cast<size_t>(t) * a.ffn + f] = float_to_bf16(silu(gate) * up);
-              }
+          for (int j = 0; j < kOuts; ++j) {
+            const int f = unit * kOuts + j;
+            if (f < a.ffn) {
+              const float gate = sums[2 * j] * rms_scale[t], up = sums[2 * j + 1] * rms_scale[t];
+              a.gated[static_cast<size_t>(t) * a.ffn + f] = float_to_bf16(silu(gate) * up);
             }
           }
-        }
+        });
       }))
     return false;
   block_release(a, task.signal_counter);

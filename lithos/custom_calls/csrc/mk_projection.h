@@ -22,19 +22,16 @@ __device__ bool projection_task(const Args& a, const Task& task, int index) {
   if (!stream_row_groups<F, TMAX>(
           a, task, index, in, rows_of, [](const TokenRows&) {},
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+        for_each_token<TMAX>(acc, a.tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens && lane_id() == t) {
-#pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) {
-              const int row = unit * kRowsPerWarp + r;
-              if (row < a.hidden) {
-                const size_t at = static_cast<size_t>(t) * a.hidden + row;
-                out[at] = float_to_bf16(acc[r][t] + bf16_to_float(residual_in[at]));
-              }
+          for (int r = 0; r < kRowsPerWarp; ++r) {
+            const int row = unit * kRowsPerWarp + r;
+            if (row < a.hidden) {
+              const size_t at = static_cast<size_t>(t) * a.hidden + row;
+              out[at] = float_to_bf16(sums[r] + bf16_to_float(residual_in[at]));
             }
           }
-        }
+        });
       }))
     return false;
   block_release(a, task.signal_counter);

@@ -35,28 +35,24 @@ __device__ __forceinline__ void store_pair(bf16_t* row, int j, int half, float l
 }
 
 // A row group of two rotary pairs (first_pair, first_pair + 1; acc rows 2p and 2p + 1 are pair p's
-// halves): lane t takes token t (a compile-time index into acc keeps it in registers), scales by the
-// token's RMSNorm factor, rotates unless `rotate` is false (V rows), and calls
-// `store(t, position, j, lo, hi)` for each pair j.
+// halves): lane t takes token t (for_each_token), scales by the token's RMSNorm factor, rotates unless
+// `rotate` is false (V rows), and calls `store(t, position, j, lo, hi)` for each pair j.
 template <int TMAX, class Store>
 __device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
                                            const int32_t* positions, const float* inv_freq, int first_pair,
                                            bool rotate, Store store) {
   static_assert(kRowsPerWarp == 4, "a row group holds two rotary pairs");
+  for_each_token<TMAX>(acc, tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
+    const int position = positions[t];
 #pragma unroll
-  for (int t = 0; t < TMAX; ++t) {
-    if (t < tokens && lane_id() == t) {
-      const int position = positions[t];
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int j = first_pair + p;
-        float lo = acc[2 * p][t] * rms_scale[t];
-        float hi = acc[2 * p + 1][t] * rms_scale[t];
-        if (rotate) rope_rotate(lo, hi, position, inv_freq[j]);
-        store(t, position, j, lo, hi);
-      }
+    for (int p = 0; p < 2; ++p) {
+      const int j = first_pair + p;
+      float lo = sums[2 * p] * rms_scale[t];
+      float hi = sums[2 * p + 1] * rms_scale[t];
+      if (rotate) rope_rotate(lo, hi, position, inv_freq[j]);
+      store(t, position, j, lo, hi);
     }
-  }
+  });
 }
 
 }  // namespace lithos

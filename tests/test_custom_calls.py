@@ -342,6 +342,8 @@ BUILD_VARIANTS = {
     "LITHOS_FUSED_WIDE_MMA=2": ("matvec", "qkv_rope", "lm_head"),
     # The split attention on tensor cores at 4-16 positions, waiting for its GPU tests.
     "LITHOS_ATTENTION_MMA=1": ("attention",),
+    # One 256-input chunk in flight on the fused 4-row tensor-core path (two blocks per SM at 8 tokens).
+    "LITHOS_FUSED_MMA_CHUNKS=1": ("matvec", "qkv_rope"),
     # Every token's epilogue at once (rowdot.h for_each_token), waiting for its GPU tests.
     "LITHOS_PARALLEL_EPILOGUE=1": ("matvec", "qkv_rope", "megakernel"),
 }

@@ -24,6 +24,19 @@ namespace lithos {
 constexpr int kWideForLargeNormed = 1;  // gate/up, LM head
 constexpr int kWideForRest = 2;         // Q/K/V, the plain matvec (O and down projections)
 
+// 256-input chunks in flight per lane on the fused kernels' 4-row tensor-core path at up to 8 tokens: 2,
+// as the megakernel (the default). 1 halves the registers (Q/K/V at 8 tokens: 209 -> 124), so two blocks
+// of 8 warps fit per SM with the same bytes in flight where one did (NOTES.md, run 56); it waits for a
+// device run (LITHOS_KERNEL_DEFINES="LITHOS_FUSED_MMA_CHUNKS=1").
+#ifndef LITHOS_FUSED_MMA_CHUNKS
+#define LITHOS_FUSED_MMA_CHUNKS 2
+#endif
+#if LITHOS_FUSED_MMA_CHUNKS != 1 && LITHOS_FUSED_MMA_CHUNKS != 2
+#error "LITHOS_FUSED_MMA_CHUNKS is 1 or 2 (256-input chunks in flight per lane)"
+#endif
+template <int TMAX>
+constexpr int kFusedMmaChunks = TMAX <= 8 ? LITHOS_FUSED_MMA_CHUNKS : kMmaChunks<TMAX>;
+
 // Row groups a warp takes at once: 4 (16 rows) on the tensor-core path's wide layout, else 1.
 template <int TMAX, int VEC, int WIDE_FROM>
 #if defined(LITHOS_HIP)
@@ -99,7 +112,7 @@ __device__ __forceinline__ void row_group(const TokenRows& in, int item, int par
   float acc[kRowsPerWarp][TMAX];
 #if !defined(LITHOS_HIP)
   if constexpr (VEC == 8 && kMmaRowDot<TMAX>)
-    mma_rows_dot<TMAX, false, kMmaChunks<TMAX>>(rows, in, part, k_split, acc);
+    mma_rows_dot<TMAX, false, kFusedMmaChunks<TMAX>>(rows, in, part, k_split, acc);
   else
 #endif
     warp_rows_dot<TMAX, VEC>(rows, in, part, k_split, acc);

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Build variants side by side on one GPU, in one call: for the default build and each variant given
+# (LITHOS_KERNEL_DEFINES strings), run the fused kernels' GPU tests at 4-16 positions, tune the
+# 8-position launch parameters into the variant's own copy of the table, and time the fused
+# speculative rounds (k = 7) of the 8B and 1B shapes. Everything lands in one tarball under OUT_DIR.
+#
+#   benchmarks/compare_builds.sh OUT_DIR "" "LITHOS_ATTENTION_MMA=1" "LITHOS_PARALLEL_EPILOGUE=1"
+#
+# An empty string is the default build. SHAPES and TESTS (a pytest -k expression) override the defaults.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$(realpath "$1"); shift
+[ $# -gt 0 ] || { echo "usage: $0 OUT_DIR DEFINES..." >&2; exit 2; }
+shapes=${SHAPES:-"llama-3.1-8b llama-3.2-1b"}
+tests=${TESTS:-"not -1] and not decode_attention or decode_attention and not -1-"}
+work=$(mktemp -d)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+lithos() { python3 -c 'import sys; from lithos.cli import main; sys.exit(main())' "$@"; }
+start=$SECONDS
+log() { echo "== $* at $((SECONDS - start)) s"; }
+
+for defines in "$@"; do  # every build first, in parallel: the compiles overlap
+  LITHOS_KERNEL_DEFINES="$defines" python3 -m lithos.custom_calls.build --kernel matvec --kernel qkv_rope \
+    --kernel lm_head --kernel attention >"$work/build-${defines:-default}.log" 2>&1 &
+done
+wait
+log built
+for defines in "$@"; do
+  name=${defines:-default}; name=${name// /+}; dir=$work/$name; mkdir -p "$dir"
+  export LITHOS_KERNEL_DEFINES="$defines" LITHOS_TUNING_DIR=$dir
+  cp lithos/custom_calls/tuning/*.json "$dir/" 2>/dev/null
+  log "tests $name"
+  # The tests share one GPU across workers: no preallocation.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 python3 -m pytest -q -n 8 \
+    -p no:cacheprovider tests/test_custom_calls_gpu.py -k "$tests" >"$dir/tests.log" 2>&1
+  tail -1 "$dir/tests.log"
+  log "tune $name"
+  lithos tune $(printf -- '--shape %s ' $shapes) --tokens 8 --trials 10 \
+    --kernels matvec,gate_up_silu,qkv_rope_append,lm_head_argmax,decode_attention --out "$dir" >"$dir/tune.log" 2>&1
+  tail -12 "$dir/tune.log"
+  for shape in $shapes; do
+    log "round $name $shape"
+    lithos bench --spec ngram --draft-tokens 7 --shape "$shape" --context 1024 --steps 32 --runs 4 \
+      --kernels fused --no-acceptance --out "$dir/$shape" --tag "$name" >"$dir/round-$shape.log" 2>&1
+    grep -E "^$shape" "$dir/round-$shape.log" | tail -1
+  done
+done
+tar -C "$work" -czf "$out/compare_builds.tar.gz" .
+log "done: $out/compare_builds.tar.gz"

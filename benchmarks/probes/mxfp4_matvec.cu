@@ -42,7 +42,10 @@ __device__ __forceinline__ uint32_t pair_bits(uint32_t lo4, uint32_t hi4, uint32
 // MODE 0: loads only (weights, scales, x) with a trivial use; 1: fp16-trick decode + cvt + FFMA (as
 // packed.h today); 2: PRMT decode to fp16 pairs + HFMA2 per block into fp32 (x as fp16 with a
 // per-token power-of-two scale is NOT modelled: x fp16 straight); 3: fp16 trick + HMUL2/HFMA2 chain in
-// f16 over 8 elements then to f32; 4: PRMT decode + cvt + FFMA.
+// f16 over 8 elements then to f32; 4: PRMT decode + cvt + FFMA; 5: PRMT decode to exact fp16 pairs,
+// products with x in fp16 (exact: a bf16 x has 8 significant bits, an E2M1 code 2, fp16 keeps 11) by
+// HMUL2, two products per fp16 sum (one rounding, HFMA2), then f32: MODE 2's speed with MODE 1's
+// precision, if the cvt and adds it adds back stay cheap.
 template <int BYTES, int ROWS, int UNROLL, int MODE, bool XSMEM>
 __global__ void __launch_bounds__(256) mx_matvec(const uint8_t* __restrict__ w, const uint8_t* __restrict__ sc,
                                                  const __nv_bfloat16* __restrict__ x, float* y, int n_out, int n_in,
@@ -99,7 +102,7 @@ __global__ void __launch_bounds__(256) mx_matvec(const uint8_t* __restrict__ w, 
           const uint32_t words[4] = {raw[u][r].x, raw[u][r].y, raw[u][r].z, raw[u][r].w};
           constexpr int NW = BYTES / 4;
           uint32_t lo4[4], hi4[4];
-          if (MODE == 2 || MODE == 4) {
+          if (MODE == 2 || MODE == 4 || MODE == 5) {
 #pragma unroll
             for (int i = 0; i < NW; ++i) {
               const uint32_t m = words[i] & 0x77777777u;
@@ -162,6 +165,24 @@ __global__ void __launch_bounds__(256) mx_matvec(const uint8_t* __restrict__ w, 
               }
             const float2 f = __half22float2(hacc);
             acc[r] = fmaf((f.x + f.y) * 16384.f, e8m0(s[u][r]), acc[r]);
+          } else if (MODE == 5) {
+            float even = 0.f, odd = 0.f;
+#pragma unroll
+            for (int i = 0; i < NW; ++i)
+#pragma unroll
+              for (int j = 0; j < 4; j += 2) {
+                const uint32_t hs0 = pair_bits(lo4[i], hi4[i], words[i], j);
+                const uint32_t hs1 = pair_bits(lo4[i], hi4[i], words[i], j + 1);
+                __half2 w0, w1;
+                memcpy(&w0, &hs0, 4);
+                memcpy(&w1, &hs1, 4);
+                const __half2 x0 = __floats2half2_rn(xf[8 * i + j], xf[8 * i + j + 4]);
+                const __half2 x1 = __floats2half2_rn(xf[8 * i + j + 1], xf[8 * i + j + 5]);
+                const float2 f = __half22float2(__hfma2(w1, x1, __hmul2(w0, x0)));
+                even += f.x;
+                odd += f.y;
+              }
+            acc[r] = fmaf(even + odd, e8m0(s[u][r]), acc[r]);
           }
         }
       }
@@ -446,6 +467,10 @@ int main() {
     once(mx_matvec<16, 4, 2, 2, false>, 0); check("16B prmt+hfma2");
     run<16, 4, 2, 3, false>("16B x4 u2 fp16trick+hfma2", w, sc, x, y, n_out, n_in, layers, sms);
     once(mx_matvec<16, 4, 2, 3, false>, 0); check("16B trick+hfma2");
+    run<16, 4, 2, 5, false>("16B x4 u2 prmt+hmul2 pairs", w, sc, x, y, n_out, n_in, layers, sms);
+    once(mx_matvec<16, 4, 2, 5, false>, 0); check("16B prmt+hmul2 pairs");
+    run<8, 4, 4, 5, false>("8B x4 u4 prmt+hmul2 pairs", w, sc, x, y, n_out, n_in, layers, sms);
+    once(mx_matvec<8, 4, 4, 5, false>, 0); check("8B prmt+hmul2 pairs");
     run<16, 8, 2, 1, false>("16B x8 u2 fp16trick+cvt", w, sc, x, y, n_out, n_in, layers, sms);
     run<16, 8, 2, 4, false>("16B x8 u2 prmt+cvt", w, sc, x, y, n_out, n_in, layers, sms);
     once(mx_matvec<16, 8, 2, 4, false>, 0); check("16B x8 prmt+cvt");

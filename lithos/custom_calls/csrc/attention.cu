@@ -101,6 +101,15 @@ __device__ SplitPlan plan_splits(const AttnArgs& a) {
   return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, a.min_split_keys);
 }
 
+// Split `split`'s keys, [begin, end) (empty when the split lies past the keys in use).
+struct SplitKeys {
+  int begin, end;
+};
+__device__ __forceinline__ SplitKeys split_keys(const SplitPlan& plan, int split) {
+  const int begin = plan.begin + split * plan.split_len;
+  return {begin, min(begin + plan.split_len, plan.end)};
+}
+
 // How the split kernel reads a cache element type: 8 consecutive elements per lane and load, and the
 // factors that turn what it reads into true values (bf16: none).
 template <typename Cache>
@@ -125,6 +134,38 @@ struct CacheRead<uint8_t> {
   static __device__ __forceinline__ Vec zero() { return Vec{{0u, 0u}}; }
 };
 
+// The block's split, written once its warps' states are in shared memory: warp w holds ROWS query rows
+// (row group w % row_warps of the block) over its share of the keys; the warps of one row group fold
+// (online-softmax merge) into each row's normalised partial output and log2-sum-exp2. `out_scale`
+// undoes a scale folded into the values (FP8; 1 for bf16).
+template <int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void write_split(const AttnArgs& a, int split, int kv_head, int row_warps,
+                                            const float (&acc)[kAttnWarps][ROWS][HEAD_DIM],
+                                            const float (&max)[kAttnWarps][ROWS], const float (&sum)[kAttnWarps][ROWS],
+                                            float out_scale) {
+  __syncthreads();
+  const int rows = query_rows(a), rows_per_block = row_warps * ROWS;
+  const size_t split_base = (static_cast<size_t>(split) * a.kv_heads + kv_head) * rows;
+  for (int i = threadIdx.x; i < rows_per_block * HEAD_DIM; i += kAttnThreads) {
+    const int local_row = i / HEAD_DIM, d = i % HEAD_DIM;
+    const int row = blockIdx.x * rows_per_block + local_row;
+    if (row >= rows) continue;
+    const int first_warp = local_row / ROWS, j = local_row % ROWS;
+    float best = -INFINITY;
+    for (int w = first_warp; w < kAttnWarps; w += row_warps) best = fmaxf(best, max[w][j]);
+    float total = 0.0f, out = 0.0f;
+    if (best != -INFINITY) {
+      for (int w = first_warp; w < kAttnWarps; w += row_warps) {
+        const float weight = exp2f(max[w][j] - best);
+        total += sum[w][j] * weight;
+        out += acc[w][j][d] * weight;
+      }
+    }
+    a.split_out[(split_base + row) * HEAD_DIM + d] = total > 0.0f ? out / total * out_scale : 0.0f;
+    if (d == 0) a.split_lse[split_base + row] = total > 0.0f ? best + log2f(total) : -INFINITY;
+  }
+}
+
 template <int HEAD_DIM, typename Cache>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
   using Read = CacheRead<Cache>;
@@ -136,8 +177,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   const SplitPlan plan = plan_splits(a);
   const int split = blockIdx.y;
   if (split >= plan.splits) return;  // the combine reads only the splits in use
-  const int key_begin = plan.begin + split * plan.split_len;
-  const int key_end = min(key_begin + plan.split_len, plan.end);
+  const SplitKeys keys_of_split = split_keys(plan, split);
+  const int key_begin = keys_of_split.begin, key_end = keys_of_split.end;
 
   const int kv_head = blockIdx.z;
   const int group = a.heads / a.kv_heads;
@@ -216,26 +257,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       }
     }
   }
-  __syncthreads();
-  const size_t split_base = (static_cast<size_t>(split) * a.kv_heads + kv_head) * rows;
-  for (int i = threadIdx.x; i < rows_per_block * HEAD_DIM; i += kAttnThreads) {
-    const int local_row = i / HEAD_DIM, d = i % HEAD_DIM;
-    const int row = blockIdx.x * rows_per_block + local_row;
-    if (row >= rows) continue;
-    const int wq = local_row / kQueryRowsPerWarp, j = local_row % kQueryRowsPerWarp;
-    float best = -INFINITY;
-    for (int w = wq; w < kAttnWarps; w += q_warps) best = fmaxf(best, shared_max[w][j]);
-    float sum = 0.0f, acc = 0.0f;
-    if (best != -INFINITY) {
-      for (int w = wq; w < kAttnWarps; w += q_warps) {
-        const float weight = exp2f(shared_max[w][j] - best);
-        sum += shared_sum[w][j] * weight;
-        acc += shared_acc[w][j][d] * weight;
-      }
-    }
-    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum * out_scale : 0.0f;
-    if (d == 0) a.split_lse[split_base + row] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
-  }
+  write_split<HEAD_DIM>(a, split, kv_head, q_warps, shared_acc, shared_max, shared_sum, out_scale);
 }
 
 #if !defined(LITHOS_HIP)
@@ -266,8 +288,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
   const SplitPlan plan = plan_splits(a);
   const int split = blockIdx.y;
   if (split >= plan.splits) return;  // the combine reads only the splits in use
-  const int key_begin = plan.begin + split * plan.split_len;
-  const int key_end = min(key_begin + plan.split_len, plan.end);
+  const SplitKeys keys_of_split = split_keys(plan, split);
+  const int key_begin = keys_of_split.begin, key_end = keys_of_split.end;
 
   const int kv_head = blockIdx.z;
   const int group = a.heads / a.kv_heads;
@@ -415,26 +437,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
       shared_sum[warp_id()][local_row] = row_sum[r];
     }
   }
-  __syncthreads();
-  const size_t split_base = (static_cast<size_t>(split) * a.kv_heads + kv_head) * rows;
-  for (int i = threadIdx.x; i < tw * kRowTile * HEAD_DIM; i += kAttnThreads) {
-    const int local_row = i / HEAD_DIM, d = i % HEAD_DIM;
-    const int wt = local_row / kRowTile, tile_row = local_row % kRowTile;
-    const int row = blockIdx.x * tw * kRowTile + local_row;
-    if (row >= rows) continue;
-    float best = -INFINITY;
-    for (int w = wt; w < kAttnWarps; w += tw) best = fmaxf(best, shared_max[w][tile_row]);
-    float sum = 0.0f, acc = 0.0f;
-    if (best != -INFINITY) {
-      for (int w = wt; w < kAttnWarps; w += tw) {
-        const float weight = exp2f(shared_max[w][tile_row] - best);
-        sum += shared_sum[w][tile_row] * weight;
-        acc += shared_out[w][tile_row][d] * weight;
-      }
-    }
-    a.split_out[(split_base + row) * HEAD_DIM + d] = sum > 0.0f ? acc / sum : 0.0f;
-    if (d == 0) a.split_lse[split_base + row] = sum > 0.0f ? best + log2f(sum) : -INFINITY;
-  }
+  write_split<HEAD_DIM>(a, split, kv_head, tw, shared_out, shared_max, shared_sum, 1.0f);
 }
 #endif  // !LITHOS_HIP
 

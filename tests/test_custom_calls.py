@@ -329,30 +329,12 @@ def test_kernel_source_compiles(toolchain, kernel):
 HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 
 
-# Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES): each builds
-# for every kernel that reads its define, so none rots between the runs that compare it (NOTES.md).
-BUILD_VARIANTS = {
-    # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
-    # megakernel's grid error names.
-    "LITHOS_MK_LANE_RING=0": ("megakernel",),
-    # One accumulator per token group in the tensor-core matvecs (the default is 4).
-    "LITHOS_MMA_ACCUMULATORS=1": ("megakernel", "matvec"),
-    # Every fused row-group kernel on the 16-row tensor-core layout (the default puts gate/up and the LM
-    # head there): measured slower on the O, down and Q/K/V projections.
-    "LITHOS_FUSED_WIDE_MMA=2": ("matvec", "qkv_rope", "lm_head"),
-    # The split attention on tensor cores at 4-16 positions, waiting for its GPU tests.
-    "LITHOS_ATTENTION_MMA=1": ("attention",),
-    # One 256-input chunk in flight on the fused 4-row tensor-core path (two blocks per SM at 8 tokens).
-    "LITHOS_FUSED_MMA_CHUNKS=1": ("matvec", "qkv_rope"),
-    # Every token's epilogue at once (rowdot.h for_each_token), waiting for its GPU tests.
-    "LITHOS_PARALLEL_EPILOGUE=1": ("matvec", "qkv_rope", "megakernel"),
-}
-
-
 @pytest.mark.parametrize(
-    "define,kernel", [(define, kernel) for define, kernels in BUILD_VARIANTS.items() for kernel in kernels]
+    "define,kernel", [(define, kernel) for define, kernels in build.EXPERIMENT_VARIANTS.items() for kernel in kernels]
 )
 def test_build_variant_compiles(define, kernel):
+    """Each experiment variant (build.EXPERIMENT_VARIANTS) builds beside the default, for every kernel that
+    reads its define."""
     variant = check_build(compiler_toolchain("cuda"), defines=(define,))
     library = build.build(kernel, variant)
     assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))

@@ -290,6 +290,26 @@ class Variant:
 
 PLAIN = Variant()  # the build without the caller's choices
 
+# Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES), each with
+# the kernels that read its define. `--variants` builds them all, as CI's compile gate does
+# (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md).
+EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
+    # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
+    # megakernel's grid error names.
+    "LITHOS_MK_LANE_RING=0": ("megakernel",),
+    # One accumulator per token group in the tensor-core matvecs (the default is 4).
+    "LITHOS_MMA_ACCUMULATORS=1": ("megakernel", "matvec"),
+    # Every fused row-group kernel on the 16-row tensor-core layout (the default puts gate/up and the LM
+    # head there): measured slower on the O, down and Q/K/V projections.
+    "LITHOS_FUSED_WIDE_MMA=2": ("matvec", "qkv_rope", "lm_head"),
+    # The split attention on tensor cores at 4-16 positions, waiting for its GPU tests.
+    "LITHOS_ATTENTION_MMA=1": ("attention",),
+    # One 256-input chunk in flight on the fused 4-row tensor-core path (two blocks per SM at 8 tokens).
+    "LITHOS_FUSED_MMA_CHUNKS=1": ("matvec", "qkv_rope"),
+    # Every token's epilogue at once (rowdot.h for_each_token), waiting for its GPU tests.
+    "LITHOS_PARALLEL_EPILOGUE=1": ("matvec", "qkv_rope", "megakernel"),
+}
+
 _registered: set[tuple[str, str, Variant]] = set()
 _register_lock = threading.Lock()
 
@@ -322,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
     parser.add_argument(
+        "--variants", action="store_true", help="build the experiment variants (EXPERIMENT_VARIANTS) instead"
+    )
+    parser.add_argument(
         "--opt-level",
         type=int,
         choices=(CHECK_OPT_LEVEL, 3),
@@ -334,14 +357,21 @@ def main(argv: list[str] | None = None) -> int:
     platform = args.platform or gpu_platform() or "cuda"
     try:
         tc = dataclasses.replace(toolchain(platform, args.arch), opt_level=args.opt_level)
-        kernels = args.kernel or list(KERNELS)
-        with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
-            paths = list(pool.map(lambda k: build(k, tc, args.force), kernels))
+        if args.variants:
+            jobs = [
+                (kernel, dataclasses.replace(tc, defines=tc.defines + (define,)))
+                for define, kernels in EXPERIMENT_VARIANTS.items()
+                for kernel in kernels
+            ]
+        else:
+            jobs = [(kernel, tc) for kernel in args.kernel or list(KERNELS)]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            paths = list(pool.map(lambda job: build(*job, args.force), jobs))
     except LithosError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    for kernel, path in zip(kernels, paths, strict=True):
-        print(f"{kernel:10s} {tc.arch:8s} {path}")
+    for (kernel, job_tc), path in zip(jobs, paths, strict=True):
+        print(f"{kernel:10s} {job_tc.arch:8s} {' '.join(job_tc.defines):28s} {path}")
     return 0
 
 

@@ -261,6 +261,17 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
 }
 
 #if !defined(LITHOS_HIP)
+// A cache row's 16 bytes, asked for where the call stands: as volatile asm it keeps its place before the
+// chunk's (volatile) mma. Plain loads of a chunk's values were sunk by the compiler below its Q.K mma
+// and into the softmax, so each chunk waited for two round trips one after the other (NOTES.md).
+__device__ __forceinline__ Bf16Vec<8> load_issued(const bf16_t* p) {
+  Bf16Vec<8> out;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(out.pair[0]), "=r"(out.pair[1]), "=r"(out.pair[2]), "=r"(out.pair[3])
+               : "l"(p));
+  return out;
+}
+
 // The splits on tensor cores (m16n8k16 bf16, f32 accumulators). Warp w takes row tile w % tile_warps of
 // the block (16 query rows: token x query head of the KV head) and every (key_warps)-th 16-key chunk of
 // the split. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of its tile.
@@ -274,6 +285,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
 //   FlashAttention-2), P split into bf16 high and low parts so the weights keep about 16 bits. The
 //   output's n-tile j column n is dimension n * (head_dim / 8) + j, so lane (g, t) reads head_dim / 8
 //   contiguous dimensions of keys 2t, 2t + 1, 2t + 8, 2t + 9 and pairs them by byte permutes.
+// - A warp asks for its next chunk's keys and values before scoring the current one (two register sets
+//   of a chunk's rows), so a split waits for one round trip, not two per chunk.
 // Warps that share a tile fold their states through shared memory and the block writes its split as
 // the FMA kernel does; attention_combine_kernel is the same for both.
 template <int HEAD_DIM>
@@ -336,21 +349,35 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
     return static_cast<size_t>(slot_of(plan, a.slots, min(key, key_end - 1))) * HEAD_DIM;
   };
 
-  const bool has_rows = first_row < rows;  // the grid's last block may hold a warp without a tile
-  for (int chunk = key_begin + warp_keys * kChunk; has_rows && chunk < key_end; chunk += key_warps * kChunk) {
+  // A chunk's keys and values, asked for together (load_issued: they keep their place before the mma).
+  struct ChunkRows {
     Bf16Vec<8> k[2][kDimLoads], v[4][kValueLoads];
+  };
+  auto load_chunk = [&](ChunkRows& rows_of, int chunk) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const bf16_t* key_row = keys + row_at(chunk + 8 * n + g) + 8 * t;
 #pragma unroll
-      for (int c = 0; c < kDimLoads; ++c) k[n][c] = load_cached<8>(key_row + 32 * c);
+      for (int c = 0; c < kDimLoads; ++c) rows_of.k[n][c] = load_issued(key_row + 32 * c);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the chunk
       const bf16_t* value_row = values + row_at(chunk + 2 * t + (i & 1) + 8 * (i >> 1)) + g * (HEAD_DIM / 8);
 #pragma unroll
-      for (int c = 0; c < kValueLoads; ++c) v[i][c] = load_cached<8>(value_row + 8 * c);
+      for (int c = 0; c < kValueLoads; ++c) rows_of.v[i][c] = load_issued(value_row + 8 * c);
     }
+  };
+
+  const bool has_rows = first_row < rows;  // the grid's last block may hold a warp without a tile
+  const int chunk_stride = key_warps * kChunk;
+  ChunkRows now, next;
+  int chunk = key_begin + warp_keys * kChunk;
+  if (has_rows && chunk < key_end) load_chunk(now, chunk);
+  for (; has_rows && chunk < key_end; chunk += chunk_stride) {
+    // The next chunk's rows fly while this one is scored: one round trip per split, not two per chunk.
+    if (chunk + chunk_stride < key_end) load_chunk(next, chunk + chunk_stride);
+    const auto& k = now.k;
+    const auto& v = now.v;
 
     // score[n][e]: row g + 8 * (e / 2), key chunk + 8n + 2t + e % 2.
     float score[2][4];
@@ -413,6 +440,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
       mma_m16n8k16(out[j], p_hi[0], p_hi[1], p_hi[2], p_hi[3], b0, b1);
       mma_m16n8k16(out[j], p_lo[0], p_lo[1], p_lo[2], p_lo[3], b0, b1);
     }
+    now = next;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

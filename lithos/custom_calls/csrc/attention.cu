@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
 
   const bool has_rows = first_row < rows;  // the grid's last block may hold a warp without a tile
   const int chunk_stride = key_warps * kChunk;
-  ChunkRows now, next;
+  ChunkRows now, next{};  // zeros until a next chunk exists: the copy after the last chunk reads defined values
   int chunk = key_begin + warp_keys * kChunk;
   if (has_rows && chunk < key_end) load_chunk(now, chunk);
   for (; has_rows && chunk < key_end; chunk += chunk_stride) {

@@ -101,13 +101,17 @@ __device__ SplitPlan plan_splits(const AttnArgs& a) {
   return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, a.min_split_keys);
 }
 
-// Split `split`'s keys, [begin, end) (empty when the split lies past the keys in use).
-struct SplitKeys {
-  int begin, end;
+// The split a block of either split kernel takes: split blockIdx.y of KV head blockIdx.z, its keys
+// [begin(), end()). A split past the plan's count is not in use: its block writes nothing.
+struct BlockSplit {
+  SplitPlan plan;
+  int split, kv_head;
+  __device__ bool in_use() const { return split < plan.splits; }  // the combine reads only these
+  __device__ int begin() const { return plan.begin + split * plan.split_len; }
+  __device__ int end() const { return min(begin() + plan.split_len, plan.end); }
 };
-__device__ __forceinline__ SplitKeys split_keys(const SplitPlan& plan, int split) {
-  const int begin = plan.begin + split * plan.split_len;
-  return {begin, min(begin + plan.split_len, plan.end)};
+__device__ __forceinline__ BlockSplit block_split(const AttnArgs& a) {
+  return {plan_splits(a), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 
 // How the split kernel reads a cache element type: 8 consecutive elements per lane and load, and the
@@ -174,13 +178,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   constexpr int kKeysPerWarp = WARP_SIZE / kLanesPerKey;
   static_assert(kLanesPerKey <= WARP_SIZE, "head_dim too large for one warp");
 
-  const SplitPlan plan = plan_splits(a);
-  const int split = blockIdx.y;
-  if (split >= plan.splits) return;  // the combine reads only the splits in use
-  const SplitKeys keys_of_split = split_keys(plan, split);
-  const int key_begin = keys_of_split.begin, key_end = keys_of_split.end;
-
-  const int kv_head = blockIdx.z;
+  const BlockSplit block = block_split(a);
+  if (!block.in_use()) return;
+  const SplitPlan& plan = block.plan;
+  const int split = block.split, kv_head = block.kv_head, key_begin = block.begin(), key_end = block.end();
   const int group = a.heads / a.kv_heads;
   const int rows = query_rows(a);
   const int q_warps = query_warps(rows);
@@ -298,13 +299,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
   constexpr int kValueLoads = HEAD_DIM / 64; // 16-byte loads per value row and lane (head_dim / 8 dims)
   constexpr int kChunk = 16;                 // keys per loop step
 
-  const SplitPlan plan = plan_splits(a);
-  const int split = blockIdx.y;
-  if (split >= plan.splits) return;  // the combine reads only the splits in use
-  const SplitKeys keys_of_split = split_keys(plan, split);
-  const int key_begin = keys_of_split.begin, key_end = keys_of_split.end;
-
-  const int kv_head = blockIdx.z;
+  const BlockSplit block = block_split(a);
+  if (!block.in_use()) return;
+  const SplitPlan& plan = block.plan;
+  const int split = block.split, kv_head = block.kv_head, key_begin = block.begin(), key_end = block.end();
   const int group = a.heads / a.kv_heads;
   const int rows = query_rows(a);
   const int tw = tile_warps(row_tiles(rows));

@@ -302,13 +302,14 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # Every fused row-group kernel on the 16-row tensor-core layout (the default puts gate/up and the LM
     # head there): measured slower on the O, down and Q/K/V projections.
     "LITHOS_FUSED_WIDE_MMA=2": ("matvec", "qkv_rope", "lm_head"),
-    # The split attention on tensor cores at 4-16 positions: its attention tests passed (run 59); its ring and
-    # FP8 tests and its prefetching loop have not run on a GPU.
-    "LITHOS_ATTENTION_MMA=1": ("attention",),
-    # One 256-input chunk in flight on the fused 4-row tensor-core path (two blocks per SM at 8 tokens).
-    "LITHOS_FUSED_MMA_CHUNKS=1": ("matvec", "qkv_rope"),
-    # Every token's epilogue at once (rowdot.h for_each_token), waiting for its GPU tests.
-    "LITHOS_PARALLEL_EPILOGUE=1": ("matvec", "qkv_rope", "megakernel"),
+    # The split attention on tensor cores at head dimension 128 too (the default stops at 64): slower there
+    # (run 60), and 255 registers.
+    "LITHOS_ATTENTION_MMA=128": ("attention",),
+    # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
+    "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
+    # The row-group epilogues one token after another (the default runs every token's at once): the
+    # baseline for timing the megakernel's rounds, which has not been done with either order.
+    "LITHOS_PARALLEL_EPILOGUE=0": ("matvec", "qkv_rope", "megakernel"),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

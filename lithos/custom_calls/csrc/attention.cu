@@ -19,10 +19,12 @@
 // then a lane reads 8 bytes per key, twice the keys per loop step keep the same bytes in flight,
 // and the scales and fp8.h's 2^-120 are folded into the query and the output (see CacheRead).
 //
-// With LITHOS_ATTENTION_MMA=1 (CUDA, bf16 cache, head_dim <= 128, 4-16 query positions) the splits run
+// At 4-16 query positions with a bf16 cache and head_dim up to LITHOS_ATTENTION_MMA (CUDA) the splits run
 // on tensor cores instead (attention_split_mma_kernel): the query rows of a KV head are the mma's M side,
 // so a key is read once for 16 rows and scored by one instruction, where the FMA kernel spends about 30
-// lane instructions per row and key (NOTES.md, run 56). Off by default until its GPU tests have run.
+// lane instructions per row and key (NOTES.md, run 56). 64 by default: the 1B shape's 8-position attention
+// 22.1 -> 16.0 us; at head_dim 128 the kernel needs 255 registers and was slower (29.0 against 28.2 us, run
+// 60), so "LITHOS_ATTENTION_MMA=128" builds it for A/B runs and 0 turns the tensor cores off.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -35,7 +37,10 @@
 #include "split_attention.h"
 
 #ifndef LITHOS_ATTENTION_MMA
-#define LITHOS_ATTENTION_MMA 0
+#define LITHOS_ATTENTION_MMA 64
+#endif
+#if LITHOS_ATTENTION_MMA != 0 && LITHOS_ATTENTION_MMA != 64 && LITHOS_ATTENTION_MMA != 128
+#error "LITHOS_ATTENTION_MMA is the largest head dimension whose splits run on tensor cores: 0, 64 or 128"
 #endif
 
 namespace lithos {
@@ -76,12 +81,13 @@ __host__ __device__ inline int query_warps(int rows) {
 }
 
 // Whether a call's splits run on tensor cores (attention_split_mma_kernel): CUDA, a bf16 cache, head_dim
-// up to 128 (the output fragments of 16 rows take head_dim / 2 registers a lane), and 4-16 positions.
+// up to LITHOS_ATTENTION_MMA (at most 128: the output fragments of 16 rows take head_dim / 2 registers a
+// lane), and 4-16 positions.
 __host__ __device__ inline bool splits_on_tensor_cores(int tokens, int head_dim, bool fp8_cache) {
 #if defined(LITHOS_HIP)
   return false;
 #else
-  return LITHOS_ATTENTION_MMA && !fp8_cache && head_dim <= 128 && tokens >= 4;
+  return !fp8_cache && head_dim <= LITHOS_ATTENTION_MMA && tokens >= 4;
 #endif
 }
 
@@ -500,7 +506,7 @@ ffi::Error launch_attention(gpuStream_t stream, const AttnArgs& a) {
   const bool on_tensor_cores = splits_on_tensor_cores(a.tokens, HEAD_DIM, kFp8);
   const dim3 split_grid(split_row_blocks(rows, on_tensor_cores), a.max_splits, a.kv_heads);
 #if !defined(LITHOS_HIP)
-  if constexpr (!kFp8 && HEAD_DIM <= 128) {
+  if constexpr (!kFp8 && HEAD_DIM <= LITHOS_ATTENTION_MMA) {
     if (on_tensor_cores) attention_split_mma_kernel<HEAD_DIM><<<split_grid, kAttnThreads, 0, stream>>>(a);
   }
 #endif

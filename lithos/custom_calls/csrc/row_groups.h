@@ -24,12 +24,12 @@ namespace lithos {
 constexpr int kWideForLargeNormed = 1;  // gate/up, LM head
 constexpr int kWideForRest = 2;         // Q/K/V, the plain matvec (O and down projections)
 
-// 256-input chunks in flight per lane on the fused kernels' 4-row tensor-core path at up to 8 tokens: 2,
-// as the megakernel (the default). 1 halves the registers (Q/K/V at 8 tokens: 209 -> 124), so two blocks
-// of 8 warps fit per SM with the same bytes in flight where one did (NOTES.md, run 56); it waits for a
-// device run (LITHOS_KERNEL_DEFINES="LITHOS_FUSED_MMA_CHUNKS=1").
+// 256-input chunks in flight per lane on the fused kernels' 4-row tensor-core path at up to 8 tokens: 1 (the
+// default) halves the registers of 2, the megakernel's count (Q/K/V at 8 tokens: 209 -> 124), so two blocks
+// of 8 warps fit per SM with the same bytes in flight where one did (NOTES.md, runs 56 and 61: 8B rounds
+// 8.13 -> 7.36 ms); LITHOS_KERNEL_DEFINES="LITHOS_FUSED_MMA_CHUNKS=2" builds the one-block layout.
 #ifndef LITHOS_FUSED_MMA_CHUNKS
-#define LITHOS_FUSED_MMA_CHUNKS 2
+#define LITHOS_FUSED_MMA_CHUNKS 1
 #endif
 #if LITHOS_FUSED_MMA_CHUNKS != 1 && LITHOS_FUSED_MMA_CHUNKS != 2
 #error "LITHOS_FUSED_MMA_CHUNKS is 1 or 2 (256-input chunks in flight per lane)"

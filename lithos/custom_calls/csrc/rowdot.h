@@ -21,12 +21,13 @@ constexpr int kRowsPerWarp = 4;
 // Warps per SM/CU wanted in flight before row groups are split over several warps.
 constexpr int kWarpsWantedPerUnit = 24;
 
-// How a row group's epilogue meets its tokens (for_each_token): 0 one token after another, each on its
-// own lane while the others wait (the default, as measured so far); 1 every token at once, each lane
-// first selecting its token's sums into registers: the 4-16-token epilogues' loads (residuals, positions)
-// and RoPE then overlap instead of queueing (NOTES.md, run 56). 1 waits for its GPU tests.
+// How a row group's epilogue meets its tokens (for_each_token): 1 every token at once, each lane first
+// selecting its token's sums into registers, so the 4-16-token epilogues' loads (residuals, positions) and
+// RoPE overlap instead of queueing (the default: fused rounds of 8 positions 14-17% faster, NOTES.md run
+// 61); 0 one token after another, each on its own lane while the others wait (the order before, kept for
+// A/B runs of the megakernel's rounds, which have not been timed with either).
 #ifndef LITHOS_PARALLEL_EPILOGUE
-#define LITHOS_PARALLEL_EPILOGUE 0
+#define LITHOS_PARALLEL_EPILOGUE 1
 #endif
 
 // Runs body(t, sums) on lane t for each token t < tokens, where sums[r] = acc[r][t] is row r's dot product

@@ -25,7 +25,7 @@ constexpr int kWarpsWantedPerUnit = 24;
 // selecting its token's sums into registers, so the 4-16-token epilogues' loads (residuals, positions) and
 // RoPE overlap instead of queueing (the default: fused rounds of 8 positions 14-17% faster, NOTES.md run
 // 61); 0 one token after another, each on its own lane while the others wait (the order before, kept for
-// A/B runs of the megakernel's rounds, which have not been timed with either).
+// A/B runs of the megakernel's rounds, not yet timed with every token's epilogue at once).
 #ifndef LITHOS_PARALLEL_EPILOGUE
 #define LITHOS_PARALLEL_EPILOGUE 1
 #endif

@@ -1,0 +1,96 @@
+"""lithos.custom_calls.sass_compare: SASS compared function by function, whole functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from lithos.custom_calls import build, sass_compare
+from lithos.errors import LithosError
+
+from .conftest import STRICT
+
+# The shape of `cuobjdump -sass` output: a header per function, an instruction line with its address and
+# first encoding word, a line with the second word only. The second function's addresses need five digits.
+DUMP = """
+Fatbin elf code:
+================
+arch = sm_90a
+        code for sm_90a
+  Function : _ZN6lithos45_GLOBAL__N__7e6b8b80_12_attention_cu_6dbd765b24attention_combine_kernelILi64EEEvNS0_8AttnArgsE
+        .headerflags    @"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                       /* 0x00000a00ff017b82 */
+                                                                                /* 0x000fe40000000800 */
+        /*0010*/              @!P0 LDG.E.128 R4, desc[UR6][R2.64] ;               /* 0x0000000602049981 */
+                                                                                /* 0x000ea2000c1e1d00 */
+        /*0020*/                   STS [R0], R4 ;                               /* 0x0000000400007388 */
+                                                                                /* 0x000fe80000000800 */
+        ..........
+  Function : _ZN6lithos2mk46_GLOBAL__N__04a1383d_13_megakernel_cu_4524264410megakernelILi1EEEvNS0_4ArgsE
+        /*fff0*/                   LDL.64 R8, [R1+0x10] ;                       /* 0x0000100001087983 */
+                                                                                /* 0x000e220000100a00 */
+        /*10000*/                  STG.E desc[UR4][R2.64], R9 ;                 /* 0x0000000902007986 */
+                                                                                /* 0x001fe2000c101904 */
+        /*10010*/                  EXIT ;                                       /* 0x000000000000794d */
+                                                                                /* 0x000fea0003800000 */
+"""
+
+
+def test_functions_are_read_whole_with_addresses_encodings_and_path_hashes_stripped():
+    functions = sass_compare.functions(DUMP)
+    assert functions == {
+        "_ZN6lithos(anonymous)24attention_combine_kernelILi64EEEvNS0_8AttnArgsE": [
+            "LDC R1, c[0x0][0x28] ;",
+            "@!P0 LDG.E.128 R4, desc[UR6][R2.64] ;",
+            "STS [R0], R4 ;",
+        ],
+        # Past address 0xffff: a four-digit address pattern would have stopped at the first line.
+        "_ZN6lithos2mk(anonymous)10megakernelILi1EEEvNS0_4ArgsE": [
+            "LDL.64 R8, [R1+0x10] ;",
+            "STG.E desc[UR4][R2.64], R9 ;",
+            "EXIT ;",
+        ],
+    }
+    ops = {name: sass_compare.memory_ops(code) for name, code in functions.items()}
+    assert list(ops.values()) == [{"global": 1, "local": 0, "shared": 1}, {"global": 1, "local": 1, "shared": 0}]
+
+
+def test_the_same_source_from_another_path_compares_identical_and_a_change_does_not():
+    a = sass_compare.functions(DUMP)
+    moved = sass_compare.functions(
+        DUMP.replace("7e6b8b80_12_attention_cu_6dbd765b", "0badf00d_12_attention_cu_12345678")
+    )
+    changed = sass_compare.functions(DUMP.replace("STS [R0], R4", "STS [R0+0x4], R4"))
+    assert all(row.identical for row in sass_compare.compare(a, moved))
+    rows = sass_compare.compare(a, changed)
+    assert [row.identical for row in rows] == [False, True]
+    only_a = sass_compare.compare(a, {})
+    assert not any(row.identical for row in only_a)
+    text = sass_compare.report(rows, "HEAD", ".", diff_lines=20)
+    assert "1 of 2 functions identical" in text and "-STS [R0], R4 ;" in text and "+STS [R0+0x4], R4 ;" in text
+
+
+def test_an_unknown_revision_names_the_fix(tmp_path):
+    with pytest.raises(LithosError, match="git archive no-such-revision failed: .* name a commit"):
+        sass_compare.source_tree("no-such-revision", tmp_path)
+
+
+def test_a_define_changes_only_the_kernels_that_read_it(capsys):
+    """Compiled for real (unoptimised, to be quick): the tensor-core attention built to head dimension 128
+    adds that kernel's instantiation and changes nothing else; a define the attention never reads changes
+    nothing. Needs nvcc and cuobjdump (the nvidia-cuda-cuobjdump wheel, a test dependency)."""
+    try:
+        if build.find_compiler("cuda") is None:
+            raise LithosError(f"nvcc is not installed ({build.INSTALL_HINT['cuda']})")
+        sass_compare.find_cuobjdump()
+    except LithosError as e:
+        if STRICT:
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    common = ["attention", "--a", ".", "--opt-level", "0"]
+    assert sass_compare.main([*common, "--b-defines", "LITHOS_FUSED_MMA_CHUNKS=2"]) == 0
+    assert "functions identical" in capsys.readouterr().out
+    assert sass_compare.main([*common, "--b-defines", "LITHOS_ATTENTION_MMA=128"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    differing = [line for line in lines if line.endswith(("NO", "only a", "only b"))]
+    assert len(differing) == 1 and "mma_kernelILi128E" in differing[0]
+    assert differing[0].endswith("only b")

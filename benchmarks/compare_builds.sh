@@ -30,6 +30,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 lithos() { python3 -c 'import sys; from lithos.cli import main; sys.exit(main())' "$@"; }
 start=$SECONDS
 log() { echo "== $* at $((SECONDS - start)) s"; }
+# The tests share one GPU across workers: no preallocation.
+gpu_pytest() { XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 python3 -m pytest -q -n 8 -p no:cacheprovider "$@"; }
 
 for defines in "$@"; do  # every build first, in parallel: the compiles overlap
   LITHOS_KERNEL_DEFINES="$defines" python3 -m lithos.custom_calls.build $kernels >"$work/build-${defines:-default}.log" 2>&1 &
@@ -42,13 +44,10 @@ for defines in "$@"; do
   cp lithos/custom_calls/tuning/*.json "$dir/" 2>/dev/null
   if [ -z "${SKIP_TESTS:-}" ]; then
     log "tests $name"
-    # The tests share one GPU across workers: no preallocation.
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 python3 -m pytest -q -n 8 \
-      -p no:cacheprovider tests/test_custom_calls_gpu.py -k "$tests" >"$dir/tests.log" 2>&1
+    gpu_pytest tests/test_custom_calls_gpu.py -k "$tests" >"$dir/tests.log" 2>&1
     tail -1 "$dir/tests.log"
     if [ -n "${EXTRA_TESTS:-}" ]; then
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 python3 -m pytest -q -n 8 \
-        -p no:cacheprovider $EXTRA_TESTS -k "not megakernel" >"$dir/extra-tests.log" 2>&1
+      gpu_pytest $EXTRA_TESTS -k "not megakernel" >"$dir/extra-tests.log" 2>&1
       tail -1 "$dir/extra-tests.log"
     fi
     save

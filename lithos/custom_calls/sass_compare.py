@@ -98,10 +98,10 @@ def source_tree(rev: str, scratch: Path) -> Path:
     """The csrc/ directory of `rev` ("." = the working tree), extracted under `scratch` when needed."""
     if rev == ".":
         return build.CSRC
-    inside = build.CSRC.relative_to(build.CSRC.parents[2])  # lithos/custom_calls/csrc
+    repo = build.CSRC.parents[2]
+    inside = build.CSRC.relative_to(repo)  # lithos/custom_calls/csrc
     target = scratch / re.sub(r"[^\w.-]", "_", rev)
     target.mkdir(parents=True, exist_ok=True)
-    repo = build.CSRC.parents[2]
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, str(inside)], capture_output=True)
     if archive.returncode != 0:
         raise LithosError(f"git archive {rev} failed: {archive.stderr.decode().strip()}: name a commit of {repo}")

@@ -4,7 +4,7 @@
 # 8-position launch parameters into the variant's own copy of the table, and time the speculative rounds
 # (k = 7) of the 8B and 1B shapes. Everything lands in one tarball under OUT_DIR.
 #
-#   benchmarks/compare_builds.sh OUT_DIR "" "LITHOS_ATTENTION_MMA=128" "LITHOS_PARALLEL_EPILOGUE=0"
+#   benchmarks/compare_builds.sh OUT_DIR "" "LITHOS_ATTENTION_MMA=128" "LITHOS_FUSED_MMA_CHUNKS=2"
 #
 # An empty string is the default build. SHAPES, TESTS (a pytest -k expression), TUNE_KERNELS (a comma
 # list), ROUND_KERNELS (the paths the rounds time: fused unless given, e.g. fused,megakernel) and

@@ -307,9 +307,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_ATTENTION_MMA=128": ("attention",),
     # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
-    # The row-group epilogues one token after another (the default runs every token's at once): the
-    # baseline for the megakernel's rounds, not yet timed with every token's epilogue at once.
-    "LITHOS_PARALLEL_EPILOGUE=0": ("matvec", "qkv_rope", "megakernel"),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -21,42 +21,28 @@ constexpr int kRowsPerWarp = 4;
 // Warps per SM/CU wanted in flight before row groups are split over several warps.
 constexpr int kWarpsWantedPerUnit = 24;
 
-// How a row group's epilogue meets its tokens (for_each_token): 1 every token at once, each lane first
-// selecting its token's sums into registers, so the 4-16-token epilogues' loads (residuals, positions) and
-// RoPE overlap instead of queueing (the default: fused rounds of 8 positions 14-17% faster, NOTES.md run
-// 61); 0 one token after another, each on its own lane while the others wait (the order before, kept for
-// A/B runs of the megakernel's rounds, not yet timed with every token's epilogue at once).
-#ifndef LITHOS_PARALLEL_EPILOGUE
-#define LITHOS_PARALLEL_EPILOGUE 1
-#endif
-
 // Runs body(t, sums) on lane t for each token t < tokens, where sums[r] = acc[r][t] is row r's dot product
-// with token t: the one way the row-group kernels hand their sums to their stores.
+// with token t: the one way the row-group kernels hand their sums to their stores. Every token's epilogue
+// runs at once, each lane first selecting its token's sums into registers, so the 4-16-token epilogues'
+// loads (residuals, positions) and RoPE overlap instead of queueing (rounds of 8 positions: fused 14-17%
+// faster, megakernel 15%; NOTES.md runs 61 and 64). One token keeps its lane and index compile-time constants.
 template <int TMAX, class Body>
 __device__ __forceinline__ void for_each_token(const float (&acc)[kRowsPerWarp][TMAX], int tokens, Body body) {
-#if LITHOS_PARALLEL_EPILOGUE
   float sums[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = acc[r][0];
+  if constexpr (TMAX == 1) {
+    if (tokens > 0 && lane_id() == 0) body(0, sums);
+  } else {
 #pragma unroll
-  for (int t = 1; t < TMAX; ++t) {  // selects: acc's token index must stay a compile-time constant
-    if (lane_id() == t) {
+    for (int t = 1; t < TMAX; ++t) {  // selects: acc's token index must stay a compile-time constant
+      if (lane_id() == t) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = acc[r][t];
+        for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = acc[r][t];
+      }
     }
+    if (lane_id() < tokens) body(lane_id(), sums);
   }
-  if (lane_id() < tokens) body(lane_id(), sums);
-#else
-#pragma unroll
-  for (int t = 0; t < TMAX; ++t) {
-    if (t < tokens && lane_id() == t) {
-      float sums[kRowsPerWarp];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) sums[r] = acc[r][t];
-      body(t, sums);
-    }
-  }
-#endif
 }
 
 // Warps of the running block: kMatvecWarps unless a tuned launch asked for fewer (RowGroupLaunch).

@@ -101,21 +101,45 @@ def kv_bytes_read(cfg, context: int, itemsize: int) -> int:
     return 2 * layer_positions * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-@partial(jax.jit, static_argnames=("cfg", "steps", "kernels", "placement"), donate_argnames=("state",))
-def _steps(params, state, cfg, steps: int, kernels: str, placement=None):
+def decode_state(cache, context: int) -> decode.DecodeState:
+    """The timed loops' state: one sequence at position `context` of `cache`, greedy, never finishing."""
+    return decode.DecodeState(
+        cache=cache,
+        last_token=jnp.zeros((1,), jnp.int32),
+        position=jnp.full((1,), context, jnp.int32),
+        generated=jnp.zeros((1,), jnp.int32),
+        limit=jnp.full((1,), 1 << 30, jnp.int32),
+        finish=jnp.zeros((1,), jnp.int32),
+        rng=jax.random.key(0),
+        stop_ids=jnp.full((1,), -1, jnp.int32),
+        sampling=SamplingParams.make(),
+    )
+
+
+@partial(jax.jit, static_argnames=("cfg", "steps", "kernels", "placement", "unroll"), donate_argnames=("state",))
+def _steps(params, state, cfg, steps: int, kernels: str, placement=None, unroll: int = 1):
     def one(_, s):
         s, _tok = decode.decode_step(params, s, cfg, True, kernels, placement)
         return s
 
-    return jax.lax.fori_loop(0, steps, one, state)
+    return jax.lax.fori_loop(0, steps, one, state, unroll=unroll)
 
 
 def time_decode_steps(
-    params, cfg, context: int, kernels: str, steps: int, runs: int, placement=None, kv_cache_dtype=None
+    params,
+    cfg,
+    context: int,
+    kernels: str,
+    steps: int,
+    runs: int,
+    placement=None,
+    kv_cache_dtype=None,
+    unroll: int = 1,
 ) -> list[float]:
     """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens
     (with `placement`, params already placed by it and the cache split the same way), the cache
-    holding `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the weights' dtype)."""
+    holding `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the weights' dtype). `unroll` steps
+    run per loop iteration (benchmarks/probes/step_overhead.py times the loop's own cost with it)."""
     dtype = cache_dtype(kv_cache_dtype, params.embed.dtype)
     # A model whose every layer is windowed decodes from its ring, as lithos.Model does (lithos.kv_cache).
     window = family_for_architecture(cfg.architecture).cache_window(cfg)
@@ -131,24 +155,14 @@ def time_decode_steps(
     def start():  # a fresh array each run: the state (and everything in it) is donated
         return jnp.full((1,), context, jnp.int32)
 
-    state = decode.DecodeState(
-        cache=cache,
-        last_token=jnp.zeros((1,), jnp.int32),
-        position=start(),
-        generated=jnp.zeros((1,), jnp.int32),
-        limit=jnp.full((1,), 1 << 30, jnp.int32),
-        finish=jnp.zeros((1,), jnp.int32),
-        rng=jax.random.key(0),
-        stop_ids=jnp.full((1,), -1, jnp.int32),
-        sampling=SamplingParams.make(),
-    )
-    state = _steps(params, state, cfg, steps, kernels, placement)  # compile and warm up
+    state = decode_state(cache, context)
+    state = _steps(params, state, cfg, steps, kernels, placement, unroll)  # compile and warm up
     jax.block_until_ready(state)
     per_step = []
     for _ in range(runs):
         state = state.replace(position=start(), finish=jnp.zeros((1,), jnp.int32))
         t = time.perf_counter()
-        state = _steps(params, state, cfg, steps, kernels, placement)
+        state = _steps(params, state, cfg, steps, kernels, placement, unroll)
         jax.block_until_ready(state)
         per_step.append((time.perf_counter() - t) * 1e3 / steps)
     return per_step

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from lithos import bench
+from lithos.models import init_model_cache, llama
 
 
 def test_the_record_names_the_kernel_build_variant(monkeypatch):
@@ -11,3 +16,33 @@ def test_the_record_names_the_kernel_build_variant(monkeypatch):
     assert bench.environment()["kernel_defines"] == ["LITHOS_TWO_BUCKETS=1", "LITHOS_MK_LANE_RING=3"]
     monkeypatch.delenv("LITHOS_KERNEL_DEFINES")
     assert bench.environment()["kernel_defines"] == []
+
+
+def test_unrolled_timing_loop_decodes_the_same_tokens():
+    """Steps per loop iteration (`unroll`, benchmarks/probes/step_overhead.py) change how the timed loop
+    is laid out, not what it computes: the same tokens, positions and cache as one step per iteration."""
+    cfg = llama.Config(
+        architecture="LlamaForCausalLM",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    params = llama.init_params(cfg, jax.random.key(1), jnp.float32)
+
+    def run(unroll: int):
+        state = bench.decode_state(init_model_cache(cfg, 1, 24, jnp.float32), context=8)
+        return bench._steps(params, state, cfg, 8, "reference", unroll=unroll)
+
+    one, four = run(1), run(4)
+    assert int(one.position[0]) == int(four.position[0]) == 16
+    assert int(one.last_token[0]) == int(four.last_token[0])
+    np.testing.assert_array_equal(np.asarray(one.cache.k), np.asarray(four.cache.k))
+    assert np.abs(np.asarray(one.cache.k[:, :, :, 8:16])).sum() > 0  # the steps wrote their keys

@@ -5,7 +5,8 @@ A megakernel step at 1K on the llama-3.2-1b shape is 0.958 ms in `lithos bench` 
 first task to its last in a trace (run 65): about 27 us of each step is outside the kernel (the loop's
 iteration, the FFI call, the counters' memset, the embedding gather and the decode state's bookkeeping).
 The unrolled loops split off the loop's own share: what a step gains at unroll 8 over 1 is about 7/8 of
-one iteration's cost.
+one iteration's cost. Run 66 (megakernel, 1B): none within noise (0.956-0.962 ms at both), so the rest is
+the step's own.
 
     PYTHONPATH=. python3 benchmarks/probes/step_overhead.py --shape llama-3.2-1b --kernels megakernel,fused
 

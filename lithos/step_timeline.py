@@ -26,13 +26,15 @@ from typing import Any
 
 from lithos.errors import LithosError
 
-# Threads of a device's process that repeat what its streams ran (module and op annotations), skipped.
+# Threads of a device's process that repeat what its streams ran (module and op annotations): skipped when
+# the device names no stream threads.
 ANNOTATION_THREADS = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "TensorFlow")
 
 
 def device_events(trace: dict[str, Any]) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of every activity on a device's streams in a Chrome/Perfetto trace
-    (`traceEvents`), sorted by start."""
+    (`traceEvents`), sorted by start. Where a device names its stream threads ("Stream #7(Compute)"), only
+    those count; otherwise every thread but the annotation lines above."""
     processes: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
     for e in trace["traceEvents"]:
@@ -41,12 +43,16 @@ def device_events(trace: dict[str, Any]) -> list[tuple[float, float, str]]:
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
     devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+    named_streams = {pid for (pid, _), name in threads.items() if pid in devices and name.startswith("Stream")}
+
+    def counts(pid: int, tid) -> bool:
+        name = threads.get((pid, tid), "")
+        return name.startswith("Stream") if pid in named_streams else not name.startswith(ANNOTATION_THREADS)
+
     events = [
         (float(e["ts"]), float(e.get("dur", 0.0)), e["name"])
         for e in trace["traceEvents"]
-        if e.get("ph") == "X"
-        and e.get("pid") in devices
-        and not threads.get((e["pid"], e.get("tid")), "").startswith(ANNOTATION_THREADS)
+        if e.get("ph") == "X" and e.get("pid") in devices and counts(e["pid"], e.get("tid"))
     ]
     return sorted(events)
 

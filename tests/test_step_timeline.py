@@ -73,3 +73,14 @@ def test_a_trace_without_device_activity_says_so():
     host_only = {"traceEvents": [e for e in trace_of(3)["traceEvents"] if e["pid"] == 1]}
     with pytest.raises(LithosError, match="no device activity"):
         step_timeline.summarize(step_timeline.device_events(host_only), anchor="megakernel")
+
+
+def test_without_stream_names_every_thread_but_the_annotations_counts():
+    trace = trace_of(3)
+    for e in trace["traceEvents"]:
+        if e.get("name") == "thread_name" and e["tid"] == 7:
+            e["args"]["name"] = "GPU 0"  # a device that does not name its streams
+    events = step_timeline.device_events(trace)
+    assert len(events) == 9  # three steps of three activities, the "XLA Ops" repeats left out
+    trace["traceEvents"].append({"ph": "X", "pid": 2, "tid": 9, "ts": 5000.0, "dur": 1.0, "name": "an op"})
+    assert len(step_timeline.device_events(trace)) == 9

@@ -54,6 +54,13 @@ def model_shape(name: str):
     return family_for_architecture(hf["architectures"][0]).config_from_hf(hf)
 
 
+def shape_model(name: str, dtype) -> tuple[Any, Any]:
+    """(config, params) of the named shape with random weights in `dtype`: one key for every bench, so
+    every tool that times a shape times the same weights."""
+    cfg = model_shape(name)
+    return cfg, family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
+
+
 def hardware_profile(name: str | None) -> dict[str, Any]:
     """The profile named, or the one whose `match` strings appear in this device's kind."""
     profiles = {p.stem: json.loads(p.read_text()) for p in (configs_dir() / "hardware").glob("*.json")}
@@ -411,9 +418,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     rows: list[dict[str, Any]] = []
     generation = None
     for shape in args.shape or []:
-        cfg = model_shape(shape)
-        family = family_for_architecture(cfg.architecture)
-        params = family.init_params(cfg, jax.random.key(0), dtype)
+        cfg, params = shape_model(shape, dtype)
         if args.weight_format:
             params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
             shape = f"{shape}-{args.weight_format}"

@@ -114,11 +114,9 @@ def profile_steps(shape: str, kernels: str, context: int, steps: int) -> dict[st
 
     from lithos import bench
     from lithos.checkpoint import default_dtype
-    from lithos.models import family_for_architecture, init_model_cache
+    from lithos.models import init_model_cache
 
-    cfg = bench.model_shape(shape)
-    dtype = jnp.dtype(default_dtype())
-    params = family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
+    cfg, params = bench.shape_model(shape, jnp.dtype(default_dtype()))
     state = bench.decode_state(init_model_cache(cfg, 1, context + 2 * steps, params.embed.dtype), context)
     state = jax.block_until_ready(bench._steps(params, state, cfg, steps, kernels))  # compile and warm up
     with tempfile.TemporaryDirectory() as log_dir:

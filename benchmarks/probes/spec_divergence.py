@@ -51,9 +51,8 @@ def main() -> None:
     p.add_argument("--draft-tokens", type=int, default=7)
     p.add_argument("--rounds", type=int, default=32)
     args = p.parse_args()
-    cfg = bench.model_shape(args.shape)
+    cfg, params = bench.shape_model(args.shape, jnp.bfloat16)  # the spec bench's weights
     fam = family_for_architecture(cfg.architecture)
-    params = fam.init_params(cfg, jax.random.key(0), jnp.bfloat16)  # the spec bench's weights
 
     def run(kernels: str):
         return speculative_tokens(params, cfg, kernels, args.context, args.draft_tokens, args.rounds)

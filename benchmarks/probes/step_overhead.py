@@ -26,7 +26,6 @@ import jax
 
 from lithos import bench
 from lithos.checkpoint import default_dtype
-from lithos.models import family_for_architecture
 
 
 def main() -> None:
@@ -47,8 +46,7 @@ def main() -> None:
     dtype = jax.numpy.dtype(default_dtype())
     rows = []
     for shape in args.shape or ["llama-3.2-1b"]:
-        cfg = bench.model_shape(shape)
-        params = family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
+        cfg, params = bench.shape_model(shape, dtype)
         for kernels in args.kernels.split(","):
             for unroll in unrolls:
                 per_step = bench.time_decode_steps(

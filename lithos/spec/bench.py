@@ -474,8 +474,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         return result
 
     for shape in args.shape or []:
-        cfg = bench.model_shape(shape)
-        params = family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
+        cfg, params = bench.shape_model(shape, dtype)
         model = _ShapeModel(cfg, params, max(contexts) + 1024)
         speculators = speculators_for(args, model, cfg, params, shape_run=True)
         if not args.no_timing:

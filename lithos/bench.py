@@ -142,19 +142,23 @@ def time_decode_steps(
     placement=None,
     kv_cache_dtype=None,
     unroll: int = 1,
+    loops: int = 1,
 ) -> list[float]:
-    """Per-step ms of `runs` device-side loops of `steps` greedy decode steps at `context` tokens
-    (with `placement`, params already placed by it and the cache split the same way), the cache
-    holding `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the weights' dtype). `unroll` steps
-    run per loop iteration (benchmarks/probes/step_overhead.py times the loop's own cost with it)."""
+    """Per-step ms of `runs` timed runs at `context` tokens, each `loops` device-side loops of `steps`
+    greedy decode steps dispatched back to back and waited for once, as the engine queues its chunks
+    (lithos.engine: one chunk queued behind the one read back), so a dispatch's host time overlaps the
+    device's work except the first's. With `placement`, params already placed by it and the cache
+    split the same way; the cache holds `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the
+    weights' dtype). `unroll` steps run per loop iteration (benchmarks/probes/step_overhead.py times
+    the loop's own cost with it)."""
     dtype = cache_dtype(kv_cache_dtype, params.embed.dtype)
     # A model whose every layer is windowed decodes from its ring, as lithos.Model does (lithos.kv_cache).
     window = family_for_architecture(cfg.architecture).cache_window(cfg)
     if placement is not None:
-        placement = dataclasses.replace(placement, ring=ring_for(context + steps, window))
-        cache = placement.init_cache(1, context + steps, dtype)
+        placement = dataclasses.replace(placement, ring=ring_for(context + loops * steps, window))
+        cache = placement.init_cache(1, context + loops * steps, dtype)
     else:
-        cache = init_model_cache(cfg, 1, context + steps, dtype)
+        cache = init_model_cache(cfg, 1, context + loops * steps, dtype)
     if cache.quantized:
         # No prefill sets this cache's scales: scales of 1 stand in (step time does not depend on values).
         cache = cache.replace(k_scale=jnp.ones_like(cache.k_scale), v_scale=jnp.ones_like(cache.v_scale))
@@ -169,9 +173,10 @@ def time_decode_steps(
     for _ in range(runs):
         state = state.replace(position=start(), finish=jnp.zeros((1,), jnp.int32))
         t = time.perf_counter()
-        state = _steps(params, state, cfg, steps, kernels, placement, unroll)
+        for _ in range(loops):
+            state = _steps(params, state, cfg, steps, kernels, placement, unroll)
         jax.block_until_ready(state)
-        per_step.append((time.perf_counter() - t) * 1e3 / steps)
+        per_step.append((time.perf_counter() - t) * 1e3 / (loops * steps))
     return per_step
 
 
@@ -182,14 +187,38 @@ def cost_per_million_tokens(tokens_per_s: float, profile: dict[str, Any]) -> flo
     return profile.get("gpus", 1) * price / (tokens_per_s * 3600) * 1e6
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopTiming:
+    """How `lithos bench` times a path: `runs` timed runs of `loops` device loops of `steps` steps each,
+    dispatched back to back (time_decode_steps); the step time is the median over the runs."""
+
+    steps: int = 32
+    loops: int = 4
+    runs: int = 4
+
+    def __post_init__(self):
+        if min(self.steps, self.loops, self.runs) < 1 or self.steps * self.loops * self.runs < 128:
+            raise LithosError(
+                f"steps x loops x runs must be at least 128 (BENCHMARKS.md), each at least 1; got {self.steps} x "
+                f"{self.loops} x {self.runs}"
+            )
+
+    def describe(self) -> str:
+        if self.loops == 1:
+            return f"median of {self.runs} timed runs, each one device loop of {self.steps} steps"
+        return (
+            f"median of {self.runs} timed runs, each {self.loops} device loops of {self.steps} steps dispatched "
+            "back to back and waited for once"
+        )
+
+
 def bench_model(
     name: str,
     cfg,
     params,
     contexts,
     kernel_paths,
-    steps,
-    runs,
+    timing: LoopTiming,
     bandwidth,
     profile,
     placement=None,
@@ -205,13 +234,14 @@ def bench_model(
         if placement is not None and is_fp8(kv_dtype):
             placement = dataclasses.replace(placement, fp8_cache=True)
         label = f"{name}-kvfp8" if is_fp8(kv_dtype) else name
-        timing = (contexts, kernel_paths, steps, runs, bandwidth, profile, placement, overlap)
-        rows += _bench_rows(label, cfg, params, *timing, kv_dtype)
+        rows += _bench_rows(
+            label, cfg, params, contexts, kernel_paths, timing, bandwidth, profile, placement, overlap, kv_dtype
+        )
     return rows
 
 
 def _bench_rows(
-    name, cfg, params, contexts, kernel_paths, steps, runs, bandwidth, profile, placement, overlap, kv_dtype
+    name, cfg, params, contexts, kernel_paths, timing: LoopTiming, bandwidth, profile, placement, overlap, kv_dtype
 ) -> list[dict[str, Any]]:
     """`bench_model`'s rows for one KV cache dtype (resolved: lithos.kv_cache.cache_dtype)."""
     rows = []
@@ -221,7 +251,9 @@ def _bench_rows(
         variants.append(("fused+overlap", "fused", dataclasses.replace(placement, overlap=True)))
     for context in contexts:
         for label, kernels, where in variants:
-            per_step = time_decode_steps(params, cfg, context, kernels, steps, runs, where, kv_dtype)
+            per_step = time_decode_steps(
+                params, cfg, context, kernels, timing.steps, timing.runs, where, kv_dtype, loops=timing.loops
+            )
             step_ms = statistics.median(per_step)
             kv = kv_cache_bytes_read(cfg, context, kv_dtype)
             floor_ms = (wbytes + kv) / bandwidth * 1e3
@@ -240,7 +272,7 @@ def _bench_rows(
                     "floor_ms": floor_ms,
                     "step_ms": step_ms,
                     "step_ms_runs": per_step,
-                    "steps_timed": steps * runs,
+                    "steps_timed": timing.steps * timing.loops * timing.runs,
                     "ratio_to_floor": step_ms / floor_ms,
                     "tokens_per_s": tps,
                     "cost_per_million_tokens": cost_per_million_tokens(tps, profile),
@@ -376,8 +408,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="model",
         help=f"comma-separated KV cache kinds to time side by side ({', '.join(CACHE_DTYPES)}), e.g. model,fp8",
     )
-    p.add_argument("--steps", type=int, default=32, help="decode steps per timed device loop")
-    p.add_argument("--runs", type=int, default=8, help="timed loops (steps x runs >= 128)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per device loop (the engine's chunk)")
+    p.add_argument(
+        "--loops", type=int, default=4, help="device loops per timed run, dispatched back to back as the engine does"
+    )
+    p.add_argument("--runs", type=int, default=4, help="timed runs (steps x loops x runs >= 128)")
     p.add_argument(
         "--generate-tokens", type=int, default=128, help="tokens for the end-to-end generation (real models)"
     )
@@ -393,8 +428,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
-    if args.steps * args.runs < 128:
-        raise LithosError(f"steps x runs must be at least 128 (BENCHMARKS.md); got {args.steps} x {args.runs}")
+    timing = LoopTiming(args.steps, args.loops, args.runs)
     contexts = [int(c) for c in str(args.context).split(",")]
     kernel_paths = [k.strip() for k in str(args.kernels).split(",")]
     kv_caches = [k.strip() for k in str(args.kv_cache).split(",")]
@@ -430,15 +464,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             # perfect split over tp GPUs would reach ratio_to_floor = 1/tp.
             placement = make_placement(cfg, args.tp)
             params, cfg, shape = placement.put_params(params), placement.cfg, f"{shape}-tp{args.tp}"
-        timing = (contexts, kernel_paths, args.steps, args.runs, bandwidth, profile)
-        rows += bench_model(shape, cfg, params, *timing, placement, overlap=args.tp_overlap, kv_caches=kv_caches)
+        timed = (contexts, kernel_paths, timing, bandwidth, profile, placement, args.tp_overlap, kv_caches)
+        rows += bench_model(shape, cfg, params, *timed)
         del params
     if args.model or not args.shape:
         import lithos
 
-        model = lithos.load(
-            args.model, dtype=dtype_name, max_len=max(2048, max(contexts) + args.steps), dequantize=args.dequantize
-        )
+        max_len = max(2048, max(contexts) + timing.loops * timing.steps)
+        model = lithos.load(args.model, dtype=dtype_name, max_len=max_len, dequantize=args.dequantize)
         name = Path(model.checkpoint.source).stem
         rows += bench_model(
             name,
@@ -446,8 +479,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             model.params,
             contexts,
             kernel_paths,
-            args.steps,
-            args.runs,
+            timing,
             bandwidth,
             profile,
             kv_caches=kv_caches,
@@ -467,7 +499,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "read_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_probe_bytes": probe,
         "bandwidth_probe": PROBE_METHOD,
-        "protocol": f"batch 1, greedy, median of {args.runs} device loops of {args.steps} steps",
+        "protocol": f"batch 1, greedy, {timing.describe()}",
         "rows": rows,
         "generation": generation,
     }

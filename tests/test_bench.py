@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lithos import bench
+from lithos.errors import LithosError
 from lithos.models import init_model_cache, llama
 
 
@@ -46,3 +48,14 @@ def test_unrolled_timing_loop_decodes_the_same_tokens():
     assert int(one.last_token[0]) == int(four.last_token[0])
     np.testing.assert_array_equal(np.asarray(one.cache.k), np.asarray(four.cache.k))
     assert np.abs(np.asarray(one.cache.k[:, :, :, 8:16])).sum() > 0  # the steps wrote their keys
+
+
+def test_loop_timing_needs_128_steps_a_path():
+    """BENCHMARKS.md: a step time is a median over at least 128 steps; the record says how they ran."""
+    timing = bench.LoopTiming(steps=32, loops=4, runs=1)
+    assert "1 timed runs, each 4 device loops of 32 steps dispatched back to back" in timing.describe()
+    assert bench.LoopTiming(steps=32, loops=1, runs=4).describe().endswith("each one device loop of 32 steps")
+    with pytest.raises(LithosError, match=r"at least 128 .* got 32 x 1 x 3"):
+        bench.LoopTiming(steps=32, loops=1, runs=3)
+    with pytest.raises(LithosError, match="each at least 1"):
+        bench.LoopTiming(steps=256, loops=0, runs=1)

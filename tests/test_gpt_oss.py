@@ -235,8 +235,9 @@ def test_bench_runs_the_shape_on_cpu(tmp_path, monkeypatch):
     (tmp_path / "configs" / "hardware").mkdir()
     (tmp_path / "configs" / "models" / "gpt-oss-small.json").write_text(json.dumps(shape))
     monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
-    argv = ["bench", "--shape", "gpt-oss-small", "--kernels", "reference,fused", "--context", "16", "--steps", "16",
-            "--runs", "8", "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path / "out")]  # fmt: skip
+    argv = ["bench", "--shape", "gpt-oss-small", "--kernels", "reference,fused", "--context", "16",
+            "--steps", "16", "--loops", "2", "--runs", "4", "--bandwidth-bytes", str(1 << 22),
+            "--out", str(tmp_path / "out")]  # fmt: skip
     result = bench.run(cli.build_parser().parse_args(argv), argv[1:])
     rows = result["rows"]
     assert [r["kernels"] for r in rows] == ["reference", "fused"]

@@ -326,7 +326,7 @@ else:
                      num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=512)  # fmt: skip
         (models / "tiny.json").write_text(json.dumps(shape))
         argv = ["bench", "--shape", "tiny", "--tp", "2", "--tp-overlap", "--kernels", "fused",
-                "--context", "32", "--steps", "16", "--runs", "8", "--bandwidth-bytes", str(1 << 22),
+                "--context", "32", "--steps", "16", "--loops", "2", "--runs", "4", "--bandwidth-bytes", str(1 << 22),
                 "--out", str(tmp_path / "out")]  # fmt: skip
         monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
         result = bench.run(cli.build_parser().parse_args(argv), argv[1:])

@@ -280,8 +280,8 @@ def test_replayed_rounds_equal_the_loops(tiny, kind, options):
 
 
 def test_round_timing_starts_every_loop_from_the_same_prefill(tiny):
-    """`lithos bench --spec` round timing: each timed loop runs exactly `rounds` rounds from one prefill,
-    so the counters it reports are one loop's, whatever the number of loops."""
+    """`lithos bench --spec` round timing: each timed run runs exactly `loops` x `rounds` rounds from one
+    prefill, so the counters it reports are one run's, whatever the number of runs."""
     from lithos.spec import make_speculator
     from lithos.spec.bench import time_rounds
 
@@ -290,3 +290,5 @@ def test_round_timing_starts_every_loop_from_the_same_prefill(tiny):
     assert len(per_round) == 2 and min(per_round) > 0
     assert sum(seen["histogram"]) == 4
     assert 1 <= seen["tokens_per_round"] <= 4
+    per_round, seen = time_rounds(tiny.params, tiny.cfg, speculator, 16, "reference", rounds=4, runs=2, loops=3)
+    assert len(per_round) == 2 and sum(seen["histogram"]) == 12

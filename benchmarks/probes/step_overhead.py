@@ -1,12 +1,14 @@
 """What a decode step costs outside its kernels: the same device-side loop as `lithos bench`, with 1, 2,
-4 and 8 steps per loop iteration (fori_loop unroll), per kernel path.
+4 and 8 steps per loop iteration (fori_loop unroll) and loops of several lengths, per kernel path.
 
 A megakernel step at 1K on the llama-3.2-1b shape is 0.958 ms in `lithos bench` and 0.932 ms from its
 first task to its last in a trace (run 65): about 27 us of each step is outside the kernel (the loop's
 iteration, the FFI call, the counters' memset, the embedding gather and the decode state's bookkeeping).
 The unrolled loops split off the loop's own share: what a step gains at unroll 8 over 1 is about 7/8 of
 one iteration's cost. Run 66 (megakernel, 1B): none within noise (0.956-0.962 ms at both), so the rest is
-the step's own.
+the step's own. Loops of several lengths (`--steps 8,32,128`) split each loop's time into a fixed part per
+dispatch (the call, the launch of its first kernels, the wait for the result) and a part per step: a least-
+squares line through (steps, loop ms). `lithos bench` divides the fixed part by its --steps.
 
     PYTHONPATH=. python3 benchmarks/probes/step_overhead.py --shape llama-3.2-1b --kernels megakernel,fused
 
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from lithos import bench
 from lithos.checkpoint import default_dtype
@@ -34,36 +37,41 @@ def main() -> None:
     p.add_argument("--kernels", default="megakernel,fused", help="comma-separated kernel paths")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--unroll", default="1,2,4,8", help="comma-separated steps per loop iteration")
-    p.add_argument("--steps", type=int, default=32, help="steps per timed loop (a multiple of every unroll)")
+    p.add_argument("--steps", default="32", help="comma-separated steps per timed loop (multiples of every unroll)")
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--out", default=str(bench.REPO / "benchmarks" / "results"))
     p.add_argument("--tag", default="step-overhead")
     args = p.parse_args()
     unrolls = [int(u) for u in args.unroll.split(",")]
-    if any(args.steps % u for u in unrolls):
-        p.error(f"--steps {args.steps} must be a multiple of every --unroll ({args.unroll})")
+    lengths = [int(n) for n in args.steps.split(",")]
+    if any(n % u for n in lengths for u in unrolls):
+        p.error(f"--steps {args.steps} must be multiples of every --unroll ({args.unroll})")
 
     dtype = jax.numpy.dtype(default_dtype())
     rows = []
     for shape in args.shape or ["llama-3.2-1b"]:
         cfg, params = bench.shape_model(shape, dtype)
         for kernels in args.kernels.split(","):
-            for unroll in unrolls:
-                per_step = bench.time_decode_steps(
-                    params, cfg, args.context, kernels, args.steps, args.runs, unroll=unroll
-                )
-                rows.append(
-                    {
-                        "model": shape,
-                        "kernels": kernels,
-                        "context": args.context,
-                        "unroll": unroll,
-                        "step_ms": statistics.median(per_step),
-                        "step_ms_runs": per_step,
-                    }
-                )
-                print(f"  {shape} {kernels} unroll {unroll}: {rows[-1]['step_ms']:.4f} ms/step", flush=True)
+            for steps in lengths:
+                for unroll in unrolls:
+                    per_step = bench.time_decode_steps(
+                        params, cfg, args.context, kernels, steps, args.runs, unroll=unroll
+                    )
+                    rows.append(
+                        {
+                            "model": shape,
+                            "kernels": kernels,
+                            "context": args.context,
+                            "steps": steps,
+                            "unroll": unroll,
+                            "step_ms": statistics.median(per_step),
+                            "step_ms_runs": per_step,
+                        }
+                    )
+                    step_ms = rows[-1]["step_ms"]
+                    print(f"  {shape} {kernels} {steps} steps, unroll {unroll}: {step_ms:.4f} ms/step", flush=True)
         del params
+    fits = dispatch_fits(rows) if len(lengths) > 1 else []
 
     now = dt.datetime.now(dt.timezone.utc)
     result = {
@@ -73,17 +81,40 @@ def main() -> None:
         "environment": bench.environment(),
         "protocol": f"batch 1, greedy, random weights, median of {args.runs} device loops of {args.steps} steps",
         "rows": rows,
+        "dispatch_fits": fits,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{now:%Y-%m-%d}-{bench.hardware_profile(None)['id']}-{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"{'model':<16}{'kernels':<12}{'unroll':>7}{'step ms':>10}{f'vs unroll {unrolls[0]} us':>16}")
+    print(f"{'model':<16}{'kernels':<12}{'steps':>6}{'unroll':>7}{'step ms':>10}{f'vs unroll {unrolls[0]} us':>16}")
     for row in rows:
-        base = next(r for r in rows if r["model"] == row["model"] and r["kernels"] == row["kernels"])
+        loop = (row["model"], row["kernels"], row["steps"])
+        base = next(r for r in rows if (r["model"], r["kernels"], r["steps"]) == loop)
         delta_us = (row["step_ms"] - base["step_ms"]) * 1e3
-        print(f"{row['model']:<16}{row['kernels']:<12}{row['unroll']:>7}{row['step_ms']:>10.4f}{delta_us:>16.2f}")
+        print(
+            f"{row['model']:<16}{row['kernels']:<12}{row['steps']:>6}{row['unroll']:>7}{row['step_ms']:>10.4f}"
+            f"{delta_us:>16.2f}"
+        )
+    for fit in fits:
+        print(
+            f"{fit['model']} {fit['kernels']} unroll {fit['unroll']}: {fit['fixed_us']:.1f} us per dispatch + "
+            f"{fit['step_us']:.2f} us per step"
+        )
     print(f"wrote {path}")
+
+
+def dispatch_fits(rows: list[dict]) -> list[dict]:
+    """Per (model, kernels, unroll): the least-squares line through (steps, loop ms), split into the
+    fixed us per dispatch and the us per step."""
+    fits = []
+    for key in dict.fromkeys((r["model"], r["kernels"], r["unroll"]) for r in rows):
+        group = [r for r in rows if (r["model"], r["kernels"], r["unroll"]) == key]
+        steps = np.array([r["steps"] for r in group], float)
+        loop_us = np.array([r["step_ms"] * r["steps"] * 1e3 for r in group])
+        step_us, fixed_us = np.polyfit(steps, loop_us, 1)
+        fits.append(dict(zip(("model", "kernels", "unroll"), key), fixed_us=float(fixed_us), step_us=float(step_us)))
+    return fits
 
 
 if __name__ == "__main__":

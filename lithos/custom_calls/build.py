@@ -307,8 +307,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_ATTENTION_MMA=128": ("attention",),
     # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
-    # The megakernel's Q/K/V tasks with their copies 6 steps ahead (the others 3): not yet run on a GPU.
-    "LITHOS_MK_QKV_AHEAD=6": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -261,20 +261,24 @@ def prefilled_rounds_state(params, cfg, speculator: Speculator, context: int, ro
 
 
 def time_rounds(
-    params, cfg, speculator: Speculator, context: int, kernels: str, rounds: int, runs: int
+    params, cfg, speculator: Speculator, context: int, kernels: str, rounds: int, runs: int, loops: int = 1
 ) -> tuple[list[float], dict[str, Any]]:
-    """Per-round ms of `runs` device loops of `rounds` greedy rounds after a `context`-token prompt,
-    and the acceptance those rounds saw."""
+    """Per-round ms of `runs` timed runs, each `loops` device loops of `rounds` greedy rounds after a
+    `context`-token prompt, dispatched back to back and waited for once (as lithos.bench.time_decode_steps
+    times plain steps), and the acceptance those rounds saw."""
     k = speculator.draft_tokens
-    start = prefilled_rounds_state(params, cfg, speculator, context, rounds)
+    start = prefilled_rounds_state(params, cfg, speculator, context, loops * rounds)
 
     def run():  # a fresh copy of the state after prefill each time: the loop donates its input
         state = jax.tree_util.tree_map(jnp.copy, start)
         jax.block_until_ready(state)
         t = time.perf_counter()
-        state = spec_rounds(params, speculator.draft_params, state, cfg, speculator.drafter, k, rounds, True, kernels)
+        for _ in range(loops):
+            state = spec_rounds(
+                params, speculator.draft_params, state, cfg, speculator.drafter, k, rounds, True, kernels
+            )
         jax.block_until_ready(state)
-        return (time.perf_counter() - t) * 1e3 / rounds, state
+        return (time.perf_counter() - t) * 1e3 / (loops * rounds), state
 
     run()  # compile and warm up
     per_round, state = [], None
@@ -303,11 +307,14 @@ def bench_rounds(
     wbytes = bench.weight_bytes_read(params, cfg)
     for context in contexts:
         for kernels in kernel_paths:
-            step_ms = statistics.median(bench.time_decode_steps(params, cfg, context, kernels, args.steps, args.runs))
+            step_ms = statistics.median(
+                bench.time_decode_steps(params, cfg, context, kernels, args.steps, args.runs, loops=args.loops)
+            )
             floor_ms = (wbytes + bench.kv_bytes_read(cfg, context, params.embed.dtype.itemsize)) / bandwidth * 1e3
             for label, speculator in speculators:
                 k = speculator.draft_tokens
-                per_round, seen = time_rounds(params, cfg, speculator, context, kernels, args.steps, args.runs)
+                timed = (args.steps, args.runs, args.loops)
+                per_round, seen = time_rounds(params, cfg, speculator, context, kernels, *timed)
                 round_ms = statistics.median(per_round)
                 measured = acceptance.get((label, k)) if acceptance else None
                 measured_tpr = measured["tokens_per_round"] if measured else seen["tokens_per_round"]
@@ -325,7 +332,7 @@ def bench_rounds(
                         "context": context,
                         "round_ms": round_ms,
                         "round_ms_runs": per_round,
-                        "rounds_timed": args.steps * args.runs,
+                        "rounds_timed": args.steps * args.loops * args.runs,
                         "plain_step_ms": step_ms,
                         "verify_floor_ms": floor_ms,
                         "round_ms_over_step_ms": round_ms / step_ms,
@@ -427,8 +434,7 @@ def _draft_model_for(args, model, cfg, params, shape_run: bool):
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
-    if args.steps * args.runs < 128:
-        raise LithosError(f"rounds x runs must be at least 128 (BENCHMARKS.md); got {args.steps} x {args.runs}")
+    timing = bench.LoopTiming(args.steps, args.loops, args.runs)  # rounds for steps; checked alike
     contexts = [int(c) for c in str(args.context).split(",")]
     kernel_paths = [k.strip() for k in str(args.kernels).split(",")]
     from lithos.checkpoint import default_dtype
@@ -461,8 +467,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             "protocol": (
                 f"acceptance: greedy, chat-formatted prompts, {args.spec_new_tokens} new tokens each, batches of "
                 f"{args.spec_batch} (method 'loop': the speculative loop itself; 'replay': rounds replayed from "
-                f"plain greedy output, lithos.spec.replay); round time: batch 1, greedy, median of {args.runs} "
-                f"device loops of {args.steps} rounds after a prompt of `context` random tokens; credited: "
+                f"plain greedy output, lithos.spec.replay); round time: batch 1, greedy, "
+                f"{timing.describe().replace('steps', 'rounds')} after a prompt of `context` random tokens; credited: "
                 f"1 + {CREDITED_ACCEPTANCE} k tokens per round"
             ),
             "acceptance": acceptance_rows,

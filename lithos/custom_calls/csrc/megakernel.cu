@@ -396,7 +396,7 @@ ffi::Error megakernel_impl(
                      std::to_string(kRingSmemBytes<kTmax> / 1024) +
                      " KB of dynamic shared memory for its weight streaming; decode with kernels='fused', or rebuild "
                      "with a smaller lane ring (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=3 LITHOS_MK_RING_INPUT_KB=32\", "
-                     "a smaller LITHOS_MK_QKV_AHEAD where set, or LITHOS_MK_LANE_RING=0 for none)");
+                     "or LITHOS_MK_LANE_RING=0 for none)");
     grid = std::min(capacity, std::max(a.n_tasks, 1));
     megakernel<kTmax><<<grid, kMatvecThreads, kRingSmemBytes<kTmax>, stream>>>(a);
     return launch_status("megakernel");

@@ -1,5 +1,5 @@
 // The lane ring: each lane of a matvec task copies its own weight chunks into its own slots of a
-// shared-memory ring with per-lane asynchronous copies (`cp.async`, no registers held), kRingAhead
+// shared-memory ring with per-lane asynchronous copies (`cp.async`, no registers held), kRingStages - 1
 // steps ahead of its dot products, and reads them back from there. The copies run ahead across the
 // task's round boundaries (its epilogues and team reductions) and its first steps are issued before
 // the task's wait, so the bandwidth keeps streaming where the register path (warp_rows_dot) has no
@@ -38,25 +38,10 @@
 #error "LITHOS_MK_LANE_RING is the ring's stages: 0 (off) or at least 2"
 #endif
 
-// Steps the Q/K/V tasks' copies run ahead (0: as every task's, the ring's stages less one). Their tasks are
-// one round of a few steps a warp, which the steps issued before the wait can nearly cover; a build may ask
-// for more there alone (LITHOS_KERNEL_DEFINES="LITHOS_MK_QKV_AHEAD=6"), and the ring grows to hold them
-// while the other tasks keep their depth (a deeper ring for every task bought nothing: NOTES.md, run 26).
-#ifndef LITHOS_MK_QKV_AHEAD
-#define LITHOS_MK_QKV_AHEAD 0
-#endif
-#if LITHOS_MK_QKV_AHEAD && !LITHOS_MK_LANE_RING
-#error "LITHOS_MK_QKV_AHEAD sets how far the lane ring's copies run ahead; this build has no lane ring"
-#endif
-
 namespace lithos {
 namespace mk {
 
-// Steps a lane's copies run ahead of its dot products, and the ring's stages (slots per lane and row).
-constexpr int kRingAhead = LITHOS_MK_LANE_RING > 0 ? LITHOS_MK_LANE_RING - 1 : 0;
-constexpr int kQkvRingAhead = LITHOS_MK_QKV_AHEAD > 0 ? LITHOS_MK_QKV_AHEAD : kRingAhead;
-constexpr int kRingStages =
-    LITHOS_MK_LANE_RING > 0 ? (kQkvRingAhead + 1 > LITHOS_MK_LANE_RING ? kQkvRingAhead + 1 : LITHOS_MK_LANE_RING) : 0;
+constexpr int kRingStages = LITHOS_MK_LANE_RING;
 constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
@@ -177,17 +162,16 @@ struct RingStream {
 
 // acc[r][t] = the dot product of the warp's 4 rows with token t over its share of the input, reading
 // one round's steps from the ring (the read stage starts at `stage` and advances) and issuing one step
-// per step read, AHEAD steps ahead of it. As warp_rows_dot: every lane ends with every sum.
-template <int TMAX, int AHEAD, class Stream>
+// ahead per step read. As warp_rows_dot: every lane ends with every sum.
+template <int TMAX, class Stream>
 __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const TokenRows& in,
                                               float (&acc)[kRowsPerWarp][TMAX]) {
-  static_assert(AHEAD >= 1 && AHEAD < kRingStages, "a stage is rewritten only after it was read");
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) acc[r][t] = 0.0f;
   for (int s = 0; s < stream.steps; ++s) {
-    async_wait<AHEAD - 1>();  // this step's group has landed
+    async_wait<kRingStages - 2>();  // this step's group has landed
     Bf16Vec<8> w[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -198,7 +182,7 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
       w[r].pair[3] = v.w;
     }
     stage = stage + 1 == kRingStages ? 0 : stage + 1;
-    stream.issue();  // into a stage read at least one step ago: its values are in registers and used
+    stream.issue();  // into the stage read one step ago: its values are in registers and used
     const int k = stream.k0 + s * stream.step;
     if (k < in.n_in) add_chunk<TMAX, 8, true, true>(w, in, k, acc);
   }

@@ -51,7 +51,7 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 // chunks copied into shared memory steps ahead, the task's first steps before its wait) and the inputs
 // from a shared-memory copy when they fit; otherwise the warps stream the rows through registers, and
 // in the 4- to 16-token kernels (CUDA) multiply them on tensor cores (mma_rowdot.h).
-template <WeightFormat F, int TMAX, int AHEAD = kRingAhead, class RowsOf, class BeforeEpilogue, class Epilogue>
+template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
                                   Epilogue epilogue) {
@@ -71,7 +71,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
   int read_stage = 0;
   if constexpr (kRing) {  // the task's first steps: the weights do not depend on the step's data
     stream.start(task.first);
-    for (int i = 0; i < AHEAD; ++i) stream.issue();
+    for (int i = 0; i < kRingStages - 1; ++i) stream.issue();
   }
 #else
   constexpr bool kRing = false;
@@ -96,7 +96,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     if constexpr (!kRing) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
     if constexpr (kRing) {
-      ring_rows_dot<TMAX, AHEAD>(stream, read_stage, in, acc);
+      ring_rows_dot<TMAX>(stream, read_stage, in, acc);
     } else
 #endif
     if constexpr (F == WeightFormat::kBf16) {

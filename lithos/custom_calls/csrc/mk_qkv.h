@@ -22,7 +22,7 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
   auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { qkv_rows<kAttentionFormat>(a, layer, unit, rows); };
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
-  if (!stream_row_groups<kAttentionFormat, TMAX, kQkvRingAhead>(
+  if (!stream_row_groups<kAttentionFormat, TMAX>(
           a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {

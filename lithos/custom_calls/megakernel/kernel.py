@@ -91,8 +91,8 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
         raise LithosError(
             "megakernel: this GPU cannot hold one block of this build (LITHOS_KERNEL_DEFINES="
             f"{' '.join(toolchain.defines)!r}): its lane ring asks for more shared memory than the GPU has. "
-            "Use a smaller ring (LITHOS_MK_LANE_RING=3, LITHOS_MK_RING_INPUT_KB=32, a smaller "
-            "LITHOS_MK_QKV_AHEAD where set), none (LITHOS_MK_LANE_RING=0), or decode with kernels='fused'"
+            "Use a smaller ring (LITHOS_MK_LANE_RING=3, LITHOS_MK_RING_INPUT_KB=32), none (LITHOS_MK_LANE_RING=0), "
+            "or decode with kernels='fused'"
         )
     if blocks < 0:
         raise LithosError(f"megakernel: no grid for {tokens} query positions (1..16 are supported)")

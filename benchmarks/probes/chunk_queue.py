@@ -1,0 +1,130 @@
+"""The engine's decode loop on a named shape: chunks of decode steps read back one by one, either each
+dispatched after the previous one was read (as lithos.engine does) or one chunk queued behind the one being
+read. Both run lithos.decode.decode_chunk as the engine calls it, with the engine's chunk (32 steps) and
+block (4 by default), and read every chunk's tokens back to the host.
+
+Runs 69-70 (H200, llama-3.2-1b): the two loops are within 5 us a token of each other at every block (4, 8,
+16, 32), so the engine keeps the plain loop. Both run at 0.99-1.00 ms a token on the megakernel and
+1.17-1.19 on the fused path, against 0.943 and 1.123 ms a step in `lithos bench`'s loop: a profile of the
+chunk program (run 71) shows 40 us of device idle per step, against 4.5 in the bench's `fori_loop`.
+
+    PYTHONPATH=. python3 benchmarks/probes/chunk_queue.py --shape llama-3.2-1b --kernels megakernel,fused
+
+Prints a table and writes the JSON to --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos import bench, decode
+from lithos.checkpoint import default_dtype
+from lithos.models import init_model_cache
+
+
+def decode_tokens(params, cfg, kernels: str, context: int, chunks: int, chunk: int, block: int, queued: bool):
+    """ms per token of `chunks` chunks after `context` tokens, every chunk's tokens read back to the host."""
+    state = bench.decode_state(init_model_cache(cfg, 1, context + (chunks + 1) * chunk, params.embed.dtype), context)
+
+    def dispatch(state):
+        return decode.decode_chunk(params, state, cfg=cfg, chunk=chunk, block=block, greedy=True, kernels=kernels)
+
+    tokens = []
+    t = time.perf_counter()
+    if queued:
+        ahead = dispatch(state)
+        for i in range(chunks):
+            state, out = ahead
+            ahead = dispatch(state) if i + 1 < chunks else None
+            tokens.append(np.asarray(out))
+        state = ahead[0] if ahead is not None else state
+    else:
+        for _ in range(chunks):
+            state, out = dispatch(state)
+            tokens.append(np.asarray(out))
+    jax.block_until_ready(state)
+    ms = (time.perf_counter() - t) * 1e3
+    assert all((chunk_tokens >= 0).all() for chunk_tokens in tokens)  # every step made a token
+    return ms / (chunks * chunk), np.concatenate(tokens, axis=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", action="append", help="model shape from configs/models (repeatable)")
+    p.add_argument("--kernels", default="megakernel,fused", help="comma-separated kernel paths")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--chunks", type=int, default=8, help="chunks per timed run")
+    p.add_argument("--chunk", type=int, default=32, help="decode steps per chunk (the engine's stream_every)")
+    p.add_argument("--block", type=int, default=4, help="steps between loop-condition checks (the engine's block)")
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--out", default=str(bench.REPO / "benchmarks" / "results"))
+    p.add_argument("--tag", default="chunk-queue")
+    args = p.parse_args()
+
+    dtype = jnp.dtype(default_dtype())
+    rows = []
+    for shape in args.shape or ["llama-3.2-1b"]:
+        cfg, params = bench.shape_model(shape, dtype)
+        for kernels in args.kernels.split(","):
+            timed = (params, cfg, kernels, args.context, args.chunks, args.chunk, args.block)
+            decode_tokens(*timed, queued=True)  # compile and warm up
+            per_token = {False: [], True: []}
+            seen = {}
+            for _ in range(args.runs):  # alternating, so both loops see the same device state
+                for queued in (False, True):
+                    ms, seen[queued] = decode_tokens(*timed, queued=queued)
+                    per_token[queued].append(ms)
+            if not np.array_equal(seen[False], seen[True]):
+                raise SystemExit(f"{shape} {kernels}: the queued loop decoded other tokens than the one-by-one loop")
+            for queued in (False, True):
+                rows.append(
+                    {
+                        "model": shape,
+                        "kernels": kernels,
+                        "context": args.context,
+                        "loop": "queued" if queued else "one by one",
+                        "ms_per_token": statistics.median(per_token[queued]),
+                        "ms_per_token_runs": per_token[queued],
+                    }
+                )
+                print(f"  {shape} {kernels} {rows[-1]['loop']}: {rows[-1]['ms_per_token']:.4f} ms/token", flush=True)
+        del params
+
+    now = dt.datetime.now(dt.timezone.utc)
+    result = {
+        "date": now.isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "command": " ".join(["python3 benchmarks/probes/chunk_queue.py", *sys.argv[1:]]),
+        "environment": bench.environment(),
+        "protocol": (
+            f"batch 1, greedy, random weights, {args.chunks} chunks of {args.chunk} steps (block {args.block}) read "
+            f"back one by one, median of {args.runs} runs, the two loops alternating"
+        ),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{now:%Y-%m-%d}-{bench.hardware_profile(None)['id']}-{args.tag}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"{'model':<16}{'kernels':<12}{'one by one ms':>15}{'queued ms':>11}{'gain us/token':>15}")
+    for one, queued in zip(rows[::2], rows[1::2]):
+        gain_us = (one["ms_per_token"] - queued["ms_per_token"]) * 1e3
+        print(
+            f"{one['model']:<16}{one['kernels']:<12}{one['ms_per_token']:>15.4f}{queued['ms_per_token']:>11.4f}"
+            f"{gain_us:>15.2f}"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -420,8 +420,11 @@ ffi::Error megakernel_impl(
 }  // namespace lithos
 
 // Blocks of the megakernel for `tokens` query positions that fit on the current GPU at once (the
-// scheduler sizes its tasks for that many workers); negative when `tokens` is out of range.
+// scheduler sizes its tasks for that many workers); negative when `tokens` is out of range. The scheduler
+// asks before any step runs, so the one-time setup (the kernel's shared-memory attribute, the mapped status
+// word) happens here, outside any command buffer XLA may be recording.
 extern "C" int LithosMegakernelBlocks(int tokens) {
+  (void)lithos::mk::host_status();
   int blocks = -1;
   const auto status = lithos::with_token_bucket(tokens, [&](auto tmax) {
     blocks = lithos::mk::grid_capacity<decltype(tmax)::value>();
@@ -432,35 +435,60 @@ extern "C" int LithosMegakernelBlocks(int tokens) {
 
 namespace ffi = xla::ffi;
 
-// Not command-buffer compatible: the handler reads the previous step's timeout status each call.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h0: embedded tokens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // attention norms
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // MLP norms
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // final norm
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // tasks [n, 10]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 0)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 1)
-                                  .RemainingArgs()                // weight planes (kWeightNames, 3 each)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // residual stream [2, tokens, hidden]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // greedy tokens
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // logits or empty
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: q
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: attention output
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: gated MLP activations
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: attention split outputs
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: their log2-sum-exp2
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scratch: head bests (value)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // scratch: head bests (id)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // counters + status
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("ring")  // slot = position % slots
-                                  .Attr<int64_t>("max_splits")
-                                  .Attr<int64_t>("n_counters"));
+namespace lithos {
+namespace mk {
+namespace {
+
+// The handler's arguments, results and attributes, in kernel.py's call order.
+auto megakernel_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<gpuStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()  // h0: embedded tokens
+      .Arg<ffi::Buffer<ffi::S32>>()   // positions
+      .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+      .Arg<ffi::Buffer<ffi::BF16>>()  // attention norms
+      .Arg<ffi::Buffer<ffi::BF16>>()  // MLP norms
+      .Arg<ffi::Buffer<ffi::BF16>>()  // final norm
+      .Arg<ffi::Buffer<ffi::S32>>()   // tasks [n, 10]
+      .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 0)
+      .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 1)
+      .RemainingArgs()                // weight planes (kWeightNames, 3 each)
+      .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
+      .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
+      .Ret<ffi::Buffer<ffi::BF16>>()  // residual stream [2, tokens, hidden]
+      .Ret<ffi::Buffer<ffi::S32>>()   // greedy tokens
+      .Ret<ffi::Buffer<ffi::F32>>()   // logits or empty
+      .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: q
+      .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: attention output
+      .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: gated MLP activations
+      .Ret<ffi::Buffer<ffi::F32>>()   // scratch: attention split outputs
+      .Ret<ffi::Buffer<ffi::F32>>()   // scratch: their log2-sum-exp2
+      .Ret<ffi::Buffer<ffi::F32>>()   // scratch: head bests (value)
+      .Ret<ffi::Buffer<ffi::S32>>()   // scratch: head bests (id)
+      .Ret<ffi::Buffer<ffi::S32>>()   // counters + status
+      .Attr<float>("eps")
+      .Attr<int64_t>("window")
+      .Attr<bool>("ring")  // slot = position % slots
+      .Attr<int64_t>("max_splits")
+      .Attr<int64_t>("n_counters");
+}
+
+}  // namespace
+}  // namespace mk
+}  // namespace lithos
+
+// By default not command-buffer compatible: the handler reads the previous step's timeout status on each
+// call, which a recorded command buffer (a CUDA graph) would not repeat. LITHOS_MK_COMMAND_BUFFER=1 (a build
+// variant, an experiment) declares it compatible, so that XLA can record a decode loop with the megakernel
+// in it as one graph, its loop condition tested on the device (XLA_FLAGS
+// --xla_gpu_enable_command_buffer=...,WHILE,CONDITIONAL); the status, LITHOS_MEGAKERNEL_SYNC and
+// LITHOS_MEGAKERNEL_TRACE are then seen only when XLA records the graph.
+#ifndef LITHOS_MK_COMMAND_BUFFER
+#define LITHOS_MK_COMMAND_BUFFER 0
+#endif
+#if LITHOS_MK_COMMAND_BUFFER
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl, lithos::mk::megakernel_binding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+#else
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl, lithos::mk::megakernel_binding());
+#endif

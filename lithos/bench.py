@@ -145,12 +145,11 @@ def time_decode_steps(
     loops: int = 1,
 ) -> list[float]:
     """Per-step ms of `runs` timed runs at `context` tokens, each `loops` device-side loops of `steps`
-    greedy decode steps dispatched back to back and waited for once, as the engine queues its chunks
-    (lithos.engine: one chunk queued behind the one read back), so a dispatch's host time overlaps the
-    device's work except the first's. With `placement`, params already placed by it and the cache
-    split the same way; the cache holds `kv_cache_dtype` (lithos.kv_cache.cache_dtype; default the
-    weights' dtype). `unroll` steps run per loop iteration (benchmarks/probes/step_overhead.py times
-    the loop's own cost with it)."""
+    greedy decode steps dispatched back to back and waited for once: a dispatch's fixed cost (0.4-0.9
+    ms on an H200, NOTES.md run 68) is counted once per run, not once per `steps`. With `placement`,
+    params already placed by it and the cache split the same way; the cache holds `kv_cache_dtype`
+    (lithos.kv_cache.cache_dtype; default the weights' dtype). `unroll` steps run per loop iteration
+    (benchmarks/probes/step_overhead.py times the loop's own cost with it)."""
     dtype = cache_dtype(kv_cache_dtype, params.embed.dtype)
     # A model whose every layer is windowed decodes from its ring, as lithos.Model does (lithos.kv_cache).
     window = family_for_architecture(cfg.architecture).cache_window(cfg)
@@ -336,6 +335,26 @@ def environment() -> dict[str, Any]:
     }
 
 
+def write_probe_record(out: str | Path, tag: str, script: str, protocol: str, rows: list, **extra: Any) -> Path:
+    """A probe's record (benchmarks/probes): the date, device, command (`script` and its arguments),
+    environment, protocol, rows and `extra` fields, as `<date>-<hardware>-<tag>.json` under `out`."""
+    now = dt.datetime.now(dt.timezone.utc)
+    record = {
+        "date": now.isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "command": " ".join([f"python3 {script}", *sys.argv[1:]]),
+        "environment": environment(),
+        "protocol": protocol,
+        "rows": rows,
+        **extra,
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{now:%Y-%m-%d}-{hardware_profile(None)['id']}-{tag}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
 def print_table(rows: list[dict[str, Any]], bandwidth: float) -> None:
     print(f"\nread bandwidth {bandwidth / 1e12:.3f} TB/s (measured)")
     header = (
@@ -410,7 +429,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=32, help="decode steps per device loop (the engine's chunk)")
     p.add_argument(
-        "--loops", type=int, default=4, help="device loops per timed run, dispatched back to back as the engine does"
+        "--loops", type=int, default=4, help="device loops per timed run, dispatched back to back, one wait at the end"
     )
     p.add_argument("--runs", type=int, default=4, help="timed runs (steps x loops x runs >= 128)")
     p.add_argument(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +61,14 @@ def test_loop_timing_needs_128_steps_a_path():
         bench.LoopTiming(steps=32, loops=1, runs=3)
     with pytest.raises(LithosError, match="each at least 1"):
         bench.LoopTiming(steps=256, loops=0, runs=1)
+
+
+def test_a_probe_record_names_its_date_device_command_and_environment(tmp_path, monkeypatch):
+    """benchmarks/probes write their JSON through bench.write_probe_record: BENCHMARKS.md's fields, one place."""
+    monkeypatch.setattr("sys.argv", ["probe.py", "--shape", "tiny"])
+    path = bench.write_probe_record(tmp_path / "out", "probe-test", "benchmarks/probes/probe.py", "a loop", [1], fit=2)
+    record = json.loads(path.read_text())
+    assert path.name.endswith("-probe-test.json") and path.name[:10] == record["date"][:10]
+    assert record["command"] == "python3 benchmarks/probes/probe.py --shape tiny"
+    assert record["device"] == jax.devices()[0].device_kind and record["environment"]["jax"] == jax.__version__
+    assert (record["protocol"], record["rows"], record["fit"]) == ("a loop", [1], 2)

@@ -16,12 +16,8 @@ Prints a table and writes the JSON to --out (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -100,22 +96,11 @@ def main() -> None:
                 print(f"  {shape} {kernels} {rows[-1]['loop']}: {rows[-1]['ms_per_token']:.4f} ms/token", flush=True)
         del params
 
-    now = dt.datetime.now(dt.timezone.utc)
-    result = {
-        "date": now.isoformat(timespec="seconds"),
-        "device": jax.devices()[0].device_kind,
-        "command": " ".join(["python3 benchmarks/probes/chunk_queue.py", *sys.argv[1:]]),
-        "environment": bench.environment(),
-        "protocol": (
-            f"batch 1, greedy, random weights, {args.chunks} chunks of {args.chunk} steps (block {args.block}) read "
-            f"back one by one, median of {args.runs} runs, the two loops alternating"
-        ),
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{now:%Y-%m-%d}-{bench.hardware_profile(None)['id']}-{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    protocol = (
+        f"batch 1, greedy, random weights, {args.chunks} chunks of {args.chunk} steps (block {args.block}) read "
+        f"back one by one, median of {args.runs} runs, the two loops alternating"
+    )
+    path = bench.write_probe_record(args.out, args.tag, "benchmarks/probes/chunk_queue.py", protocol, rows)
     print(f"{'model':<16}{'kernels':<12}{'one by one ms':>15}{'queued ms':>11}{'gain us/token':>15}")
     for one, queued in zip(rows[::2], rows[1::2]):
         gain_us = (one["ms_per_token"] - queued["ms_per_token"]) * 1e3

@@ -18,11 +18,7 @@ Prints a table and writes the JSON to --out (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -73,20 +69,9 @@ def main() -> None:
         del params
     fits = dispatch_fits(rows) if len(lengths) > 1 else []
 
-    now = dt.datetime.now(dt.timezone.utc)
-    result = {
-        "date": now.isoformat(timespec="seconds"),
-        "device": jax.devices()[0].device_kind,
-        "command": " ".join(["python3 benchmarks/probes/step_overhead.py", *sys.argv[1:]]),
-        "environment": bench.environment(),
-        "protocol": f"batch 1, greedy, random weights, median of {args.runs} device loops of {args.steps} steps",
-        "rows": rows,
-        "dispatch_fits": fits,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{now:%Y-%m-%d}-{bench.hardware_profile(None)['id']}-{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    protocol = f"batch 1, greedy, random weights, median of {args.runs} device loops of {args.steps} steps"
+    script = "benchmarks/probes/step_overhead.py"
+    path = bench.write_probe_record(args.out, args.tag, script, protocol, rows, dispatch_fits=fits)
     print(f"{'model':<16}{'kernels':<12}{'steps':>6}{'unroll':>7}{'step ms':>10}{f'vs unroll {unrolls[0]} us':>16}")
     for row in rows:
         loop = (row["model"], row["kernels"], row["steps"])

@@ -98,13 +98,18 @@ def summarize(events: list[tuple[float, float, str]], anchor: str) -> dict[str, 
     return {"steps": steps, "period_us": period, "idle_us": period - busy / steps, "kernels": kernels}
 
 
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """A gzipped Chrome/Perfetto trace (`perfetto_trace.json.gz`)."""
+    with gzip.open(path) as f:
+        return json.load(f)
+
+
 def read_trace(log_dir: Path) -> dict[str, Any]:
     """The Perfetto trace jax.profiler wrote under `log_dir`."""
     found = sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
     if not found:
         raise LithosError(f"step timeline: no perfetto_trace.json.gz under {log_dir}; jax.profiler wrote none")
-    with gzip.open(found[-1]) as f:
-        return json.load(f)
+    return load_trace(found[-1])
 
 
 def profile_steps(shape: str, kernels: str, context: int, steps: int) -> dict[str, Any]:
@@ -137,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.trace:
-            with gzip.open(args.trace) as f:
-                trace = json.load(f)
+            trace = load_trace(args.trace)
         else:
             trace = profile_steps(args.shape, args.kernels, args.context, args.steps)
         summary = summarize(device_events(trace), args.anchor)

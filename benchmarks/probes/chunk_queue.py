@@ -43,7 +43,6 @@ def decode_tokens(params, cfg, kernels: str, context: int, chunks: int, chunk: i
             state, out = ahead
             ahead = dispatch(state) if i + 1 < chunks else None
             tokens.append(np.asarray(out))
-        state = ahead[0] if ahead is not None else state
     else:
         for _ in range(chunks):
             state, out = dispatch(state)

@@ -305,6 +305,7 @@ def bench_rounds(
 ) -> list[dict[str, Any]]:
     rows = []
     wbytes = bench.weight_bytes_read(params, cfg)
+    timed = (args.steps, args.runs, args.loops)  # rounds per loop, timed runs, loops per run
     for context in contexts:
         for kernels in kernel_paths:
             step_ms = statistics.median(
@@ -313,7 +314,6 @@ def bench_rounds(
             floor_ms = (wbytes + bench.kv_bytes_read(cfg, context, params.embed.dtype.itemsize)) / bandwidth * 1e3
             for label, speculator in speculators:
                 k = speculator.draft_tokens
-                timed = (args.steps, args.runs, args.loops)
                 per_round, seen = time_rounds(params, cfg, speculator, context, kernels, *timed)
                 round_ms = statistics.median(per_round)
                 measured = acceptance.get((label, k)) if acceptance else None

@@ -148,8 +148,6 @@ class Model:
         self.kernels = kernels
         self.stream_every = stream_every
         self.block = block
-        # Chunks of a fixed length return at once, so the engine queues each one behind the last.
-        self.queues_chunks = kernels in decode.FIXED_CHUNK_PATHS
         self._compiled: set[tuple] = set()
 
     def __repr__(self) -> str:
@@ -317,15 +315,10 @@ class Model:
                 yield piece
 
         done = np.asarray(state.done)
-        queued = None
         while not done[:n].all():
-            state, out = queued if queued is not None else program._decode_chunk(state, greedy)
-            done_now = state.done  # read before the state is handed (donated) to the next chunk
-            # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
-            # device goes on while the host reads this one's tokens. Past the end its steps are empty.
-            queued = program._decode_chunk(state, greedy) if program.queues_chunks else None
+            state, out = program._decode_chunk(state, greedy)
             out = np.asarray(out)
-            done = np.asarray(done_now)
+            done = np.asarray(state.done)
             for r in range(n):
                 generated[r].extend(int(t) for t in out[r] if t >= 0)
             if detok is not None:
@@ -333,8 +326,6 @@ class Model:
                 if piece:
                     yield piece
         t2 = time.perf_counter()
-        if queued is not None:  # the state after the last (empty) chunk, every row's finish as it was
-            state, _ = queued
         if detok is not None:
             tail = detok.flush()
             if tail:

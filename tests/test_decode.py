@@ -15,6 +15,7 @@ from lithos import decode
 from lithos.errors import CacheFullError, LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import family_of
+from lithos.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,14 @@ def test_chat_prompt_uses_template(tiny):
     )
     with pytest.raises(LithosError, match="role"):
         tiny.prompt_ids([{"role": "wizard", "content": "hi"}])
+
+
+def test_only_sampling_steps_draw_from_the_key(tiny):
+    """A greedy step keeps the key as it is (no split on the device each step); a sampled one moves it on."""
+    ids = np.asarray([tiny.prompt_ids("key", raw=True)], np.int32)
+    inputs = (ids, np.array([ids.shape[1]], np.int32), np.array([8], np.int32), np.array([-1], np.int32))
+    for greedy, moves in ((True, False), (False, True)):
+        state, _ = tiny._prefill(*inputs, SamplingParams.make(temperature=0.0 if greedy else 0.8), greedy=greedy)
+        key = np.asarray(jax.random.key_data(state.rng))
+        after, _ = decode.decode_step(tiny.params, state, tiny.cfg, greedy, "reference")
+        assert (not np.array_equal(np.asarray(jax.random.key_data(after.rng)), key)) == moves

@@ -76,7 +76,6 @@ __device__ __forceinline__ bool any_projection_task(const Args& a, const Task& t
 
 template <int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
-  if (empty_step(a)) return;
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
     const Task task = a.tasks[index];
     trace_mark(a, index, kTraceBegin);

@@ -110,6 +110,20 @@ def test_megakernel_decoder_only_and_sliding_window():
     assert relative_error(kernel.h, spec.h) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_a_step_at_negative_positions_leaves_the_caches(tokens):
+    """A step whose positions are all negative holds no token: its cache writes are dropped (the default
+    build runs it through, LITHOS_MK_EMPTY_STEP=1 leaves after each block's first task), so the caches come
+    back bit for bit as they went in, as the interpreter's dropped writes leave them."""
+    shape = dataclasses.replace(SHAPES["smollm2-like"], layers=2)
+    weights, h0, _, inv_freq, k_cache, v_cache = random_step(shape, tokens, 200, jnp.bfloat16, seed=3)
+    empty = jnp.full((tokens,), -1, jnp.int32)
+    for path in ("ffi", "reference"):
+        out = run(path, (weights, h0, empty, inv_freq, k_cache, v_cache), head="argmax")
+        np.testing.assert_array_equal(np.asarray(out.k_cache), np.asarray(k_cache))
+        np.testing.assert_array_equal(np.asarray(out.v_cache), np.asarray(v_cache))
+
+
 @pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window"])
 def test_megakernel_greedy_generation_equals_reference(hf_checkpoint, arch):
     """The jitted decode loop, and speculative verification of k + 1 positions, on the megakernel."""

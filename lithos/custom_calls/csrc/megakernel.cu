@@ -74,6 +74,10 @@ __device__ __forceinline__ bool any_projection_task(const Args& a, const Task& t
   }
 }
 
+#ifndef LITHOS_MK_EMPTY_STEP
+#define LITHOS_MK_EMPTY_STEP 0
+#endif
+
 template <int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
@@ -92,6 +96,11 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
     }
     if (!ok) return;  // the step aborted: every block leaves (its ring's copies have landed: ring_drain)
     trace_mark(a, index, kTraceEnd);
+    // LITHOS_MK_EMPTY_STEP=1 (a build variant, an experiment; NOTES.md "An empty step after the first
+    // task"): a step at negative positions ends after each block's first task. Tasks come in dependency
+    // order, so a first task waits only for lower ones, which are other blocks' first tasks: none waits for
+    // a task that will not run. The test sits after loads the first task made, not before them.
+    if (LITHOS_MK_EMPTY_STEP && index == static_cast<int>(blockIdx.x) && empty_step(a)) return;
   }
 }
 
@@ -477,18 +486,7 @@ auto megakernel_binding() {
 }  // namespace mk
 }  // namespace lithos
 
-// By default not command-buffer compatible: the handler reads the previous step's timeout status on each
-// call, which a recorded command buffer (a CUDA graph) would not repeat. LITHOS_MK_COMMAND_BUFFER=1 (a build
-// variant, an experiment) declares it compatible, so that XLA can record a decode loop with the megakernel
-// in it as one graph, its loop condition tested on the device (XLA_FLAGS
-// --xla_gpu_enable_command_buffer=...,WHILE,CONDITIONAL); the status, LITHOS_MEGAKERNEL_SYNC and
-// LITHOS_MEGAKERNEL_TRACE are then seen only when XLA records the graph.
-#ifndef LITHOS_MK_COMMAND_BUFFER
-#define LITHOS_MK_COMMAND_BUFFER 0
-#endif
-#if LITHOS_MK_COMMAND_BUFFER
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl, lithos::mk::megakernel_binding(),
-                              {ffi::Traits::kCmdBufferCompatible});
-#else
+// Not command-buffer compatible: the handler reads the previous step's timeout status on each call, which a
+// recorded command buffer (a CUDA graph) would not repeat. Declaring it compatible, so that XLA could record a
+// whole decode loop with its condition on the device, made the engine's loop slower (NOTES.md, run 72).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMegakernel, lithos::mk::megakernel_impl, lithos::mk::megakernel_binding());
-#endif

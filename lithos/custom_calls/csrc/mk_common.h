@@ -274,6 +274,15 @@ __device__ inline void block_release(const Args& a, int counter) {
   if (threadIdx.x == 0) add_release(a.counters + counter);
 }
 
+// A step whose every position is negative holds no token (a finished sequence, were lithos.decode to run
+// fixed-length chunks): its writes to the caches are dropped (cache_slot). LITHOS_MK_EMPTY_STEP ends such a
+// step early (megakernel.cu). One load in the common case: the first position is not negative.
+__device__ __forceinline__ bool empty_step(const Args& a) {
+  for (int t = 0; t < a.tokens; ++t)
+    if (a.positions[t] >= 0) return false;
+  return true;
+}
+
 // The residual stream: after layer l's attention half (slot 0) and after its MLP (slot 1); layer 0
 // reads the embedded tokens.
 __device__ __forceinline__ const bf16_t* layer_input(const Args& a, int layer) {

@@ -7,6 +7,12 @@ row is done or `chunk` tokens were produced; each iteration runs a fixed block o
 iteration while a fixed step costs almost nothing. The host calls `decode_chunk` again only to
 stream the tokens so far; nothing in the loop calls back into Python.
 
+A data-dependent loop also makes the call synchronous: XLA runs its iterations from the host, so the call
+returns only once its chunk has run, and the device idles while the host reads the tokens back and
+dispatches the next chunk. Paths whose step does nothing for a finished row (`FIXED_CHUNK_PATHS`) run
+chunks of exactly `chunk` steps instead: the call returns at once, the engine queues the next chunk before
+reading this one, and the steps past the end cost little.
+
 Rows of a batch are independent requests with their own lengths: each has its own position, and
 attention masks by position, so padding never leaks into another row.
 """
@@ -64,6 +70,12 @@ def _finish_reason(token, generated, limit, next_position, max_len, stop_ids, fi
     )
     return jnp.where(finish != RUNNING, finish, reason)
 
+
+# Kernel paths whose step computes and stores nothing at a negative position (the megakernel's blocks leave
+# after their first task: `empty_step`, csrc/mk_common.h), so a finished row's steps cost little and their
+# chunks run a fixed number of steps. The others keep the `while_loop`'s early exit, which spares them
+# those steps.
+FIXED_CHUNK_PATHS = frozenset({"megakernel"})
 
 # jit options shared by the one-device programs and their placed twins (`programs`).
 PREFILL_JIT = dict(static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
@@ -129,7 +141,11 @@ def decode_step(
 
     `placement`: the one params and cache are split by, which the fused kernels need to run per device."""
     family = family_of(cfg)
-    args = (params, state.last_token[:, None], state.position[:, None], state.cache, cfg)
+    running = ~state.done
+    position = state.position
+    if kernels in FIXED_CHUNK_PATHS:  # a finished row's step is empty: nothing computed, its cache untouched
+        position = jnp.where(running, position, -1)
+    args = (params, state.last_token[:, None], position[:, None], state.cache, cfg)
     rng = state.rng  # greedy decoding draws nothing, so its key is kept as it is (no split on the device)
     if greedy:
         token, cache = family.forward_argmax(*args, kernels=kernels, placement=placement)
@@ -138,7 +154,6 @@ def decode_step(
         rng, key = jax.random.split(state.rng)
         logits, cache = family.forward(*args, kernels=kernels, placement=placement)
         token = sample(logits[:, 0], state.sampling, key, greedy)
-    running = ~state.done
     generated = state.generated + running
     next_position = state.position + running
     finish = _finish_reason(token, generated, state.limit, next_position, cache.max_len, state.stop_ids, state.finish)
@@ -164,22 +179,29 @@ def decode_chunk(
     kernels: str = "reference",
     placement: Placement | None = None,
 ) -> tuple[DecodeState, jax.Array]:
-    """Up to `chunk` decode steps on the device, stopping early once every row is done.
+    """Up to `chunk` decode steps on the device, stopping early once every row is done (blocks of
+    `block` steps between checks); exactly `chunk` on `FIXED_CHUNK_PATHS`, so that the call is
+    asynchronous.
 
     Returns the state and the tokens produced `[B, chunk]` (-1 where a row produced none).
     """
     batch = state.last_token.shape[0]
     out = jnp.full((batch, chunk), -1, jnp.int32)
 
-    def run_block(carry):
-        state, out, step = carry
-
+    def steps(start, count: int, carry):
         def one(i, c):
             state, out = c
             state, token = decode_step(params, state, cfg, greedy, kernels, placement)
-            return state, jax.lax.dynamic_update_slice(out, token[:, None], (0, step + i))
+            return state, jax.lax.dynamic_update_slice(out, token[:, None], (0, start + i))
 
-        state, out = jax.lax.fori_loop(0, block, one, (state, out))
+        return jax.lax.fori_loop(0, count, one, carry)
+
+    if kernels in FIXED_CHUNK_PATHS:
+        return steps(0, chunk, (state, out))
+
+    def run_block(carry):
+        state, out, step = carry
+        state, out = steps(step, block, (state, out))
         return state, out, step + block
 
     def more(carry):

@@ -148,6 +148,8 @@ class Model:
         self.kernels = kernels
         self.stream_every = stream_every
         self.block = block
+        # Chunks of a fixed length return at once, so the engine queues each one behind the last.
+        self.queues_chunks = kernels in decode.FIXED_CHUNK_PATHS
         self._compiled: set[tuple] = set()
 
     def __repr__(self) -> str:
@@ -314,11 +316,17 @@ class Model:
             if piece:
                 yield piece
 
-        done = np.asarray(state.done)
-        while not done[:n].all():
-            state, out = program._decode_chunk(state, greedy)
+        finish = np.asarray(state.finish)
+        queued = None
+        while not (finish[:n] != decode.RUNNING).all():
+            state, out = queued if queued is not None else program._decode_chunk(state, greedy)
+            finish_now = jnp.copy(state.finish)  # taken before the state is handed (donated) to the next chunk
+            # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
+            # device goes on while the host reads this one's tokens. Past the end its steps are empty, and
+            # nothing waits for the last one: the reply is complete when this chunk is.
+            queued = program._decode_chunk(state, greedy) if program.queues_chunks else None
             out = np.asarray(out)
-            done = np.asarray(state.done)
+            finish = np.asarray(finish_now)
             for r in range(n):
                 generated[r].extend(int(t) for t in out[r] if t >= 0)
             if detok is not None:
@@ -331,7 +339,6 @@ class Model:
             if tail:
                 yield tail
 
-        finish = np.asarray(state.finish)
         reports = program.reports(state, (t2 - t1) * 1e3) if program is not self else [None] * n
         return [
             GenerationResult(

@@ -33,6 +33,7 @@ from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import llama
 from lithos.quant.quantize import names_for_groups, param_at, with_param
+from lithos.sampling import SamplingParams
 
 from .conftest import require
 from .test_custom_calls_packed import random_packed
@@ -408,6 +409,50 @@ def test_megakernel_generation_equals_reference(hf_checkpoint):
     assert mega.generate("the quick brown fox", raw=True, max_new_tokens=16).token_ids == expected
     spec = mega.generate("the quick brown fox", raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3)
     assert spec.token_ids == expected
+
+
+def test_fixed_length_chunks_stop_where_the_reference_stops(hf_checkpoint, monkeypatch):
+    """The megakernel's chunks run all their steps and are queued one behind the other; a stop token or
+    the token budget in the middle of a chunk ends the text where the reference path's early exit does,
+    and the steps past it change nothing."""
+    path = hf_checkpoint("llama_hd64", tied=False)
+    ref = lithos.load(path, dtype="float32", max_len=128, stream_every=8, block=4)
+    mega = lithos.load(path, dtype="float32", max_len=128, stream_every=8, block=4, kernels="megakernel")
+    assert mega.queues_chunks and not ref.queues_chunks
+    prompt = "the quick brown fox"
+    for model in (ref, mega):  # first without stop tokens, so that the budget ends the text
+        monkeypatch.setattr(model.tokenizer, "stop_ids", ())
+    free = ref.generate(prompt, raw=True, max_new_tokens=21)
+    budget = mega.generate(prompt, raw=True, max_new_tokens=21)
+    assert (budget.token_ids, budget.finish_reason) == (free.token_ids, "length")
+    # A stop token past the first chunk: the first token that has not come before it, from the 12th on.
+    stop_at = next(i for i, t in enumerate(free.token_ids) if i >= 11 and t not in free.token_ids[:i])
+    for model in (ref, mega):
+        model.tokenizer.stop_ids = (free.token_ids[stop_at],)
+    stopped = [m.generate(prompt, raw=True, max_new_tokens=40) for m in (ref, mega)]
+    assert stopped[0].token_ids == stopped[1].token_ids == free.token_ids[: stop_at + 1]
+    assert stopped[0].finish_reason == stopped[1].finish_reason == "stop"
+    streamed = mega.stream(prompt, raw=True, max_new_tokens=40)
+    assert "".join(streamed) == stopped[1].text and streamed.result.token_ids == stopped[1].token_ids
+
+
+def test_a_finished_rows_steps_leave_its_state_and_cache(hf_checkpoint):
+    """On the megakernel's path a finished row's step runs at position -1: its cache, position and tokens
+    stay as they were (the kernel leaves at once; the interpreter drops the writes)."""
+    mega = lithos.load(hf_checkpoint("llama_hd64", tied=False), dtype="float32", max_len=64, kernels="megakernel")
+    ids = np.asarray([mega.prompt_ids("hello", raw=True)], np.int32)
+    lengths, limits, stop = np.array([ids.shape[1]], np.int32), np.array([1], np.int32), np.array([-1], np.int32)
+    state, _ = mega._prefill(ids, lengths, limits, stop, SamplingParams.make(), greedy=True)
+    assert bool(state.done[0])  # a budget of one token: done after prefill
+    names = ("position", "generated", "finish", "last_token")
+    before = {name: np.asarray(getattr(state, name)) for name in names}
+    cache = np.asarray(state.cache.k), np.asarray(state.cache.v)
+    after, out = mega._decode_chunk(state, greedy=True)  # the state is donated: read above
+    np.testing.assert_array_equal(np.asarray(out), -1)
+    for name in names:
+        np.testing.assert_array_equal(np.asarray(getattr(after, name)), before[name])
+    np.testing.assert_array_equal(np.asarray(after.cache.k), cache[0])
+    np.testing.assert_array_equal(np.asarray(after.cache.v), cache[1])
 
 
 def test_megakernel_rejects_what_it_does_not_implement(hf_checkpoint):

@@ -112,9 +112,9 @@ def test_megakernel_decoder_only_and_sliding_window():
 
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_a_step_at_negative_positions_leaves_the_caches(tokens):
-    """A step whose positions are all negative holds no token: its cache writes are dropped (the default
-    build runs it through, LITHOS_MK_EMPTY_STEP=1 leaves after each block's first task), so the caches come
-    back bit for bit as they went in, as the interpreter's dropped writes leave them."""
+    """A step whose positions are all negative holds no token: its blocks leave after their first task and
+    its cache writes are dropped, so the caches come back bit for bit as they went in, as the interpreter's
+    dropped writes leave them."""
     shape = dataclasses.replace(SHAPES["smollm2-like"], layers=2)
     weights, h0, _, inv_freq, k_cache, v_cache = random_step(shape, tokens, 200, jnp.bfloat16, seed=3)
     empty = jnp.full((tokens,), -1, jnp.int32)

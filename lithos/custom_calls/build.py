@@ -307,9 +307,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_ATTENTION_MMA=128": ("attention",),
     # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
-    # A megakernel step at negative positions (a finished sequence) ends after each block's first task: what
-    # fixed-length decode chunks would need (NOTES.md, runs 73-76).
-    "LITHOS_MK_EMPTY_STEP=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

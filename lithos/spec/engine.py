@@ -164,6 +164,7 @@ class SpecProgram:
         self.model = model
         self.speculator = speculator
         self.block = block  # rounds between loop-condition checks
+        self.queues_chunks = False  # a round's early exit is a loop condition: each chunk call waits for it
         self._compiled: set[tuple] = set()
 
     def _prefill(self, tokens, lengths, limits, stop, sp, greedy, seed=0) -> tuple[SpecState, jax.Array]:

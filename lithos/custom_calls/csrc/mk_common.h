@@ -274,9 +274,10 @@ __device__ inline void block_release(const Args& a, int counter) {
   if (threadIdx.x == 0) add_release(a.counters + counter);
 }
 
-// A step whose every position is negative holds no token (a finished sequence, were lithos.decode to run
-// fixed-length chunks): its writes to the caches are dropped (cache_slot). LITHOS_MK_EMPTY_STEP ends such a
-// step early (megakernel.cu). One load in the common case: the first position is not negative.
+// A step whose every position is negative holds no token (a finished sequence's, in lithos.decode's
+// fixed-length chunks): its writes to the caches are dropped (cache_slot), and the kernel ends such a step
+// after each block's first task (megakernel.cu). One load in the common case: the first position is not
+// negative.
 __device__ __forceinline__ bool empty_step(const Args& a) {
   for (int t = 0; t < a.tokens; ++t)
     if (a.positions[t] >= 0) return false;

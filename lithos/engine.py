@@ -150,6 +150,9 @@ class Model:
         self.block = block
         # Chunks of a fixed length return at once, so the engine queues each one behind the last.
         self.queues_chunks = kernels in decode.FIXED_CHUNK_PATHS
+        # The chunk still queued when the last reply ended (its steps are empty): the next call waits for it
+        # before allocating a new cache, so two caches are never held at once.
+        self._in_flight = None
         self._compiled: set[tuple] = set()
 
     def __repr__(self) -> str:
@@ -280,6 +283,9 @@ class Model:
         """
         if max_new_tokens < 1:
             raise LithosError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
+            self._in_flight = None
         sp = SamplingParams.make(temperature, top_k, top_p, min_p)
         greedy = temperature == 0.0
         n = len(prompts)
@@ -318,21 +324,24 @@ class Model:
 
         finish = np.asarray(state.finish)
         queued = None
-        while not (finish[:n] != decode.RUNNING).all():
-            state, out = queued if queued is not None else program._decode_chunk(state, greedy)
-            finish_now = jnp.copy(state.finish)  # taken before the state is handed (donated) to the next chunk
-            # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
-            # device goes on while the host reads this one's tokens. Past the end its steps are empty, and
-            # nothing waits for the last one: the reply is complete when this chunk is.
-            queued = program._decode_chunk(state, greedy) if program.queues_chunks else None
-            out = np.asarray(out)
-            finish = np.asarray(finish_now)
-            for r in range(n):
-                generated[r].extend(int(t) for t in out[r] if t >= 0)
-            if detok is not None:
-                piece = detok.push([int(t) for t in out[0] if t >= 0])
-                if piece:
-                    yield piece
+        try:
+            while not (finish[:n] != decode.RUNNING).all():
+                state, out = queued if queued is not None else program._decode_chunk(state, greedy)
+                finish_now = jnp.copy(state.finish)  # taken before the state is handed (donated) to the next chunk
+                # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
+                # device goes on while the host reads this one's tokens. Past the end its steps are empty, and
+                # the reply does not wait for the last one: it is complete when this chunk is.
+                queued = program._decode_chunk(state, greedy) if program.queues_chunks else None
+                out = np.asarray(out)
+                finish = np.asarray(finish_now)
+                for r in range(n):
+                    generated[r].extend(int(t) for t in out[r] if t >= 0)
+                if detok is not None:
+                    piece = detok.push([int(t) for t in out[0] if t >= 0])
+                    if piece:
+                        yield piece
+        finally:  # also when a stream is abandoned
+            self._in_flight = queued
         t2 = time.perf_counter()
         if detok is not None:
             tail = detok.flush()

@@ -425,6 +425,8 @@ def test_fixed_length_chunks_stop_where_the_reference_stops(hf_checkpoint, monke
     free = ref.generate(prompt, raw=True, max_new_tokens=21)
     budget = mega.generate(prompt, raw=True, max_new_tokens=21)
     assert (budget.token_ids, budget.finish_reason) == (free.token_ids, "length")
+    # The reply came back with the chunk after its end still queued; the next call waits for it first.
+    assert mega._in_flight is not None and ref._in_flight is None
     # A stop token past the first chunk: the first token that has not come before it, from the 12th on.
     stop_at = next(i for i, t in enumerate(free.token_ids) if i >= 11 and t not in free.token_ids[:i])
     for model in (ref, mega):

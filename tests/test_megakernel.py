@@ -438,6 +438,19 @@ def test_fixed_length_chunks_stop_where_the_reference_stops(hf_checkpoint, monke
     assert "".join(streamed) == stopped[1].text and streamed.result.token_ids == stopped[1].token_ids
 
 
+def test_sampled_text_on_fixed_length_chunks_equals_the_reference(hf_checkpoint):
+    """Both paths split the key once a step from the same seed, so the text's steps draw the same keys; the
+    megakernel's fixed-length chunks go on past the end, sampling from empty steps' logits, and drop those."""
+    path = hf_checkpoint("llama_hd64", tied=False)
+    ref = lithos.load(path, dtype="float32", max_len=128, stream_every=8, block=4)
+    mega = lithos.load(path, dtype="float32", max_len=128, stream_every=8, block=4, kernels="megakernel")
+    options = dict(raw=True, max_new_tokens=19, temperature=0.9, top_k=20, seed=5)
+    expected = ref.generate("the quick brown fox", **options)
+    got = mega.generate("the quick brown fox", **options)
+    assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)
+    assert got.token_ids != ref.generate("the quick brown fox", raw=True, max_new_tokens=19).token_ids  # it sampled
+
+
 def test_a_finished_rows_steps_leave_its_state_and_cache(hf_checkpoint):
     """On the megakernel's path a finished row's step runs at position -1: its cache, position and tokens
     stay as they were (the kernel leaves at once; the interpreter drops the writes)."""

@@ -453,7 +453,8 @@ def test_sampled_text_on_fixed_length_chunks_equals_the_reference(hf_checkpoint)
 
 def test_a_finished_rows_steps_leave_its_state_and_cache(hf_checkpoint):
     """On the megakernel's path a finished row's step runs at position -1: its cache, position and tokens
-    stay as they were (the kernel leaves at once; the interpreter drops the writes)."""
+    stay as they were (the kernel's blocks leave after their first task, whose cache writes are dropped;
+    the interpreter drops the writes)."""
     mega = lithos.load(hf_checkpoint("llama_hd64", tied=False), dtype="float32", max_len=64, kernels="megakernel")
     ids = np.asarray([mega.prompt_ids("hello", raw=True)], np.int32)
     lengths, limits, stop = np.array([ids.shape[1]], np.int32), np.array([1], np.int32), np.array([-1], np.int32)

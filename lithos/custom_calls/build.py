@@ -307,6 +307,8 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_ATTENTION_MMA=128": ("attention",),
     # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
+    # Instructions that do nothing ahead of the megakernel's task loop: whether the code's place costs time.
+    "LITHOS_MK_PROLOGUE_PAD=8": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

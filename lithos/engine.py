@@ -327,11 +327,14 @@ class Model:
         try:
             while not (finish[:n] != decode.RUNNING).all():
                 state, out = queued if queued is not None else program._decode_chunk(state, greedy)
-                finish_now = jnp.copy(state.finish)  # taken before the state is handed (donated) to the next chunk
-                # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
-                # device goes on while the host reads this one's tokens. Past the end its steps are empty, and
-                # the reply does not wait for the last one: it is complete when this chunk is.
-                queued = program._decode_chunk(state, greedy) if program.queues_chunks else None
+                finish_now = state.finish
+                if program.queues_chunks:
+                    # A fixed-length chunk's call returns before it has run: the next one is queued now, so the
+                    # device goes on while the host reads this one's tokens. Past the end its steps are empty,
+                    # and the reply does not wait for the last one: it is complete when this chunk is. The
+                    # finish is copied first, since the state is handed (donated) to the next chunk.
+                    finish_now = jnp.copy(finish_now)
+                    queued = program._decode_chunk(state, greedy)
                 out = np.asarray(out)
                 finish = np.asarray(finish_now)
                 for r in range(n):

@@ -117,6 +117,19 @@ def test_schedule_covers_every_row_once_and_waits_only_backwards(name, workers):
     assert schedule.head_tasks == sum(t.op == Op.HEAD for t in tasks)
 
 
+def test_each_layers_gate_up_tasks_share_a_pool_counter_no_task_waits_on():
+    """csrc LITHOS_MK_ROW_POOL builds take the gate/up row groups from a counter the memset zeroes; the
+    schedule names one per layer in the tasks' aux."""
+    schedule = build_schedule(SHAPES["smollm2-like"], 64)
+    tasks = tasks_of(schedule)
+    used = {t.wait_counter for t in tasks} | {t.signal_counter for t in tasks}
+    for layer in range(schedule.shape.layers):
+        pools = {t.aux for t in tasks if t.op == Op.GATE_UP and t.layer == layer}
+        assert len(pools) == 1
+        (pool,) = pools
+        assert schedule.counter_names[pool] == f"layer {layer} gate_up row groups taken" and pool not in used
+
+
 def test_k_split_balances_the_busiest_task():
     # A Llama-3.1-8B KV group: 192 row groups over 16 tasks. One warp per group: 24 rounds of 8, two
     # for some tasks; two warps per group: 48 rounds of half the inputs, three for every task.

@@ -30,7 +30,8 @@ struct Task {
   int32_t wait_target;     // the task may start once counters[wait_counter] >= wait_target
   int32_t signal_counter;  // counter this task adds 1 to when its outputs are written
   int32_t arrivals;        // > 0: the task that brings signal_counter to this count reduces (attention, head)
-  int32_t aux;             // attention: counter signalled after the combine; head: this task's slot
+  int32_t aux;             // attention: counter signalled after the combine; head: this task's slot;
+                           // gate/up: the counter of its layer's row groups taken (LITHOS_MK_ROW_POOL)
 };
 constexpr int kFields = sizeof(Task) / sizeof(int32_t);
 static_assert(kFields == 10, "tasks.py FIELDS must match");

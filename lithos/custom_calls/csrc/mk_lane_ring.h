@@ -55,6 +55,13 @@ constexpr bool kRingFor = kRingStages > 0 && TMAX <= 2 &&
 template <int TMAX>
 constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes : 0;
 
+// LITHOS_MK_ROW_POOL=1 (a build variant, an experiment; NOTES.md "Row groups from a pool"): the gate/up
+// tasks take their row groups from a per-layer pool (one atomic per warp and group) instead of each task's
+// fixed range, so no block ends a stage more than about one group after the others.
+#ifndef LITHOS_MK_ROW_POOL
+#define LITHOS_MK_ROW_POOL 0
+#endif
+
 #if LITHOS_MK_LANE_RING
 
 __device__ __forceinline__ unsigned char* ring_memory() {
@@ -159,6 +166,79 @@ struct RingStream {
     stage = stage + 1 == kRingStages ? 0 : stage + 1;
   }
 };
+
+#if LITHOS_MK_ROW_POOL
+// One warp's weight stream over row groups taken from a pool (k_split 1): as RingStream, but the group
+// after the one being copied is taken one group ahead (lane 0's atomic flies while the current group's
+// steps are copied), and the groups copied wait in a queue for the reads (at most two when a group has at
+// least kRingStages - 1 steps, which the caller checks). A group past `groups` ends the stream.
+template <class RowsOf>
+struct PoolStream {
+  RowsOf rows_of;
+  int* pool;
+  int groups;
+  int k0, step, steps, n_in;
+  int unit = 0, taken = 0;  // the group being copied; lane 0: the next one taken
+  int s = 0, stage = 0;
+  int queued = 0, q0 = 0, q1 = 0, q2 = 0;  // groups copied and not yet read, oldest first
+  uint64_t policy = 0;
+  const bf16_t* rows[kRowsPerWarp];
+
+  __device__ __forceinline__ int take() const { return lane_id() == 0 ? atomicAdd(pool, 1) : 0; }
+  __device__ __forceinline__ void push(int group) {
+    if (queued == 0) q0 = group;
+    else if (queued == 1) q1 = group;
+    else q2 = group;
+    ++queued;
+  }
+  // The group the next `steps` reads belong to (`groups` once the stream has ended).
+  __device__ __forceinline__ int next_group() {
+    if (queued == 0) return groups;
+    const int group = q0;
+    q0 = q1;
+    q1 = q2;
+    --queued;
+    return group;
+  }
+  __device__ __forceinline__ void start() {
+    policy = evict_first_policy();
+    unit = shfl_from(take(), 0);
+    s = 0;
+    stage = 0;
+    push(unit);
+    if (unit < groups) {
+      set_rows();
+      taken = take();
+    }
+  }
+  __device__ __forceinline__ void set_rows() {
+    PackedRow packed[kRowsPerWarp];
+    rows_of(unit, packed);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
+  }
+  __device__ __forceinline__ void issue() {
+    if (unit < groups) {
+      const int k = k0 + s * step;
+      if (k < n_in) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
+      }
+      if (++s == steps) {
+        s = 0;
+        unit = shfl_from(taken, 0);  // taken a group ago: landed
+        push(unit);
+        if (unit < groups) {
+          set_rows();
+          taken = take();
+        }
+      }
+    }
+    async_commit();
+    stage = stage + 1 == kRingStages ? 0 : stage + 1;
+  }
+};
+#endif  // LITHOS_MK_ROW_POOL
 
 // acc[r][t] = the dot product of the warp's 4 rows with token t over its share of the input, reading
 // one round's steps from the ring (the read stage starts at `stage` and advances) and issuing one step

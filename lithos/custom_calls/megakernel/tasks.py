@@ -28,7 +28,7 @@ FIELDS = (
     "wait_target",
     "signal_counter",
     "arrivals",  # attention and head: how many tasks signal the counter; the last one reduces
-    "aux",  # attention: the counter signalled after the combine; head: this task's slot
+    "aux",  # attention: the counter signalled after the combine; head: this task's slot; gate/up: its pool
 )
 NO_COUNTER = -1
 ROWS_PER_UNIT = 4  # csrc/rowdot.h kRowsPerWarp

@@ -122,6 +122,28 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
 // Lets this thread's copies in flight land before its block leaves an aborted step.
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
+// The steps of the weight streams below. The bf16 rows of group `unit` (rows_of: the task's row map):
+template <class RowsOf>
+__device__ __forceinline__ void ring_rows_of(RowsOf& rows_of, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
+  PackedRow packed[kRowsPerWarp];
+  rows_of(unit, packed);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
+}
+// 16 bytes at input element k of each row into ring stage `stage` (none past the input's end):
+__device__ __forceinline__ void copy_ring_step(int stage, const bf16_t* const (&rows)[kRowsPerWarp], int k, int n_in,
+                                               uint64_t policy) {
+  if (k < n_in) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
+  }
+}
+// The step's copies closed into one group (possibly empty), and the stage moved on:
+__device__ __forceinline__ void close_ring_step(int& stage) {
+  async_commit();
+  stage = stage + 1 == kRingStages ? 0 : stage + 1;
+}
+
 // One warp's weight stream over a task: the chunks of its row group in each round (groups base + slot
 // for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step, at input element
 // k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
@@ -144,26 +166,18 @@ struct RingStream {
     if (base < end) set_rows();
   }
   __device__ __forceinline__ void set_rows() {
-    PackedRow packed[kRowsPerWarp];
-    rows_of(min(base + slot, end - 1), packed);  // a surplus warp redoes the last group, as the loop does
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
+    ring_rows_of(rows_of, min(base + slot, end - 1), rows);  // a surplus warp redoes the last group, as the loop does
   }
   __device__ __forceinline__ void issue() {
     if (base < end) {
-      const int k = k0 + s * step;
-      if (k < n_in) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
-      }
+      copy_ring_step(stage, rows, k0 + s * step, n_in, policy);
       if (++s == steps) {
         s = 0;
         base += slots;
         if (base < end) set_rows();
       }
     }
-    async_commit();
-    stage = stage + 1 == kRingStages ? 0 : stage + 1;
+    close_ring_step(stage);
   }
 };
 
@@ -202,40 +216,28 @@ struct PoolStream {
   }
   __device__ __forceinline__ void start() {
     policy = evict_first_policy();
-    unit = shfl_from(take(), 0);
     s = 0;
     stage = 0;
+    begin_group(shfl_from(take(), 0));
+  }
+  // Copy group `group` next, and take the one after it.
+  __device__ __forceinline__ void begin_group(int group) {
+    unit = group;
     push(unit);
     if (unit < groups) {
-      set_rows();
+      ring_rows_of(rows_of, unit, rows);
       taken = take();
     }
   }
-  __device__ __forceinline__ void set_rows() {
-    PackedRow packed[kRowsPerWarp];
-    rows_of(unit, packed);
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
-  }
   __device__ __forceinline__ void issue() {
     if (unit < groups) {
-      const int k = k0 + s * step;
-      if (k < n_in) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
-      }
+      copy_ring_step(stage, rows, k0 + s * step, n_in, policy);
       if (++s == steps) {
         s = 0;
-        unit = shfl_from(taken, 0);  // taken a group ago: landed
-        push(unit);
-        if (unit < groups) {
-          set_rows();
-          taken = take();
-        }
+        begin_group(shfl_from(taken, 0));  // taken a group ago: landed
       }
     }
-    async_commit();
-    stage = stage + 1 == kRingStages ? 0 : stage + 1;
+    close_ring_step(stage);
   }
 };
 #endif  // LITHOS_MK_ROW_POOL

@@ -117,9 +117,9 @@ def test_schedule_covers_every_row_once_and_waits_only_backwards(name, workers):
     assert schedule.head_tasks == sum(t.op == Op.HEAD for t in tasks)
 
 
-def test_each_layers_gate_up_tasks_share_a_pool_counter_no_task_waits_on():
-    """csrc LITHOS_MK_ROW_POOL builds take the gate/up row groups from a counter the memset zeroes; the
-    schedule names one per layer in the tasks' aux."""
+def test_the_pooled_stages_have_counters_no_task_waits_on():
+    """csrc LITHOS_MK_ROW_POOL builds take the gate/up and LM head row groups from counters the memset
+    zeroes: one per layer named in the gate/up tasks' aux, and the head's as the schedule's last."""
     schedule = build_schedule(SHAPES["smollm2-like"], 64)
     tasks = tasks_of(schedule)
     used = {t.wait_counter for t in tasks} | {t.signal_counter for t in tasks}
@@ -128,6 +128,9 @@ def test_each_layers_gate_up_tasks_share_a_pool_counter_no_task_waits_on():
         assert len(pools) == 1
         (pool,) = pools
         assert schedule.counter_names[pool] == f"layer {layer} gate_up row groups taken" and pool not in used
+    assert schedule.counter_names[-1] == "head row groups taken" and schedule.n_counters - 1 not in used
+    decoder_only = build_schedule(SHAPES["smollm2-like"], 64, with_head=False)
+    assert "head row groups taken" not in decoder_only.counter_names
 
 
 def test_k_split_balances_the_busiest_task():

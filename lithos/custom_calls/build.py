@@ -309,7 +309,7 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
     # Instructions that do nothing ahead of the megakernel's task loop: whether the code's place costs time.
     "LITHOS_MK_PROLOGUE_PAD=8": ("megakernel",),
-    # The megakernel's gate/up row groups taken from a per-layer pool instead of each task's fixed range.
+    # The megakernel's gate/up and LM head row groups taken from pools instead of each task's fixed range.
     "LITHOS_MK_ROW_POOL=1": ("megakernel",),
 }
 

@@ -73,7 +73,13 @@ __device__ bool head_task(const Args& a, const Task& task, int index) {
             }
           }
         }
-      }))
+      }
+#if LITHOS_MK_ROW_POOL
+      // The vocabulary's row groups taken from a pool: the schedule's last counter (schedule.py). The
+      // bests compare by (logit, lowest id), so who took which group does not change the winner.
+      , a.counters + a.n_counters - 1, (a.vocab + kRowsPerWarp - 1) / kRowsPerWarp
+#endif
+      ))
     return false;
 
   // This task's best per token (warps that only helped a k-split hold kNoBest).

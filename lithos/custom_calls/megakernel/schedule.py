@@ -143,7 +143,8 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
                 tasks.append(Task(Op.ATTENTION, layer, g, s, 1, *qkv_done[g], arrived, S, attention_done))
         after = matvec_stage(Op.O_PROJ, layer, (attention_done, shape.kv_heads), f"layer {layer} o_proj")
         # A counter no task waits on: the row groups taken, where a build takes them from a pool (csrc
-        # LITHOS_MK_ROW_POOL; the task ranges below are then the interpreter's only).
+        # LITHOS_MK_ROW_POOL; the task ranges below are then the interpreter's only). The LM head's is the
+        # schedule's last counter.
         pool = counter(f"layer {layer} gate_up row groups taken")
         after = matvec_stage(Op.GATE_UP, layer, after, f"layer {layer} gate_up", aux=pool)
         waits = matvec_stage(Op.DOWN, layer, after, f"layer {layer} down")
@@ -157,6 +158,7 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
         head_tasks = len(ranges)
         for slot, (first, count) in enumerate(ranges):
             tasks.append(Task(Op.HEAD, shape.layers, first, count, k, *waits, arrived, head_tasks, slot))
+        counter("head row groups taken")  # the last counter: the head's pool (csrc LITHOS_MK_ROW_POOL)
 
     table = np.array([t.row() for t in tasks], np.int32).reshape(-1, len(FIELDS))
     table.setflags(write=False)

@@ -55,9 +55,9 @@ constexpr bool kRingFor = kRingStages > 0 && TMAX <= 2 &&
 template <int TMAX>
 constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes : 0;
 
-// LITHOS_MK_ROW_POOL=1 (a build variant, an experiment; NOTES.md "Row groups from a pool"): the gate/up
-// tasks take their row groups from a per-layer pool (one atomic per warp and group) instead of each task's
-// fixed range, so no block ends a stage more than about one group after the others.
+// LITHOS_MK_ROW_POOL=1 (a build variant, an experiment; NOTES.md "Row groups from a pool"): the gate/up and
+// LM head tasks take their row groups from a pool per stage (one atomic per warp and group) instead of each
+// task's fixed range, so no block ends a stage more than about one group after the others.
 #ifndef LITHOS_MK_ROW_POOL
 #define LITHOS_MK_ROW_POOL 0
 #endif

@@ -34,17 +34,15 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 
 #if LITHOS_MK_LANE_RING && LITHOS_MK_ROW_POOL
 // stream_row_groups for a task that takes its bf16 row groups from `pool` (k_split 1, through the lane
-// ring): every warp takes groups until the pool is empty, so the stage's tasks end together whatever their
+// ring, `steps` ring steps a group): every warp takes groups until the pool is empty, so the stage's tasks end together whatever their
 // start. The first round is the block's (before_epilogue's barriers); a warp that finds the pool empty
 // there reads stale ring slots and runs no epilogue.
 template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool pooled_row_groups(const Args& a, const Task& task, int index, const TokenRows& task_in,
                                   RowsOf rows_of, BeforeEpilogue before_epilogue, Epilogue epilogue, int* pool,
-                                  int groups) {
+                                  int groups, int steps) {
   __syncthreads();  // the last task's staged inputs are read before this one stages its own
-  const int step = WARP_SIZE * 8;
-  PoolStream<RowsOf> stream{rows_of, pool, groups, lane_id() * 8, step, (task_in.n_in + step - 1) / step,
-                            task_in.n_in};
+  PoolStream<RowsOf> stream{rows_of, pool, groups, lane_id() * 8, WARP_SIZE * 8, steps, task_in.n_in};
   int read_stage = 0;
   stream.start();
   for (int i = 0; i < kRingStages - 1; ++i) stream.issue();
@@ -98,7 +96,8 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
   if constexpr (F == WeightFormat::kBf16 && kRingFor<TMAX>) {
     const int steps = (task_in.n_in + WARP_SIZE * 8 - 1) / (WARP_SIZE * 8);
     if (pool != nullptr && task.k_split == 1 && steps >= kRingStages - 1)
-      return pooled_row_groups<TMAX>(a, task, index, task_in, rows_of, before_epilogue, epilogue, pool, groups);
+      return pooled_row_groups<TMAX>(a, task, index, task_in, rows_of, before_epilogue, epilogue, pool, groups,
+                                     steps);
   }
 #else
   (void)pool;

@@ -32,11 +32,7 @@ __device__ bool gate_up_task(const Args& a, const Task& task, int index) {
             }
           }
         });
-      }
-#if LITHOS_MK_ROW_POOL
-      , a.counters + task.aux, (a.ffn + kOuts - 1) / kOuts  // the layer's row groups, taken from a pool
-#endif
-      ))
+      }))
     return false;
   block_release(a, task.signal_counter);
   return true;

@@ -55,13 +55,6 @@ constexpr bool kRingFor = kRingStages > 0 && TMAX <= 2 &&
 template <int TMAX>
 constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes : 0;
 
-// LITHOS_MK_ROW_POOL=1 (a build variant, an experiment; NOTES.md "Row groups from a pool"): the gate/up and
-// LM head tasks take their row groups from a pool per stage (one atomic per warp and group) instead of each
-// task's fixed range, so no block ends a stage more than about one group after the others.
-#ifndef LITHOS_MK_ROW_POOL
-#define LITHOS_MK_ROW_POOL 0
-#endif
-
 #if LITHOS_MK_LANE_RING
 
 __device__ __forceinline__ unsigned char* ring_memory() {
@@ -180,67 +173,6 @@ struct RingStream {
     close_ring_step(stage);
   }
 };
-
-#if LITHOS_MK_ROW_POOL
-// One warp's weight stream over row groups taken from a pool (k_split 1): as RingStream, but the group
-// after the one being copied is taken one group ahead (lane 0's atomic flies while the current group's
-// steps are copied), and the groups copied wait in a queue for the reads (at most two when a group has at
-// least kRingStages - 1 steps, which the caller checks). A group past `groups` ends the stream.
-template <class RowsOf>
-struct PoolStream {
-  RowsOf rows_of;
-  int* pool;
-  int groups;
-  int k0, step, steps, n_in;
-  int unit = 0, taken = 0;  // the group being copied; lane 0: the next one taken
-  int s = 0, stage = 0;
-  int queued = 0, q0 = 0, q1 = 0, q2 = 0;  // groups copied and not yet read, oldest first
-  uint64_t policy = 0;
-  const bf16_t* rows[kRowsPerWarp];
-
-  __device__ __forceinline__ int take() const { return lane_id() == 0 ? atomicAdd(pool, 1) : 0; }
-  __device__ __forceinline__ void push(int group) {
-    if (queued == 0) q0 = group;
-    else if (queued == 1) q1 = group;
-    else q2 = group;
-    ++queued;
-  }
-  // The group the next `steps` reads belong to (`groups` once the stream has ended).
-  __device__ __forceinline__ int next_group() {
-    if (queued == 0) return groups;
-    const int group = q0;
-    q0 = q1;
-    q1 = q2;
-    --queued;
-    return group;
-  }
-  __device__ __forceinline__ void start() {
-    policy = evict_first_policy();
-    s = 0;
-    stage = 0;
-    begin_group(shfl_from(take(), 0));
-  }
-  // Copy group `group` next, and take the one after it.
-  __device__ __forceinline__ void begin_group(int group) {
-    unit = group;
-    push(unit);
-    if (unit < groups) {
-      ring_rows_of(rows_of, unit, rows);
-      taken = take();
-    }
-  }
-  __device__ __forceinline__ void issue() {
-    if (unit < groups) {
-      copy_ring_step(stage, rows, k0 + s * step, n_in, policy);
-      if (++s == steps) {
-        s = 0;
-        begin_group(shfl_from(taken, 0));  // taken a group ago: landed
-      }
-    }
-    close_ring_step(stage);
-  }
-};
-#endif  // LITHOS_MK_ROW_POOL
 
 // acc[r][t] = the dot product of the warp's 4 rows with token t over its share of the input, reading
 // one round's steps from the ring (the read stage starts at `stage` and advances) and issuing one step

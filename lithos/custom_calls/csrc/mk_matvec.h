@@ -32,40 +32,6 @@ constexpr int kMkPackedUnroll = LITHOS_MK_PACKED_UNROLL;
 constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 #endif
 
-#if LITHOS_MK_LANE_RING && LITHOS_MK_ROW_POOL
-// stream_row_groups for a task that takes its bf16 row groups from `pool` (k_split 1, through the lane
-// ring, `steps` ring steps a group): every warp takes groups until the pool is empty, so the stage's tasks end together whatever their
-// start. The first round is the block's (before_epilogue's barriers); a warp that finds the pool empty
-// there reads stale ring slots and runs no epilogue.
-template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
-__device__ bool pooled_row_groups(const Args& a, const Task& task, int index, const TokenRows& task_in,
-                                  RowsOf rows_of, BeforeEpilogue before_epilogue, Epilogue epilogue, int* pool,
-                                  int groups, int steps) {
-  __syncthreads();  // the last task's staged inputs are read before this one stages its own
-  PoolStream<RowsOf> stream{rows_of, pool, groups, lane_id() * 8, WARP_SIZE * 8, steps, task_in.n_in};
-  int read_stage = 0;
-  stream.start();
-  for (int i = 0; i < kRingStages - 1; ++i) stream.issue();
-  if (!block_wait(a, task, index)) {
-    ring_drain();
-    return false;
-  }
-  const TokenRows in = ring_stage_inputs(task_in);
-  trace_phase(a, index, 0);
-  for (int round = 0;; ++round) {
-    const int group = stream.next_group();
-    if (round > 0 && group >= groups) break;
-    float acc[kRowsPerWarp][TMAX];
-    ring_rows_dot<TMAX>(stream, read_stage, in, acc);
-    trace_phase(a, index, 1);
-    if (round == 0) before_epilogue(in);
-    if (group < groups) epilogue(group, acc);
-  }
-  trace_phase(a, index, 2);
-  return true;
-}
-#endif
-
 // The matvec tasks' common part: wait for the task's input, then run `epilogue(unit, acc)` for every
 // row group `unit` in [first, first + count), acc[r][t] the full dot product of rows_of(unit)[r] (rows
 // stored in format F) with token t (activations read coherently: other blocks wrote them in this
@@ -85,24 +51,10 @@ __device__ bool pooled_row_groups(const Args& a, const Task& task, int index, co
 // chunks copied into shared memory steps ahead, the task's first steps before its wait) and the inputs
 // from a shared-memory copy when they fit; otherwise the warps stream the rows through registers, and
 // in the 4- to 16-token kernels (CUDA) multiply them on tensor cores (mma_rowdot.h).
-//
-// `pool` (LITHOS_MK_ROW_POOL builds only; nullptr: the task's own range): a counter of the stage's `groups`
-// row groups taken, which bf16 tasks with k_split 1 through the lane ring take from (pooled_row_groups).
 template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
-                                  Epilogue epilogue, int* pool = nullptr, int groups = 0) {
-#if LITHOS_MK_LANE_RING && LITHOS_MK_ROW_POOL
-  if constexpr (F == WeightFormat::kBf16 && kRingFor<TMAX>) {
-    const int steps = (task_in.n_in + WARP_SIZE * 8 - 1) / (WARP_SIZE * 8);
-    if (pool != nullptr && task.k_split == 1 && steps >= kRingStages - 1)
-      return pooled_row_groups<TMAX>(a, task, index, task_in, rows_of, before_epilogue, epilogue, pool, groups,
-                                     steps);
-  }
-#else
-  (void)pool;
-  (void)groups;
-#endif
+                                  Epilogue epilogue) {
   __shared__ float partial[2][kMatvecWarps][kRowsPerWarp][TMAX];
   __shared__ int arrivals[2][kMatvecWarps];  // per parity and team: members that wrote a partial
   __shared__ int reduced[kMatvecWarps];      // per team: rounds reduced

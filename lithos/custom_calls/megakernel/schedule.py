@@ -117,13 +117,13 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
     S = max(1, min(MAX_SPLITS, workers // shape.kv_heads))
     waits = (NO_COUNTER, 0)  # what the next layer's first stage waits for
 
-    def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str, aux: int = 0) -> tuple[int, int]:
+    def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str) -> tuple[int, int]:
         units = shape.units(op)
         k = k_split_for(units, shape.input_size(op), workers, warp_size)
         done = counter(name)
         ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
         for first, count in ranges:
-            tasks.append(Task(op, layer, first, count, k, after[0], after[1], done, aux=aux))
+            tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)
 
     for layer in range(shape.layers):
@@ -142,11 +142,7 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
             for s in range(S):
                 tasks.append(Task(Op.ATTENTION, layer, g, s, 1, *qkv_done[g], arrived, S, attention_done))
         after = matvec_stage(Op.O_PROJ, layer, (attention_done, shape.kv_heads), f"layer {layer} o_proj")
-        # A counter no task waits on: the row groups taken, where a build takes them from a pool (csrc
-        # LITHOS_MK_ROW_POOL; the task ranges below are then the interpreter's only). The LM head's is the
-        # schedule's last counter.
-        pool = counter(f"layer {layer} gate_up row groups taken")
-        after = matvec_stage(Op.GATE_UP, layer, after, f"layer {layer} gate_up", aux=pool)
+        after = matvec_stage(Op.GATE_UP, layer, after, f"layer {layer} gate_up")
         waits = matvec_stage(Op.DOWN, layer, after, f"layer {layer} down")
 
     head_tasks = 0
@@ -158,7 +154,6 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
         head_tasks = len(ranges)
         for slot, (first, count) in enumerate(ranges):
             tasks.append(Task(Op.HEAD, shape.layers, first, count, k, *waits, arrived, head_tasks, slot))
-        counter("head row groups taken")  # the last counter: the head's pool (csrc LITHOS_MK_ROW_POOL)
 
     table = np.array([t.row() for t in tasks], np.int32).reshape(-1, len(FIELDS))
     table.setflags(write=False)

@@ -125,10 +125,6 @@ def decode_state(cache, context: int) -> decode.DecodeState:
 
 @partial(jax.jit, static_argnames=("cfg", "steps", "kernels", "placement", "unroll"), donate_argnames=("state",))
 def _steps(params, state, cfg, steps: int, kernels: str, placement=None, unroll: int = 1):
-    # What lithos.Model runs: the megakernel's steps in one launch (unroll is the per-step loop's probe).
-    if unroll == 1 and decode.one_launch(params, state, cfg, True, kernels, placement):
-        return decode.launch_steps(params, state, cfg, steps)[0]
-
     def one(_, s):
         s, _tok = decode.decode_step(params, s, cfg, True, kernels, placement)
         return s
@@ -522,8 +518,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "read_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_probe_bytes": probe,
         "bandwidth_probe": PROBE_METHOD,
-        "protocol": f"batch 1, greedy, {timing.describe()}; a megakernel loop is one launch of its steps "
-        "(lithos.decode.launch_steps, as lithos.Model decodes), the other paths launch every step",
+        "protocol": f"batch 1, greedy, {timing.describe()}",
         "rows": rows,
         "generation": generation,
     }

@@ -168,42 +168,6 @@ def decode_step(
     return state, jnp.where(running, token, -1)
 
 
-def one_launch(params, state: DecodeState, cfg, greedy: bool, kernels: str, placement=None) -> bool:
-    """Whether a chunk of greedy steps runs as one kernel launch (`launch_steps`): the megakernel's,
-    for one sequence on one device, where the family has it."""
-    family = family_of(cfg)
-    return (
-        kernels == "megakernel"
-        and greedy
-        and placement is None
-        and state.last_token.shape[0] == 1
-        and hasattr(family, "megakernel_steps")
-        and family.one_launch_steps(params)
-    )
-
-
-def launch_steps(params, state: DecodeState, cfg, steps: int) -> tuple[DecodeState, jax.Array]:
-    """`steps` greedy decode steps of one sequence in one megakernel launch (`one_launch`); the same
-    tokens and state as `steps` calls of `decode_step`. Returns the state and the tokens `[1, steps]`
-    (-1 where the sequence produced none)."""
-    running = ~state.done
-    position = jnp.where(running, state.position, -1)  # a finished sequence's launch runs no step
-    # The steps the state allows: the launch ends where `_finish_reason` would stop the sequence at its limit
-    # or the cache's end, or on a stop token.
-    room = jnp.minimum(state.limit - state.generated, state.cache.max_len - state.position)
-    allowed = jnp.clip(room, 1, steps)
-    tokens, cache = family_of(cfg).megakernel_steps(
-        params, state.last_token, position, state.cache, cfg, steps, state.stop_ids, allowed
-    )
-    ran = jnp.sum(tokens >= 0, dtype=jnp.int32)[None]  # the steps run: a prefix of the launch
-    last = jnp.where(ran > 0, tokens[jnp.maximum(ran - 1, 0)], state.last_token)
-    generated = state.generated + ran
-    next_position = state.position + ran
-    finish = _finish_reason(last, generated, state.limit, next_position, cache.max_len, state.stop_ids, state.finish)
-    state = state.replace(cache=cache, last_token=last, position=next_position, generated=generated, finish=finish)
-    return state, tokens[None]
-
-
 @partial(jax.jit, **DECODE_CHUNK_JIT)
 def decode_chunk(
     params,
@@ -221,8 +185,6 @@ def decode_chunk(
 
     Returns the state and the tokens produced `[B, chunk]` (-1 where a row produced none).
     """
-    if one_launch(params, state, cfg, greedy, kernels, placement):
-        return launch_steps(params, state, cfg, chunk)
     batch = state.last_token.shape[0]
     out = jnp.full((batch, chunk), -1, jnp.int32)
 

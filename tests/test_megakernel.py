@@ -25,13 +25,11 @@ from lithos.custom_calls.megakernel import (
     ScheduleError,
     StepWeights,
     build_schedule,
-    decode_step,
-    decode_steps,
     describe_task,
     interpret,
 )
 from lithos.custom_calls.megakernel.schedule import k_split_for
-from lithos.errors import LithosError, UnsupportedModelError
+from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import llama
 from lithos.quant.quantize import names_for_groups, param_at, with_param
@@ -237,81 +235,6 @@ def test_interpreter_result_does_not_depend_on_the_task_cut(workers):
     other = interpret(build_schedule(shape, workers), *args, eps=1e-5, with_logits=True)
     for a, b in zip(base, other, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
-
-
-def step_by_step(path, weights, embedding, h0, position, inv_freq, k_cache, v_cache, steps, stop_ids, allowed, window):
-    """`decode_steps`'s specification in plain steps: one `decode_step` launch a step, each from the embedding
-    row of the token before, until a stop token or `allowed` steps. Returns the tokens (-1 padded) and caches."""
-    step = jax.jit(lambda *a: decode_step(*a, eps=1e-5, window=window, path=path))
-    tokens = []
-    for s in range(steps):
-        out = step(weights, h0, position + s, inv_freq, k_cache, v_cache)
-        k_cache, v_cache, token = out.k_cache, out.v_cache, int(out.tokens[0])
-        tokens.append(token)
-        if token in stop_ids or s + 1 >= allowed:
-            break
-        h0 = embedding[token][None]
-    return tokens + [-1] * (steps - len(tokens)), k_cache, v_cache
-
-
-def check_steps_in_one_launch(path, shape, dtype, stop, window=None, steps=6, context=20):
-    """`decode_steps` on `path` against `step_by_step` on the same path: checks the tokens and returns both
-    caches, (launch, step by step) for k and for v. `stop`: "none", "token" (a stop id that the third step
-    picks) or "allowed" (4 steps allowed)."""
-    step = random_step(shape, 1, context, dtype, seed=11, max_len=context + 16)
-    weights, h0, position, inv_freq, k_cache, v_cache = step
-    embedding = (jax.random.normal(jax.random.key(12), (shape.vocab, shape.hidden)) * 0.5).astype(dtype)
-    state = (weights, embedding, h0, position, inv_freq, k_cache, v_cache)
-    free, _, _ = step_by_step(path, *state, steps, (), steps, window)
-    stop_ids, allowed = [-1], steps
-    if stop == "token":  # the third step's token, where it first appears
-        stop_ids = [free[2]] if free[2] not in free[:2] else [-1]
-        assert stop_ids != [-1], "the random model repeated a token: pick another seed"
-    elif stop == "allowed":
-        allowed = 4
-    expected, k_ref, v_ref = step_by_step(path, *state, steps, stop_ids, allowed, window)
-    launch = jax.jit(
-        lambda *a: decode_steps(
-            *a, steps=steps, stop_ids=jnp.asarray(stop_ids), allowed=jnp.asarray([allowed]), eps=1e-5, window=window,
-            path=path,
-        )
-    )
-    # Fresh cache buffers: the kernel updates them in place.
-    k_cache, v_cache = jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True)
-    out = launch(weights, embedding, h0, position, inv_freq, k_cache, v_cache)
-    assert np.asarray(out.tokens).tolist() == expected
-    if stop != "none":
-        assert expected[-1] == -1
-    return (np.asarray(out.k_cache), k_ref), (np.asarray(out.v_cache), v_ref)
-
-
-@pytest.mark.parametrize("stop", ["none", "token", "allowed"])
-def test_steps_in_one_launch_equal_steps_one_by_one(stop):
-    """The interpreter's launch of several steps (the reference of csrc's start_next_step) is the steps one
-    by one: each from the token the step before picked, ending at a stop token or the steps allowed."""
-    for got, expected in check_steps_in_one_launch("reference", SHAPES["tiny"], jnp.float32, stop):
-        np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-6, atol=1e-6)
-
-
-def test_a_launch_of_steps_at_a_negative_position_runs_none():
-    weights, h0, _, inv_freq, k_cache, v_cache = random_step(SHAPES["tiny"], 1, 20, jnp.float32, max_len=64)
-    embedding = jnp.zeros((SHAPES["tiny"].vocab, SHAPES["tiny"].hidden), jnp.float32)
-    out = decode_steps(
-        weights, embedding, h0, jnp.array([-1]), inv_freq, k_cache, v_cache, steps=4, stop_ids=jnp.array([-1]),
-        allowed=jnp.array([4]), eps=1e-5,
-    )
-    assert np.asarray(out.tokens).tolist() == [-1] * 4
-    np.testing.assert_array_equal(np.asarray(out.k_cache), np.asarray(k_cache))
-
-
-def test_a_launch_of_steps_names_what_it_needs():
-    weights, h0, position, inv_freq, k_cache, v_cache = random_step(SHAPES["tiny"], 2, 20, jnp.float32)
-    embedding = jnp.zeros((SHAPES["tiny"].vocab, SHAPES["tiny"].hidden), jnp.float32)
-    options = dict(stop_ids=jnp.array([-1]), allowed=jnp.array([4]), eps=1e-5)
-    with pytest.raises(LithosError, match="one token"):
-        decode_steps(weights, embedding, h0, position, inv_freq, k_cache, v_cache, steps=4, **options)
-    with pytest.raises(LithosError, match="at least 1"):
-        decode_steps(weights, embedding, h0[:1], position[:1], inv_freq, k_cache, v_cache, steps=0, **options)
 
 
 def step_logits(cfg, params, kernels, context, new_tokens, seed=0):

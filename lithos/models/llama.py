@@ -736,48 +736,6 @@ def _megakernel_step(params: Params, tokens, positions, cache: KVCache, cfg: Con
     return out, cache.replace(k=out.k_cache, v=out.v_cache)
 
 
-def megakernel_steps(
-    params: Params, token: jax.Array, position: jax.Array, cache: KVCache, cfg: Config, steps: int, stop_ids, allowed
-) -> tuple[jax.Array, KVCache]:
-    """`steps` greedy steps of one sequence in one megakernel launch, from `token` `[1]` at `position` `[1]`
-    (negative: none): the tokens `[steps]` (-1 after the step whose token is one of `stop_ids`, or after
-    `allowed` `[1]` steps) and the cache, updated in place. The embedding must be a dense array
-    (`one_launch_steps`)."""
-    from lithos.custom_calls.megakernel import StepWeights, decode_steps
-
-    check_kernel_path("megakernel", cfg)
-    if cache.quantized:
-        raise UnsupportedModelError(
-            "the megakernel reads a bf16 KV cache, not FP8: load with kv_cache_dtype='model' or use kernels='fused'"
-        )
-    L = params.layers
-    weights = StepWeights(
-        L.attn_norm, L.wq, L.wk, L.wv, L.wo, L.mlp_norm, L.w_gate, L.w_up, L.w_down, params.final_norm, lm_head(params)
-    )
-    out = decode_steps(
-        weights,
-        params.embed,
-        params.embed[token],
-        position,
-        jnp.asarray(rope_inv_freq(cfg)),
-        cache.k,
-        cache.v,
-        steps=steps,
-        stop_ids=stop_ids,
-        allowed=allowed,
-        eps=cfg.rms_norm_eps,
-        window=cfg.sliding_window,
-        ring=cache.ring is not None,
-    )
-    return out.tokens, cache.replace(k=out.k_cache, v=out.v_cache)
-
-
-def one_launch_steps(params: Params) -> bool:
-    """Whether `megakernel_steps` can run these params: the kernel copies each next token's embedding row
-    as stored, so the embedding must be a dense array."""
-    return not isinstance(params.embed, QuantizedArray)
-
-
 def head_logits(params, h: jax.Array, cfg, kernels: str = "reference") -> jax.Array:
     """Final norm + LM head: logits `[batch, tokens, vocab]` (float32) from the decoder's output `h`
     `[batch, tokens, hidden]`. Any family whose params have `embed`, `lm_head` and `final_norm`."""

@@ -89,9 +89,8 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
     for (int i = 0; i < LITHOS_MK_PROLOGUE_PAD; ++i) pad = pad * 3u + static_cast<unsigned>(clock());
     if (a.n_tasks < 0 && pad == 0x5EEDu) return;  // never taken (n_tasks >= 1): it keeps the reads
   }
-  const int total = a.n_tasks * a.steps;  // the list once a step (mk_common.h step_of)
-  for (int index = blockIdx.x; index < total; index += gridDim.x) {
-    const Task task = a.tasks[a.steps == 1 ? index : index % a.n_tasks];
+  for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
+    const Task task = a.tasks[index];
     trace_mark(a, index, kTraceBegin);
     bool ok = false;
     switch (task.op) {
@@ -275,17 +274,15 @@ ffi::Error weight_planes(const ffi::RemainingArgs& planes, int i, int64_t n_in, 
 ffi::Error megakernel_impl(
     gpuStream_t stream, ffi::Buffer<ffi::BF16> h0, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inv_freq,
     ffi::Buffer<ffi::BF16> attn_norm, ffi::Buffer<ffi::BF16> mlp_norm, ffi::Buffer<ffi::BF16> final_norm,
-    ffi::Buffer<ffi::S32> tasks, ffi::Buffer<ffi::BF16> embedding, ffi::Buffer<ffi::S32> stop_ids,
-    ffi::Buffer<ffi::S32> allowed, ffi::Buffer<ffi::BF16> /*k_cache_in*/, ffi::Buffer<ffi::BF16> /*v_cache_in*/,
+    ffi::Buffer<ffi::S32> tasks, ffi::Buffer<ffi::BF16> /*k_cache_in*/, ffi::Buffer<ffi::BF16> /*v_cache_in*/,
     ffi::RemainingArgs weight_args, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
     ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, ffi::Result<ffi::Buffer<ffi::BF16>> residual,
     ffi::Result<ffi::Buffer<ffi::S32>> tokens_out, ffi::Result<ffi::Buffer<ffi::F32>> logits,
     ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> attn,
     ffi::Result<ffi::Buffer<ffi::BF16>> gated, ffi::Result<ffi::Buffer<ffi::F32>> part_out,
     ffi::Result<ffi::Buffer<ffi::F32>> part_lse, ffi::Result<ffi::Buffer<ffi::F32>> best_value,
-    ffi::Result<ffi::Buffer<ffi::S32>> best_index, ffi::Result<ffi::Buffer<ffi::BF16>> h_next,
-    ffi::Result<ffi::Buffer<ffi::S32>> counters, float eps, int64_t window, bool ring, int64_t max_splits,
-    int64_t n_counters, int64_t steps) {
+    ffi::Result<ffi::Buffer<ffi::S32>> best_index, ffi::Result<ffi::Buffer<ffi::S32>> counters, float eps,
+    int64_t window, bool ring, int64_t max_splits, int64_t n_counters) {
   const HostStatus status = host_status();
   if (status.host == nullptr) return ffi::Error::Internal("lithos: megakernel: mapped host memory is unavailable");
   if (const int32_t failed = *status.host; failed != 0) {  // an earlier step timed out
@@ -340,17 +337,9 @@ ffi::Error megakernel_impl(
     return invalid("megakernel: the weights do not fit " + std::to_string(layers) + " layers of hidden " +
                    std::to_string(D) + ", " + std::to_string(a.heads) + "/" + std::to_string(a.kv_heads) +
                    " heads of " + std::to_string(a.head_dim) + ", ffn " + std::to_string(F));
-  if (steps < 1 || (steps > 1 && a.tokens != 1))
-    return invalid("megakernel: a launch runs one step of 1..16 tokens or several steps of one token, got " +
-                   std::to_string(steps) + " steps of " + std::to_string(a.tokens));
-  if (positions.element_count() != static_cast<size_t>(steps * a.tokens) ||
+  if (positions.element_count() != static_cast<size_t>(a.tokens) ||
       inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2))
-    return invalid("megakernel: positions must be [steps, tokens] and inv_freq [head_dim / 2]");
-  if (tokens_out->element_count() != static_cast<size_t>(steps * a.tokens) ||
-      h_next->element_count() != static_cast<size_t>(a.tokens * D) || allowed.element_count() != 1)
-    return invalid("megakernel: tokens must be [steps, tokens], the next input [tokens, hidden], allowed [1]");
-  if (steps > 1 && embedding.element_count() != static_cast<size_t>(int64_t{a.vocab} * D))
-    return invalid("megakernel: several steps in a launch need the embedding [vocab, hidden]");
+    return invalid("megakernel: positions must be [tokens] and inv_freq [head_dim / 2]");
   auto td = tasks.dimensions();
   if (td.size() != 2 || td[1] != kFields)
     return invalid("megakernel: tasks must be [n, " + std::to_string(kFields) + "], got " + shape_string(td));
@@ -374,12 +363,6 @@ ffi::Error megakernel_impl(
   a.n_tasks = static_cast<int>(td[0]);
   a.h0 = h0.typed_data();
   a.positions = positions.typed_data();
-  a.steps = static_cast<int>(steps);
-  a.embedding = embedding.typed_data();
-  a.h_next = h_next->typed_data();
-  a.stop_ids = stop_ids.typed_data();
-  a.n_stop_ids = static_cast<int>(stop_ids.element_count());
-  a.allowed = allowed.typed_data();
   a.inv_freq = inv_freq.typed_data();
   a.attn_norm = attn_norm.typed_data();
   a.mlp_norm = mlp_norm.typed_data();
@@ -412,8 +395,7 @@ ffi::Error megakernel_impl(
                         static_cast<const void*>(a.mlp_norm), static_cast<const void*>(a.final_norm),
                         static_cast<const void*>(a.k_cache), static_cast<const void*>(a.v_cache),
                         static_cast<const void*>(a.q), static_cast<const void*>(a.attn),
-                        static_cast<const void*>(a.gated), static_cast<const void*>(a.residual),
-                        static_cast<const void*>(a.h_next), static_cast<const void*>(steps > 1 ? a.embedding : nullptr)})
+                        static_cast<const void*>(a.gated), static_cast<const void*>(a.residual)})
     if (!aligned16(p)) return invalid("megakernel: every weight and activation buffer must be 16-byte aligned");
   for (const PackedWeight* w : {&a.wq, &a.wk, &a.wv, &a.wo, &a.w_gate, &a.w_up, &a.w_down, &a.lm_head})
     if (!packed_aligned(*w)) return invalid("megakernel: every weight and activation buffer must be 16-byte aligned");
@@ -421,11 +403,7 @@ ffi::Error megakernel_impl(
   // Counters start at zero every step; the memset runs on the stream, before the kernel.
   if (gpuMemsetAsync(a.counters, 0, sizeof(int32_t) * (n_counters + kStatusWords), stream) != gpuSuccess)
     return launch_status("megakernel (counter reset)");
-  // Steps that do not run (after a stop, or a finished sequence's) leave their tokens at -1.
-  if (steps > 1 && gpuMemsetAsync(a.tokens_out, 0xFF, sizeof(int32_t) * steps, stream) != gpuSuccess)
-    return launch_status("megakernel (token reset)");
-  // A trace records one step's tasks: a launch of several steps records none.
-  StepTrace trace(steps == 1 ? std::getenv("LITHOS_MEGAKERNEL_TRACE") : nullptr);
+  StepTrace trace(std::getenv("LITHOS_MEGAKERNEL_TRACE"));
   if (const ffi::Error started = trace.start(a.n_tasks, stream, &a.trace); started.failure()) return started;
   int grid = 0;
   const ffi::Error launched = with_token_bucket(a.tokens, [&](auto tmax) {
@@ -437,7 +415,7 @@ ffi::Error megakernel_impl(
                      " KB of dynamic shared memory for its weight streaming; decode with kernels='fused', or rebuild "
                      "with a smaller lane ring (LITHOS_KERNEL_DEFINES=\"LITHOS_MK_LANE_RING=3 LITHOS_MK_RING_INPUT_KB=32\", "
                      "or LITHOS_MK_LANE_RING=0 for none)");
-    grid = std::min(capacity, std::max(a.n_tasks, 1));  // the tasks of a step, so each block has one a step
+    grid = std::min(capacity, std::max(a.n_tasks, 1));
     megakernel<kTmax><<<grid, kMatvecThreads, kRingSmemBytes<kTmax>, stream>>>(a);
     return launch_status("megakernel");
   });
@@ -484,22 +462,19 @@ auto megakernel_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<gpuStream_t>>()
       .Arg<ffi::Buffer<ffi::BF16>>()  // h0: embedded tokens
-      .Arg<ffi::Buffer<ffi::S32>>()   // positions [steps, tokens]
+      .Arg<ffi::Buffer<ffi::S32>>()   // positions
       .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
       .Arg<ffi::Buffer<ffi::BF16>>()  // attention norms
       .Arg<ffi::Buffer<ffi::BF16>>()  // MLP norms
       .Arg<ffi::Buffer<ffi::BF16>>()  // final norm
       .Arg<ffi::Buffer<ffi::S32>>()   // tasks [n, 10]
-      .Arg<ffi::Buffer<ffi::BF16>>()  // embedding [vocab, hidden] (several steps), or empty
-      .Arg<ffi::Buffer<ffi::S32>>()   // stop ids (-1: none)
-      .Arg<ffi::Buffer<ffi::S32>>()   // steps allowed [1]
       .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 0)
       .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 1)
       .RemainingArgs()                // weight planes (kWeightNames, 3 each)
       .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
       .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
       .Ret<ffi::Buffer<ffi::BF16>>()  // residual stream [2, tokens, hidden]
-      .Ret<ffi::Buffer<ffi::S32>>()   // greedy tokens [steps, tokens]
+      .Ret<ffi::Buffer<ffi::S32>>()   // greedy tokens
       .Ret<ffi::Buffer<ffi::F32>>()   // logits or empty
       .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: q
       .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: attention output
@@ -508,14 +483,12 @@ auto megakernel_binding() {
       .Ret<ffi::Buffer<ffi::F32>>()   // scratch: their log2-sum-exp2
       .Ret<ffi::Buffer<ffi::F32>>()   // scratch: head bests (value)
       .Ret<ffi::Buffer<ffi::S32>>()   // scratch: head bests (id)
-      .Ret<ffi::Buffer<ffi::BF16>>()  // scratch: the next step's embedded token
       .Ret<ffi::Buffer<ffi::S32>>()   // counters + status
       .Attr<float>("eps")
       .Attr<int64_t>("window")
       .Attr<bool>("ring")  // slot = position % slots
       .Attr<int64_t>("max_splits")
-      .Attr<int64_t>("n_counters")
-      .Attr<int64_t>("steps");
+      .Attr<int64_t>("n_counters");
 }
 
 }  // namespace

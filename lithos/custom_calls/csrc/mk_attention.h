@@ -36,8 +36,8 @@ constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
-__device__ inline SplitPlan plan_splits(const Args& a, int task_index) {
-  return ::lithos::plan_splits(step_positions(a, task_index), a.tokens, a.slots, a.window, a.ring, a.max_splits, kMinKeysPerSplit);
+__device__ inline SplitPlan plan_splits(const Args& a) {
+  return ::lithos::plan_splits(a.positions, a.tokens, a.slots, a.window, a.ring, a.max_splits, kMinKeysPerSplit);
 }
 
 // Rows of the partial buffers: row = token * group + head-in-group.
@@ -127,7 +127,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
       const Bf16Vec<8> qv = load_activation<8, true>(a.q + (static_cast<size_t>(token) * a.heads + head) * d + dim0);
 #pragma unroll
       for (int e = 0; e < 8; ++e) q[j][e] = qv[e] * a.scale_log2;
-      see_to[j] = valid ? step_positions(a, index)[token] : -1;  // an invalid row sees nothing
+      see_to[j] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
       see_from[j] = a.window > 0 ? see_to[j] - a.window + 1 : 0;
       state[j].max = -INFINITY;
       state[j].sum = 0.0f;
@@ -244,7 +244,7 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
 
 template <int D, int KEYS>
 __device__ inline bool attention_task_of(const Args& a, const Task& task, int index) {
-  const SplitPlan plan = plan_splits(a, index);  // from the positions: the step's input, readable before the wait
+  const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
   if (!attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait))
     return false;

@@ -47,10 +47,8 @@ enum Op : int32_t {
   kOpHead = 6,       // final RMSNorm + LM head rows (+ logits) + best token; the last task picks
 };
 
-// Status words after the counters: [abort flag, 1 + the failing task's index, steps whose token is picked,
-// the step the launch stops before (0: none)]. The memset before the launch zeroes them with the counters.
-constexpr int kStatusWords = 4;
-constexpr int kStatusAbort = 0, kStatusFailedTask = 1, kStatusPicked = 2, kStatusStopAt = 3;
+// Status words after the counters: [abort flag, 1 + the failing task's index].
+constexpr int kStatusWords = 2;
 
 // Polls of one counter before a wait gives up: about 2-4 s at one L2 round trip (plus a short sleep)
 // per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
@@ -81,16 +79,7 @@ struct Args {
   const Task* tasks;
   int n_tasks;
   const bf16_t* h0;          // [tokens, hidden]: the embedded input tokens
-  const int32_t* positions;  // [steps, tokens]: step s's positions
-  // A launch of several greedy steps (steps > 1, one token a step): the last LM head task of step s writes
-  // step s + 1's input, the embedding row of its token, to h_next, unless the token is one of stop_ids or
-  // step s + 1 is not `*allowed` (then the launch ends: kStatusStopAt).
-  int steps;
-  const bf16_t* embedding;   // [vocab, hidden] (steps > 1)
-  bf16_t* h_next;            // [tokens, hidden]
-  const int32_t* stop_ids;   // [n_stop_ids], -1 for none
-  int n_stop_ids;
-  const int32_t* allowed;    // [1]: the steps this launch may run, at most `steps`
+  const int32_t* positions;  // [tokens]
   const float* inv_freq;     // [head_dim / 2]
   const bf16_t* attn_norm;   // [layers, hidden]
   const bf16_t* mlp_norm;    // [layers, hidden]
@@ -114,7 +103,7 @@ struct Args {
   float* part_lse;           // [kv_heads, max_splits, tokens * group]: their log2-sum-exp2
   float* best_value;         // [head tasks, tokens]
   int32_t* best_index;
-  int32_t* tokens_out;       // [steps, tokens]
+  int32_t* tokens_out;       // [tokens]
   float* logits;             // [tokens, vocab] or nullptr
   int32_t* counters;         // [n_counters + kStatusWords]
   int64_t* trace;            // nullptr, or [n_tasks, kTraceFields] (LITHOS_MEGAKERNEL_TRACE, megakernel.cu)
@@ -212,73 +201,43 @@ __device__ __forceinline__ void pause_briefly() {
 #endif
 }
 
-// Raise the abort flag and record the first failing task (its index in the step's list) for the host.
+// Raise the abort flag and record the first failing task for the host.
 __device__ inline void abort_step(const Args& a, int task_index) {
   int32_t* status = a.counters + a.n_counters;
-  atomicExch(status + kStatusAbort, 1);
-  const int task = task_index % a.n_tasks;
-  if (atomicCAS(status + kStatusFailedTask, 0, task + 1) == 0 && a.host_status != nullptr) {
-    *a.host_status = task + 1;
+  atomicExch(status, 1);
+  if (atomicCAS(status + 1, 0, task_index + 1) == 0 && a.host_status != nullptr) {
+    *a.host_status = task_index + 1;
     __threadfence_system();
   }
 }
 
-__device__ __forceinline__ bool aborted(const Args& a) {
-  return load_acquire(a.counters + a.n_counters + kStatusAbort) != 0;
-}
-
-// A launch of `steps` steps runs the task list once a step: task index i is task i % n_tasks of step
-// i / n_tasks (megakernel.cu).
-__device__ __forceinline__ int step_of(const Args& a, int task_index) {
-  return a.steps == 1 ? 0 : task_index / a.n_tasks;
-}
-__device__ __forceinline__ const int32_t* step_positions(const Args& a, int task_index) {
-  return a.positions + static_cast<size_t>(step_of(a, task_index)) * a.tokens;
-}
-
-// Warp 0: poll `counter` until it reaches `target` (1), or the step aborted or the wait gave up (-1).
-__device__ inline int warp_wait(const Args& a, const int32_t* counter, int target, int task_index) {
-  int outcome = 0;
-  for (int64_t poll = 0; outcome == 0; ++poll) {
-    if (lane_id() == 0) {
-      if (load_acquire(counter) >= target) {
-        outcome = 1;
-      } else if ((poll & 255) == 255 && aborted(a)) {
-        outcome = -1;
-      } else if (poll >= kMaxPolls) {
-        abort_step(a, task_index);
-        outcome = -1;
-      }
-    }
-    outcome = shfl_from(outcome, 0);
-    if (outcome == 0) pause_briefly();
-  }
-  return outcome;
-}
+__device__ __forceinline__ bool aborted(const Args& a) { return load_acquire(a.counters + a.n_counters) != 0; }
 
 // Wait (warp 0 polls, the block meets at a barrier) until the task's input counter reaches its
 // target. False when the step aborted. Every thread of the block calls it.
 __device__ inline bool block_wait(const Args& a, const Task& task, int task_index) {
   __shared__ int ready;
-  if (task.wait_counter < 0 && a.steps == 1) {
+  if (task.wait_counter < 0) {
     trace_mark(a, task_index, kTraceReady);
     return true;
   }
+  const int32_t* counter = a.counters + task.wait_counter;
   if (warp_id() == 0) {
-    int outcome = 1;
-    // A block's first task of a later step waits for the step before to have picked its token (which also
-    // zeroed the counters and wrote this step's input); a step that is not to run ends the launch.
-    if (const int step = step_of(a, task_index); step > 0 && static_cast<unsigned>(task_index - step * a.n_tasks) < gridDim.x) {
-      const int32_t* status = a.counters + a.n_counters;
-      outcome = warp_wait(a, status + kStatusPicked, step, task_index);
-      if (outcome == 1 && lane_id() == 0) {
-        const int stop_at = load_acquire(status + kStatusStopAt);
-        if (stop_at != 0 && step >= stop_at) outcome = -1;
+    int outcome = 0;
+    for (int64_t poll = 0; outcome == 0; ++poll) {
+      if (lane_id() == 0) {
+        if (load_acquire(counter) >= task.wait_target) {
+          outcome = 1;
+        } else if ((poll & 255) == 255 && aborted(a)) {
+          outcome = -1;
+        } else if (poll >= kMaxPolls) {
+          abort_step(a, task_index);
+          outcome = -1;
+        }
       }
       outcome = shfl_from(outcome, 0);
+      if (outcome == 0) pause_briefly();
     }
-    if (outcome == 1 && task.wait_counter >= 0)
-      outcome = warp_wait(a, a.counters + task.wait_counter, task.wait_target, task_index);
     // The acquire load orders thread 0's later reads (and invalidates the SM's L1: `CCTL.IVALL` after
     // the load in SASS); the barrier below extends that to every thread of the block. No fence: a
     // seq_cst one (`__threadfence()`, MEMBAR.SC) on every hand-off cost time and ordered nothing more.
@@ -326,10 +285,9 @@ __device__ __forceinline__ bool empty_step(const Args& a) {
 }
 
 // The residual stream: after layer l's attention half (slot 0) and after its MLP (slot 1); layer 0
-// reads the embedded tokens (in a later step of a launch, those the step before picked).
-__device__ __forceinline__ const bf16_t* layer_input(const Args& a, int layer, int task_index) {
-  if (layer != 0) return a.residual + static_cast<size_t>(a.tokens) * a.hidden;
-  return step_of(a, task_index) == 0 ? a.h0 : a.h_next;
+// reads the embedded tokens.
+__device__ __forceinline__ const bf16_t* layer_input(const Args& a, int layer) {
+  return layer == 0 ? a.h0 : a.residual + static_cast<size_t>(a.tokens) * a.hidden;
 }
 __device__ __forceinline__ bf16_t* after_attention(const Args& a) { return a.residual; }
 __device__ __forceinline__ bf16_t* after_mlp(const Args& a) {

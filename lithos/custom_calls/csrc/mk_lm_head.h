@@ -44,25 +44,6 @@ __device__ Best block_best(int n, BestOf best_of) {
   return b;
 }
 
-// In a launch of several steps, the last head task of step `step` (every thread; `token` its pick): the
-// next step's input row, or the stop, then the counters zeroed for that step and its start published.
-// Every task of this step has signalled before this task arrived last (each stage waits for all of the
-// one before, and the head for the last), so no one reads or adds to a counter until the release.
-__device__ inline void start_next_step(const Args& a, int step, int token) {
-  if (step + 1 >= a.steps) return;
-  bool stop = step + 1 >= *a.allowed;
-  for (int i = 0; i < a.n_stop_ids; ++i) stop |= a.stop_ids[i] == token;
-  if (stop) {
-    if (threadIdx.x == 0) a.counters[a.n_counters + kStatusStopAt] = step + 1;
-  } else {
-    const bf16_t* row = a.embedding + static_cast<size_t>(token) * a.hidden;
-    for (int i = static_cast<int>(threadIdx.x) * 8; i < a.hidden; i += kMatvecThreads * 8)
-      *reinterpret_cast<uint4*>(a.h_next + i) = *reinterpret_cast<const uint4*>(row + i);
-  }
-  for (int c = static_cast<int>(threadIdx.x); c < a.n_counters; c += kMatvecThreads) a.counters[c] = 0;
-  block_release(a, a.n_counters + kStatusPicked);
-}
-
 template <int TMAX>
 __device__ bool head_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
@@ -109,18 +90,12 @@ __device__ bool head_task(const Args& a, const Task& task, int index) {
   }
 
   if (block_signal(a, task.signal_counter) == task.arrivals - 1) {
-    __shared__ int picked;
-    const int step = step_of(a, index);
     for (int t = 0; t < a.tokens; ++t) {
       const Best b = block_best(task.arrivals, [&](int slot) {
         const size_t at = static_cast<size_t>(slot) * a.tokens + t;
         return Best{a.best_value[at], a.best_index[at]};
       });
-      if (threadIdx.x == 0) a.tokens_out[static_cast<size_t>(step) * a.tokens + t] = picked = b.index;
-    }
-    if (a.steps > 1) {  // one token a step (the handler checks)
-      __syncthreads();
-      start_next_step(a, step, picked);
+      if (threadIdx.x == 0) a.tokens_out[t] = b.index;
     }
   }
   return true;

@@ -17,7 +17,7 @@ __device__ bool projection_task(const Args& a, const Task& task, int index) {
   const int n_in = projection_inputs(a, task.op);
   auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { projection_rows<F>(a, task.op, layer, unit, rows); };
   const TokenRows in{o_proj ? a.attn : a.gated, nullptr, a.tokens, n_in};
-  const bf16_t* residual_in = o_proj ? layer_input(a, layer, index) : after_attention(a);
+  const bf16_t* residual_in = o_proj ? layer_input(a, layer) : after_attention(a);
   bf16_t* out = o_proj ? after_attention(a) : after_mlp(a);
   if (!stream_row_groups<F, TMAX>(
           a, task, index, in, rows_of, [](const TokenRows&) {},

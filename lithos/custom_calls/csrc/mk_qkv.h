@@ -20,7 +20,7 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
   const int layer = task.layer;
   const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
   auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { qkv_rows<kAttentionFormat>(a, layer, unit, rows); };
-  const TokenRows in{layer_input(a, layer, index), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   if (!stream_row_groups<kAttentionFormat, TMAX>(
           a, task, index, in, rows_of,
@@ -28,7 +28,7 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
         const bool is_q = g.slot < group, is_v = g.slot == group + 1;
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, step_positions(a, index), a.inv_freq, g.first_pair, !is_v,
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, g.first_pair, !is_v,
                          [&](int t, int position, int j, float lo, float hi) {
           if (is_q) {
             store_pair(a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim, j, half,

@@ -2,7 +2,7 @@
 scheduler that builds its task list and the interpreter that is its executable specification."""
 
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
-from lithos.custom_calls.megakernel.kernel import HEAD_DIMS, StepsOutputs, decode_step, decode_steps, step_schedule
+from lithos.custom_calls.megakernel.kernel import HEAD_DIMS, decode_step, step_schedule
 from lithos.custom_calls.megakernel.schedule import Schedule, ScheduleError, build_schedule, describe_task
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op, Task
 
@@ -15,11 +15,9 @@ __all__ = [
     "ScheduleError",
     "StepOutputs",
     "StepWeights",
-    "StepsOutputs",
     "Task",
     "build_schedule",
     "decode_step",
-    "decode_steps",
     "describe_task",
     "interpret",
     "step_schedule",

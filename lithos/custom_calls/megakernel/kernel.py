@@ -145,18 +145,15 @@ def _kernel(
     inv_freq,
     k_cache,
     v_cache,
-    embedding,
-    stop_ids,
-    allowed,
 ) -> StepOutputs:
     s = schedule.shape
-    T, steps = h0.shape[0], positions.shape[0]  # positions [steps, tokens]
+    T = h0.shape[0]
     rows = T * s.group
     out_types = [
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         jax.ShapeDtypeStruct((2, T, s.hidden), h0.dtype),  # residual stream: after attention, after MLP
-        jax.ShapeDtypeStruct((steps, T), jnp.int32),
+        jax.ShapeDtypeStruct((T,), jnp.int32),
         jax.ShapeDtypeStruct((T, s.vocab) if with_logits else (0,), jnp.float32),
         jax.ShapeDtypeStruct((T, s.heads * s.head_dim), h0.dtype),  # scratch: q
         jax.ShapeDtypeStruct((T, s.heads * s.head_dim), h0.dtype),  # scratch: attention output
@@ -165,7 +162,6 @@ def _kernel(
         jax.ShapeDtypeStruct((s.kv_heads, schedule.max_splits, rows), jnp.float32),
         jax.ShapeDtypeStruct((max(schedule.head_tasks, 1), T), jnp.float32),
         jax.ShapeDtypeStruct((max(schedule.head_tasks, 1), T), jnp.int32),
-        jax.ShapeDtypeStruct((T, s.hidden), h0.dtype),  # scratch: the next step's embedded token
         jax.ShapeDtypeStruct((schedule.n_counters + STATUS_WORDS,), jnp.int32),
     ]
     k_cache, v_cache, residual, tokens, logits, *_ = call_kernel(
@@ -179,25 +175,19 @@ def _kernel(
         weights.mlp_norm,
         weights.final_norm,
         jnp.asarray(schedule.tasks),
-        embedding,
-        stop_ids,
-        allowed,
         k_cache,
         v_cache,
         *weight_planes(weights),
-        aliases={10: 0, 11: 1},
+        aliases={7: 0, 8: 1},
         variant=formats.variant(),
         eps=np.float32(eps),
         window=np.int64(window),
         ring=bool(ring),
         max_splits=np.int64(schedule.max_splits),
         n_counters=np.int64(schedule.n_counters),
-        steps=np.int64(steps),
     )
-    if steps > 1:
-        return StepsOutputs(k_cache, v_cache, tokens[:, 0])
     return StepOutputs(
-        k_cache, v_cache, residual[1], tokens[0] if schedule.head_tasks else None, logits if with_logits else None
+        k_cache, v_cache, residual[1], tokens if schedule.head_tasks else None, logits if with_logits else None
     )
 
 
@@ -214,49 +204,30 @@ def _reference(
     inv_freq,
     k_cache,
     v_cache,
-    embedding,
-    stop_ids,
-    allowed,
-) -> StepOutputs | StepsOutputs:
-    options = dict(eps=eps, window=window, ring=ring)
-    if positions.shape[0] == 1:
-        return interpret(
-            schedule, weights, h0, positions[0], inv_freq, k_cache, v_cache, with_logits=with_logits, **options
-        )
-
-    # Several steps: each from the token the step before picked, until a stop (the kernel's
-    # start_next_step, csrc/mk_lm_head.h); a step that does not run leaves the caches and its token -1.
-    steps = positions.shape[0]
-
-    def step(s, carry):
-        def run(carry):
-            k, v, h, tokens, _ = carry
-            out = interpret(schedule, weights, h, positions[s], inv_freq, k, v, **options)
-            token = out.tokens[0]
-            stop = (s + 1 >= allowed[0]) | jnp.any(stop_ids == token)
-            stop_at = jnp.where(stop, s + 1, steps).astype(jnp.int32)
-            return out.k_cache, out.v_cache, embedding[token][None].astype(h.dtype), tokens.at[s].set(token), stop_at
-
-        return jax.lax.cond(s < carry[-1], run, lambda carry: carry, carry)
-
-    # A finished sequence's launch (negative positions) runs no step.
-    stop_at = jnp.where(jnp.all(positions[0] < 0), 0, steps).astype(jnp.int32)
-    carry = (k_cache, v_cache, h0, jnp.full((steps,), -1, jnp.int32), stop_at)
-    k_cache, v_cache, _, tokens, _ = jax.lax.fori_loop(0, steps, step, carry)
-    return StepsOutputs(k_cache, v_cache, tokens)
+) -> StepOutputs:
+    options = dict(eps=eps, window=window, ring=ring, with_logits=with_logits)
+    return interpret(schedule, weights, h0, positions, inv_freq, k_cache, v_cache, **options)
 
 
-class StepsOutputs(NamedTuple):
-    """What `decode_steps` returns."""
-
-    k_cache: jax.Array  # [layers, 1, kv_heads, slots, head_dim]
-    v_cache: jax.Array
-    tokens: jax.Array  # [steps] int32 greedy tokens, -1 for the steps that did not run
-
-
-def _planned(weights: StepWeights, h0, positions, inv_freq, k_cache, v_cache, window, ring, head):
-    """The schedule and formats of a launch for h0 `[tokens, hidden]` at `positions` `[tokens]`, and the
-    checks its kernel needs; errors that name the fix for arguments no path can run."""
+def decode_step(
+    weights: StepWeights,
+    h0: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    eps: float,
+    window: int | None = None,
+    ring: bool = False,
+    head: str | None = "argmax",
+    path: str = "auto",
+) -> StepOutputs:
+    """Every decoder layer (and, with `head`, the final norm, LM head and greedy token; "logits" also
+    returns the float32 logits) for h0 `[tokens, hidden]`, the embedded tokens at `positions`
+    `[tokens]` (1..16 of them: a decode step or k+1 to verify), appending their keys and values to the
+    caches `[layers, 1, kv_heads, slots, head_dim]` in place: linear, or (`ring`) a ring, slot =
+    position % slots (lithos.kv_cache), which needs a window with window + tokens - 1 <= slots."""
     if head not in HEADS:
         raise LithosError(f"megakernel: head must be one of {HEADS}, not {head!r}")
     layers, batch, kv_heads, _, head_dim = k_cache.shape
@@ -287,29 +258,6 @@ def _planned(weights: StepWeights, h0, positions, inv_freq, k_cache, v_cache, wi
                 f"{shape.ffn} (multiples of 8) have no kernel; use kernels='fused' or 'reference'"
             )
 
-    return schedule, formats, check
-
-
-def decode_step(
-    weights: StepWeights,
-    h0: jax.Array,
-    positions: jax.Array,
-    inv_freq: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    *,
-    eps: float,
-    window: int | None = None,
-    ring: bool = False,
-    head: str | None = "argmax",
-    path: str = "auto",
-) -> StepOutputs:
-    """Every decoder layer (and, with `head`, the final norm, LM head and greedy token; "logits" also
-    returns the float32 logits) for h0 `[tokens, hidden]`, the embedded tokens at `positions`
-    `[tokens]` (1..16 of them: a decode step or k+1 to verify), appending their keys and values to the
-    caches `[layers, 1, kv_heads, slots, head_dim]` in place: linear, or (`ring`) a ring, slot =
-    position % slots (lithos.kv_cache), which needs a window with window + tokens - 1 <= slots."""
-    schedule, formats, check = _planned(weights, h0, positions, inv_freq, k_cache, v_cache, window, ring, head)
     options = (schedule, formats, float(eps), int(window or 0), ring, head == "logits")
     return dispatch(
         path,
@@ -317,69 +265,9 @@ def decode_step(
         functools.partial(_kernel, *options),
         weights,
         h0,
-        positions.astype(jnp.int32)[None],
+        positions.astype(jnp.int32),
         jnp.asarray(inv_freq, jnp.float32),
         k_cache,
         v_cache,
-        jnp.zeros((0, h0.shape[1]), h0.dtype),  # no embedding: one step
-        jnp.full((1,), -1, jnp.int32),
-        jnp.ones((1,), jnp.int32),
         check=check,
-    )
-
-
-def decode_steps(
-    weights: StepWeights,
-    embedding: jax.Array,
-    h0: jax.Array,
-    position: jax.Array,
-    inv_freq: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    *,
-    steps: int,
-    stop_ids: jax.Array,
-    allowed: jax.Array,
-    eps: float,
-    window: int | None = None,
-    ring: bool = False,
-    path: str = "auto",
-) -> StepsOutputs:
-    """`steps` greedy decode steps of one token in one launch: step 0 from h0 `[1, hidden]` at `position`
-    `[1]`, each later one from the `embedding` `[vocab, hidden]` row of the token the step before picked, one
-    position further. The launch stops after a step whose token is one of `stop_ids` `[n]` (-1 pads) or
-    once `allowed` `[1]` steps have run (at least 1, and no more than the cache holds); the tokens of the
-    steps that did not run are -1 and the caches hold nothing of them. A negative position (a finished
-    sequence's) runs no step. Caches as in `decode_step`."""
-    if steps < 1:
-        raise LithosError(f"megakernel: steps must be at least 1, got {steps}")
-    if h0.shape[0] != 1 or embedding.ndim != 2 or embedding.shape[1] != h0.shape[1]:
-        raise LithosError(
-            f"megakernel: several steps in a launch take one token, h0 [1, hidden] and the embedding [vocab, hidden]; "
-            f"got h0 {list(h0.shape)}, embedding {list(embedding.shape)}"
-        )
-    schedule, formats, check = _planned(weights, h0, position, inv_freq, k_cache, v_cache, window, ring, "argmax")
-
-    def check_steps():
-        check()
-        require_bf16("megakernel", embedding=embedding)
-
-    position = position.astype(jnp.int32)
-    later = jnp.arange(steps, dtype=jnp.int32)[:, None]
-    positions = jnp.where(position[None] < 0, position[None], position[None] + later)  # [steps, 1]
-    options = (schedule, formats, float(eps), int(window or 0), ring, False)
-    return dispatch(
-        path,
-        functools.partial(_reference, *options),
-        functools.partial(_kernel, *options),
-        weights,
-        h0,
-        positions,
-        jnp.asarray(inv_freq, jnp.float32),
-        k_cache,
-        v_cache,
-        embedding,
-        jnp.asarray(stop_ids, jnp.int32).reshape(-1),
-        jnp.asarray(allowed, jnp.int32).reshape(1),
-        check=check_steps,
     )

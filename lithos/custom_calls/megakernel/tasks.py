@@ -33,7 +33,7 @@ FIELDS = (
 NO_COUNTER = -1
 ROWS_PER_UNIT = 4  # csrc/rowdot.h kRowsPerWarp
 WARPS_PER_BLOCK = 8  # csrc/rowdot.h kMatvecWarps
-STATUS_WORDS = 4  # after the counters: abort flag, failing task, steps picked, stop (csrc/mk_common.h)
+STATUS_WORDS = 2  # after the counters: the abort flag and the failing task (csrc/mk_common.h)
 
 
 class Op(enum.IntEnum):

@@ -309,8 +309,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
     # Instructions that do nothing ahead of the megakernel's task loop: whether the code's place costs time.
     "LITHOS_MK_PROLOGUE_PAD=8": ("megakernel",),
-    # The megakernel's attention for one head dimension instead of three: whether the code's size costs time.
-    "LITHOS_MK_HEAD_DIM=64": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

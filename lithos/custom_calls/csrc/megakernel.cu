@@ -318,9 +318,6 @@ ffi::Error megakernel_impl(
   const int64_t F = a.ffn, QD = int64_t{a.heads} * a.head_dim;
   if (const ffi::Error err = weight_planes(weight_args, 3, QD, a.wo); err.failure()) return err;
   if (const ffi::Error err = weight_planes(weight_args, 6, F, a.w_down); err.failure()) return err;
-  if (kMkHeadDim != 0 && a.head_dim != kMkHeadDim)
-    return invalid("megakernel: this build serves head_dim " + std::to_string(kMkHeadDim) + " only, got " +
-                   std::to_string(a.head_dim) + "; rebuild without LITHOS_MK_HEAD_DIM");
   if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256)
     return invalid("megakernel: head_dim " + std::to_string(a.head_dim) + " has no kernel (64, 128, 256); use "
                    "kernels='reference'");

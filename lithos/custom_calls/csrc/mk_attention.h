@@ -257,18 +257,14 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
   return true;
 }
 
-// The handler admits head dimensions 64, 128 and 256 only (megakernel.cu), or kMkHeadDim's alone.
+// The handler admits head dimensions 64, 128 and 256 only (megakernel.cu).
 template <int TMAX>
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
   constexpr int keys = kAttnKeysPerStep<TMAX>;
-  if constexpr (kMkHeadDim != 0) {
-    return attention_task_of<kMkHeadDim, keys>(a, task, index);
-  } else {
-    switch (a.head_dim) {
-      case 64: return attention_task_of<64, keys>(a, task, index);
-      case 128: return attention_task_of<128, keys>(a, task, index);
-      default: return attention_task_of<256, keys>(a, task, index);
-    }
+  switch (a.head_dim) {
+    case 64: return attention_task_of<64, keys>(a, task, index);
+    case 128: return attention_task_of<128, keys>(a, task, index);
+    default: return attention_task_of<256, keys>(a, task, index);
   }
 }
 

@@ -75,15 +75,6 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6
                   LITHOS_MK_MLP_FORMAT <= 6 && LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= 6,
               "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
 
-// LITHOS_MK_HEAD_DIM=d (a build variant, an experiment; NOTES.md "One head dimension a build"): the
-// attention task compiled for head dimension d alone instead of 64, 128 and 256, a kernel with less code.
-#ifndef LITHOS_MK_HEAD_DIM
-#define LITHOS_MK_HEAD_DIM 0
-#endif
-constexpr int kMkHeadDim = LITHOS_MK_HEAD_DIM;
-static_assert(kMkHeadDim == 0 || kMkHeadDim == 64 || kMkHeadDim == 128 || kMkHeadDim == 256,
-              "LITHOS_MK_HEAD_DIM is 0 (all) or one of 64, 128, 256");
-
 struct Args {
   const Task* tasks;
   int n_tasks;

@@ -115,28 +115,6 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
 // Lets this thread's copies in flight land before its block leaves an aborted step.
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
-// The steps of the weight streams below. The bf16 rows of group `unit` (rows_of: the task's row map):
-template <class RowsOf>
-__device__ __forceinline__ void ring_rows_of(RowsOf& rows_of, int unit, const bf16_t* (&rows)[kRowsPerWarp]) {
-  PackedRow packed[kRowsPerWarp];
-  rows_of(unit, packed);
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
-}
-// 16 bytes at input element k of each row into ring stage `stage` (none past the input's end):
-__device__ __forceinline__ void copy_ring_step(int stage, const bf16_t* const (&rows)[kRowsPerWarp], int k, int n_in,
-                                               uint64_t policy) {
-  if (k < n_in) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
-  }
-}
-// The step's copies closed into one group (possibly empty), and the stage moved on:
-__device__ __forceinline__ void close_ring_step(int& stage) {
-  async_commit();
-  stage = stage + 1 == kRingStages ? 0 : stage + 1;
-}
-
 // One warp's weight stream over a task: the chunks of its row group in each round (groups base + slot
 // for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step, at input element
 // k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
@@ -159,18 +137,26 @@ struct RingStream {
     if (base < end) set_rows();
   }
   __device__ __forceinline__ void set_rows() {
-    ring_rows_of(rows_of, min(base + slot, end - 1), rows);  // a surplus warp redoes the last group, as the loop does
+    PackedRow packed[kRowsPerWarp];
+    rows_of(min(base + slot, end - 1), packed);  // a surplus warp redoes the last group, as the loop does
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
   }
   __device__ __forceinline__ void issue() {
     if (base < end) {
-      copy_ring_step(stage, rows, k0 + s * step, n_in, policy);
+      const int k = k0 + s * step;
+      if (k < n_in) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
+      }
       if (++s == steps) {
         s = 0;
         base += slots;
         if (base < end) set_rows();
       }
     }
-    close_ring_step(stage);
+    async_commit();
+    stage = stage + 1 == kRingStages ? 0 : stage + 1;
   }
 };
 

@@ -39,14 +39,22 @@ __device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t w) {
   return (em & 0x01C001C0u) | ((w << sign_shift) & 0x80008000u);
 }
 
-// MODE 0: loads only (weights, scales, A fragments); 1: the matvec. SETS row
+// The MX block a lane (h = g / 4, t) reads at a step: with RUN = 1, 8 consecutive blocks per step and row (8 lanes,
+// 128 bytes); with RUN = r, a lane reads r consecutive blocks over r steps, so r steps cover 8 r blocks (128 r
+// bytes) of a row with each lane's bytes contiguous.
+template <int RUN>
+__host__ __device__ __forceinline__ int block_of(int step, int h, int t) {
+  return 8 * RUN * (step / RUN) + RUN * (4 * h + t) + step % RUN;
+}
+
+// MODE 0: loads only (weights, scales, A fragments); 3: weights and scales only; 1: the matvec. SETS row
 // sets of 4 per step share each A fragment (2: 8 rows, two weight blocks per lane and step).
-template <int U, int MODE, int MINB, int SETS>
+template <int U, int MODE, int MINB, int SETS, bool PRED = true, int RUN = 1, bool JIT = false, bool LOW = true>
 __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__ w, const uint8_t* __restrict__ sc,
                                                      const uint32_t* __restrict__ afrag, float* y, int n_out,
                                                      int n_in, size_t layer_bytes, size_t layer_scale_bytes,
                                                      int layers, int iter, int k_split) {
-  // [step][8 A rows][8 mma] quads (a0, a1, a2, a3), then one row of zeros for the lanes that supply none.
+  // [step][8 mma][8 A rows] quads (a0, a1, a2, a3), then one row of zeros for the lanes that supply none.
   extern __shared__ uint4 fr[];
   const int steps_total = n_in / 256;
   const int frag_uint4 = steps_total * 8 * 8;
@@ -70,8 +78,8 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
 #pragma unroll
     for (int e = 0; e < SETS; ++e) {
       const int row = unit * 4 * SETS + 4 * e + (g & 3);
-      wp[e] = w + (size_t)row * row_bytes + (4 * (g >> 2) + t) * 16;
-      sp[e] = sc + (size_t)row * scale_row + 4 * (g >> 2) + t;
+      wp[e] = w + (size_t)row * row_bytes;
+      sp[e] = sc + (size_t)row * scale_row;
     }
     const int first = part * steps, last = first + steps;
     uint4 q[U][SETS];
@@ -81,10 +89,14 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
       const int st = min(first + u, last - 1);
 #pragma unroll
       for (int e = 0; e < SETS; ++e) {
-        q[u][e] = ld_stream_v4(wp[e] + (size_t)st * 128);
-        s8[u][e] = ld_u8(sp[e] + st * 8);
+        const int blk = block_of<RUN>(st, g >> 2, t);
+        q[u][e] = ld_stream_v4(wp[e] + (size_t)blk * 16);
+        s8[u][e] = ld_u8(sp[e] + blk);
       }
     }
+    uint4 a4[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a4[i] = make_uint4(0, 0, 0, 0);
     float acc[SETS][2];
 #pragma unroll
     for (int e = 0; e < SETS; ++e) acc[e][0] = acc[e][1] = 0.f;
@@ -103,15 +115,29 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
         if (st + u + U < last) {
 #pragma unroll
           for (int e = 0; e < SETS; ++e) {
-            q[u][e] = ld_stream_v4(wp[e] + (size_t)(st + u + U) * 128);
-            s8[u][e] = ld_u8(sp[e] + (st + u + U) * 8);
+            const int blk = block_of<RUN>(st + u + U, g >> 2, t);
+            q[u][e] = ld_stream_v4(wp[e] + (size_t)blk * 16);
+            s8[u][e] = ld_u8(sp[e] + blk);
           }
         }
-        const uint4* ap = supplies ? fr + ((st + u) * 8 + g) * 8 : zeros;
-        uint4 a4[8];
+        // Only the 8 lanes that supply an A row read shared memory (one wavefront per LDS.128); the
+        // others keep the zeros a4 started with. PRED = false: every lane reads, the others a zero row.
+        // JIT: each quad is read just before its mma (all lanes: the zero row for those that supply
+        // none), so that 8 quads are never live at once.
+        const uint4* aq_base = supplies ? fr + (st + u) * 64 + g : zeros;
+        const int aq_stride = supplies ? 8 : 0;
+        if (MODE == 3 || JIT) {
+        } else if (PRED) {
+          if (supplies) {  // quad i of the 8 rows at consecutive addresses: one wavefront, no bank conflict
+            const uint4* ap = fr + (st + u) * 64 + g;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a4[i] = ap[i];
-        if (MODE == 0) {
+            for (int i = 0; i < 8; ++i) a4[i] = ap[8 * i];
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a4[i] = supplies ? fr[(st + u) * 64 + 8 * i + g] : zeros[i];
+        }
+        if (MODE == 0 || MODE == 3) {
 #pragma unroll
           for (int e = 0; e < SETS; ++e) junk ^= cur[e].x ^ cur[e].y ^ cur[e].z ^ cur[e].w ^ cur_s[e];
 #pragma unroll
@@ -127,12 +153,13 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
             const uint32_t wd = words[j >> 1];
             const uint32_t b0 = (j & 1) ? e2m1_pair_bf16<2>(wd) : e2m1_pair_bf16<0>(wd);
             const uint32_t b1 = (j & 1) ? e2m1_pair_bf16<3>(wd) : e2m1_pair_bf16<1>(wd);
-            const uint4 aq = a4[j];
+            const uint4 aq = JIT ? aq_base[aq_stride * j] : a4[j];
             if (j & 1) mma_bf16(d1, aq.x, aq.y, aq.z, aq.w, b0, b1);
             else mma_bf16(d0, aq.x, aq.y, aq.z, aq.w, b0, b1);
           }
-          const float p0 = (d0[0] + d1[0] + d0[2] + d1[2]) * 4.611686018427388e18f;  // * 2^62
-          const float p1 = (d0[1] + d1[1] + d0[3] + d1[3]) * 4.611686018427388e18f;
+          // D rows g + 8 hold the low parts' partials when A rows 8..15 carry them (LOW).
+          const float p0 = (LOW ? d0[0] + d1[0] + d0[2] + d1[2] : d0[0] + d1[0]) * 4.611686018427388e18f;  // * 2^62
+          const float p1 = (LOW ? d0[1] + d1[1] + d0[3] + d1[3] : d0[1] + d1[1]) * 4.611686018427388e18f;
           const uint32_t s0 = __shfl_sync(0xffffffffu, cur_s[e], src0), s1 = __shfl_sync(0xffffffffu, cur_s[e], src1);
           if (valid) {
             acc[e][0] = fmaf(p0, e8m0_f(s0), acc[e][0]);
@@ -141,7 +168,7 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
         }
       }
     }
-    if (MODE == 0) acc[0][0] = __uint_as_float(junk & 0x3F7FFFFFu);
+    if (MODE == 0 || MODE == 3) acc[0][0] = __uint_as_float(junk & 0x3F7FFFFFu);
     // lane (g, t): acc[e][0] is row 4e + (2t) % 4, acc[e][1] row 4e + (2t + 1) % 4; sum over g, then t, t ^ 2.
 #pragma unroll
     for (int e = 0; e < SETS; ++e) {
@@ -161,9 +188,10 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
   }
 }
 
-// A fragments on the host: for step s and A row m (block 8 s + 4 (m / 4) + m % 4), mma j's quad (a0, a1, a2,
+// A fragments on the host, [step][mma][A row] quads: for step s and A row m (block 8 s + 4 (m / 4) + m % 4), mma j's quad (a0, a1, a2,
 // a3): a0 = (x[8i+q], x[8i+q+4]), a2 = (x[8i+q+1], x[8i+q+5]) of the block (i = j / 2, q = 2 (j % 2)), as bf16
 // of x * 2^64; a1, a3 (rows m + 8) zero, or with `low` the same as a0, a2 (MODE 2's check: twice the sum).
+template <int RUN>
 static std::vector<uint32_t> a_fragments(const std::vector<__nv_bfloat16>& hx, int n_in, bool low) {
   const int steps = n_in / 256;
   std::vector<uint32_t> out((size_t)steps * 8 * 32, 0u);
@@ -174,22 +202,22 @@ static std::vector<uint32_t> a_fragments(const std::vector<__nv_bfloat16>& hx, i
   };
   for (int s = 0; s < steps; ++s)
     for (int m = 0; m < 8; ++m) {
-      const int blk = 8 * s + 4 * (m / 4) + m % 4, base = blk * 32;
-      uint32_t* o = out.data() + ((size_t)s * 8 + m) * 32;
+      const int blk = block_of<RUN>(s, m / 4, m % 4), base = blk * 32;
       for (int j = 0; j < 8; ++j) {
+        uint32_t* o = out.data() + (((size_t)s * 8 + j) * 8 + m) * 4;
         const int i = j / 2, q = 2 * (j % 2), c = base + 8 * i + q;
-        o[4 * j] = bits(c) | (bits(c + 4) << 16);
-        o[4 * j + 2] = bits(c + 1) | (bits(c + 5) << 16);
-        if (low) { o[4 * j + 1] = o[4 * j]; o[4 * j + 3] = o[4 * j + 2]; }
+        o[0] = bits(c) | (bits(c + 4) << 16);
+        o[2] = bits(c + 1) | (bits(c + 5) << 16);
+        if (low) { o[1] = o[0]; o[3] = o[2]; }
       }
     }
   return out;
 }
 
-template <int U, int MODE, int MINB, int SETS>
+template <int U, int MODE, int MINB, int SETS, bool PRED = true, int RUN = 1, bool JIT = false, bool LOW = true>
 void run_mask(const char* name, const uint8_t* w, const uint8_t* sc, const uint32_t* af, float* y, int n_out,
               int n_in, int layers, int sms, int k_split, bool check_only = false) {
-  auto k = mx_mask<U, MODE, MINB, SETS>;
+  auto k = mx_mask<U, MODE, MINB, SETS, PRED, RUN, JIT, LOW>;
   const size_t smem = ((size_t)(n_in / 256) * 8 * 32 + 32) * 4;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
@@ -238,10 +266,13 @@ int main() {
     CK(cudaMalloc(&w, lb * layers)); CK(cudaMalloc(&sc, ls * layers)); CK(cudaMalloc(&x, n_in * 2)); CK(cudaMalloc(&y, n_out * 4));
     for (int l = 0; l < layers; ++l) { CK(cudaMemcpy(w + l * lb, hw.data(), lb, cudaMemcpyHostToDevice)); CK(cudaMemcpy(sc + l * ls, hs.data(), ls, cudaMemcpyHostToDevice)); }
     CK(cudaMemcpy(x, hx.data(), n_in * 2, cudaMemcpyHostToDevice));
-    const std::vector<uint32_t> hf = a_fragments(hx, n_in, false), hf_lo = a_fragments(hx, n_in, true);
-    CK(cudaMalloc(&af, hf.size() * 4)); CK(cudaMalloc(&af_lo, hf_lo.size() * 4));
+    const std::vector<uint32_t> hf = a_fragments<1>(hx, n_in, false), hf_lo = a_fragments<1>(hx, n_in, true),
+                                hf4 = a_fragments<4>(hx, n_in, false);
+    uint32_t* af4;
+    CK(cudaMalloc(&af, hf.size() * 4)); CK(cudaMalloc(&af_lo, hf_lo.size() * 4)); CK(cudaMalloc(&af4, hf4.size() * 4));
     CK(cudaMemcpy(af, hf.data(), hf.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(af_lo, hf_lo.data(), hf_lo.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(af4, hf4.data(), hf4.size() * 4, cudaMemcpyHostToDevice));
     const float e2m1[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
     std::vector<double> ref(8), mag(8);
     for (int r = 0; r < 8; ++r) {
@@ -269,19 +300,31 @@ int main() {
       if (n_out > 10000 && ks > 2) continue;
       if (n_out < 10000 && ks < 2) continue;
       char name[64];
-#define RUN(U, MODE, MINB, SETS)                                                          \
-  snprintf(name, sizeof name, "mask %s u%d minb%d rows%d ks%d", MODE ? "mma" : "loads", U, MINB, 4 * SETS, ks); \
-  run_mask<U, MODE, MINB, SETS>(name, w, sc, af, y, n_out, n_in, layers, sms, ks)
-      RUN(4, 0, 2, 1);
-      RUN(4, 0, 2, 2);
-      RUN(2, 1, 3, 1);
-      RUN(4, 1, 2, 1);
-      RUN(4, 1, 3, 1);
-      RUN(8, 1, 2, 1);
-      RUN(2, 1, 2, 2);
-      RUN(4, 1, 1, 2);
-      RUN(4, 1, 2, 2);
+#define RUN(U, MODE, MINB, SETS, R, JIT, LOW)                                                          \
+  snprintf(name, sizeof name, "mask %s u%d minb%d rows%d run%d%s%s ks%d", MODE == 1 ? "mma" : MODE == 0 ? "loads" : "wloads", U, MINB, 4 * SETS, R, JIT ? " jit" : "", LOW ? "" : " nolow", ks); \
+  run_mask<U, MODE, MINB, SETS, true, R, JIT, LOW>(name, w, sc, R == 1 ? af : af4, y, n_out, n_in, layers, sms, ks)
+      if ((n_in / 256) % (4 * ks) == 0) {
+        RUN(2, 1, 2, 2, 1, false, true);
+        RUN(4, 1, 3, 1, 4, false, true);
+        RUN(4, 1, 3, 1, 4, false, false);
+        RUN(4, 1, 3, 1, 4, true, false);
+        RUN(4, 1, 4, 1, 4, true, false);
+        RUN(2, 1, 4, 1, 4, true, false);
+        RUN(4, 1, 2, 1, 4, true, false);
+        RUN(2, 1, 2, 2, 4, true, false);
+        RUN(2, 1, 3, 2, 4, true, false);
+        RUN(4, 1, 2, 2, 4, true, false);
+        RUN(2, 1, 2, 2, 1, true, false);
+      }
 #undef RUN
+      if ((n_in / 256) % (4 * ks) == 0) {
+        run_mask<4, 1, 2, 1, true, 4>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
+        snprintf(name, sizeof name, "check rows4 run4 ks%d", ks);
+        check(name, 1.0);
+        run_mask<2, 1, 2, 2, true, 4, true, false>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
+        snprintf(name, sizeof name, "check rows8 run4 jit nolow ks%d", ks);
+        check(name, 1.0);
+      }
       run_mask<4, 1, 2, 1>(name, w, sc, af, y, n_out, n_in, layers, sms, ks, true);
       snprintf(name, sizeof name, "check rows4 ks%d", ks);
       check(name, 1.0);
@@ -292,7 +335,7 @@ int main() {
       snprintf(name, sizeof name, "check rows8 with A rows 8-15 ks%d", ks);
       check(name, 2.0);
     }
-    CK(cudaFree(w)); CK(cudaFree(sc)); CK(cudaFree(x)); CK(cudaFree(y)); CK(cudaFree(af)); CK(cudaFree(af_lo));
+    CK(cudaFree(w)); CK(cudaFree(sc)); CK(cudaFree(x)); CK(cudaFree(y)); CK(cudaFree(af)); CK(cudaFree(af_lo)); CK(cudaFree(af4));
   }
   return 0;
 }

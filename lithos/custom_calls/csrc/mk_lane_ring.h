@@ -10,9 +10,10 @@
 //
 // CUDA (sm_80 and later) only for now: HIP builds stream weights through registers (the CDNA
 // equivalent, buffer loads with LDS as their destination, has no form for 16 bytes a lane before
-// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets); packed rows and
-// the larger buckets use the register path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in
-// that layout was slower, NOTES.md run 48).
+// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets) and MXFP4 rows at
+// T = 1 (a lane's 16 bytes are one MX block; the aligned word holding its E8M0 scale comes through the
+// ring beside it); the other packed formats and the larger buckets use the register path (at 4-16
+// tokens on tensor cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
 #pragma once
 
 #include "mk_common.h"
@@ -45,15 +46,26 @@ constexpr int kRingStages = LITHOS_MK_LANE_RING;
 constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
+// A block-scaled step's scales: for every lane, the aligned 4-byte word holding each row's scale.
+constexpr int kRingScaleStageBytes = kRowsPerWarp * 4 * kMatvecThreads;
 
-// Whether the TMAX-token kernel's bf16 matvecs read their weights through the ring, and the dynamic
-// shared memory that takes (the staged inputs, then the stages); none in a build without bf16 weights.
+// Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
+template <WeightFormat F, int TMAX>
+constexpr bool kRingFormat = kRingStages > 0 && ((F == WeightFormat::kBf16 && TMAX <= 2) ||
+                                                 (F == WeightFormat::kMxfp4 && TMAX == 1));
 template <int TMAX>
-constexpr bool kRingFor = kRingStages > 0 && TMAX <= 2 &&
-                          (kAttentionFormat == WeightFormat::kBf16 || kMlpFormat == WeightFormat::kBf16 ||
-                           kHeadFormat == WeightFormat::kBf16);
+constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kMlpFormat, TMAX> ||
+                          kRingFormat<kHeadFormat, TMAX>;
 template <int TMAX>
-constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes : 0;
+constexpr bool kRingScalesFor = kRingFormat<WeightFormat::kMxfp4, TMAX> &&
+                                (kAttentionFormat == WeightFormat::kMxfp4 || kMlpFormat == WeightFormat::kMxfp4 ||
+                                 kHeadFormat == WeightFormat::kMxfp4);
+// The dynamic shared memory that takes: the staged inputs, the stages, then the scale stages (only in a
+// build with MXFP4 weights); none in a build without weights the ring reads.
+template <int TMAX>
+constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes +
+                                                    (kRingScalesFor<TMAX> ? kRingStages * kRingScaleStageBytes : 0)
+                                              : 0;
 
 #if LITHOS_MK_LANE_RING
 
@@ -66,6 +78,12 @@ __device__ __forceinline__ unsigned char* ring_memory() {
 __device__ __forceinline__ uint4* ring_slot(int stage, int r) {
   return reinterpret_cast<uint4*>(ring_memory() + kRingInputBytes) + (stage * kRowsPerWarp + r) * kMatvecThreads +
          threadIdx.x;
+}
+
+// This thread's scale words in ring stage `stage` (one per row), after the stages.
+__device__ __forceinline__ uint4* ring_scale_slot(int stage) {
+  return reinterpret_cast<uint4*>(ring_memory() + kRingInputBytes + kRingStages * kRingStageBytes) +
+         stage * kMatvecThreads + threadIdx.x;
 }
 
 // An L2 policy for data read once (the weights): evicted first, as the register path's streaming loads.
@@ -85,6 +103,12 @@ __device__ __forceinline__ void async_copy16(void* to, const void* from, uint64_
 __device__ __forceinline__ void async_copy16(void* to, const void* from) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(from) : "memory");
+}
+// The aligned 4-byte word holding byte `p`, asynchronously (a scale beside its block's codes).
+__device__ __forceinline__ void async_copy_word_of(void* to, const uint8_t* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  const uint8_t* word = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3});
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(address), "l"(word) : "memory");
 }
 // Closes this thread's copies issued since the last commit into one group (possibly empty).
 __device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -115,19 +139,40 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
 // Lets this thread's copies in flight land before its block leaves an aborted step.
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
+// What a ring step copies of a row in format F: 16 bytes (kElements elements) at input element k, and
+// for MXFP4 the aligned word holding that block's scale.
+template <WeightFormat F>
+struct RingChunk;
+template <>
+struct RingChunk<WeightFormat::kBf16> {
+  static constexpr int kElements = 8;
+  static constexpr bool kScaled = false;
+  __device__ static const void* data(const uint8_t* row, int k) { return reinterpret_cast<const bf16_t*>(row) + k; }
+  __device__ static const uint8_t* scale(const uint8_t*, int) { return nullptr; }
+};
+template <>
+struct RingChunk<WeightFormat::kMxfp4> {
+  static constexpr int kElements = kPackedBlock;  // one MX block: 32 codes, one E8M0 scale
+  static constexpr bool kScaled = true;
+  __device__ static const void* data(const uint8_t* row, int k) { return row + k / 2; }
+  __device__ static const uint8_t* scale(const uint8_t* scales, int k) { return scales + k / kPackedBlock; }
+};
+
 // One warp's weight stream over a task: the chunks of its row group in each round (groups base + slot
 // for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step, at input element
 // k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
 // one past the task's end, so that every step's wait counts the same); `rows_of(unit, rows)` is the
 // task's row map (mk_weight_rows.h).
-template <class RowsOf>
+template <WeightFormat F, class RowsOf>
 struct RingStream {
+  using Chunk = RingChunk<F>;
   RowsOf rows_of;
   int end, slots, slot;      // the task's row groups end; teams per round; this warp's team
   int k0, step, steps, n_in;  // this lane's first input element; stride; steps per round; input size
   int base = 0, s = 0, stage = 0;  // the next step to issue: its round, its step, its ring stage
   uint64_t policy = 0;
-  const bf16_t* rows[kRowsPerWarp];
+  const uint8_t* rows[kRowsPerWarp];
+  const uint8_t* scales[Chunk::kScaled ? kRowsPerWarp : 1];
 
   __device__ __forceinline__ void start(int first) {
     policy = evict_first_policy();
@@ -140,14 +185,22 @@ struct RingStream {
     PackedRow packed[kRowsPerWarp];
     rows_of(min(base + slot, end - 1), packed);  // a surplus warp redoes the last group, as the loop does
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = reinterpret_cast<const bf16_t*>(packed[r].data);
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      rows[r] = packed[r].data;
+      if constexpr (Chunk::kScaled) scales[r] = packed[r].scales;
+    }
   }
   __device__ __forceinline__ void issue() {
     if (base < end) {
       const int k = k0 + s * step;
       if (k < n_in) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), rows[r] + k, policy);
+        for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), Chunk::data(rows[r], k), policy);
+        if constexpr (Chunk::kScaled) {
+          uint32_t* words = reinterpret_cast<uint32_t*>(ring_scale_slot(stage));
+#pragma unroll
+          for (int r = 0; r < kRowsPerWarp; ++r) async_copy_word_of(words + r, Chunk::scale(scales[r], k));
+        }
       }
       if (++s == steps) {
         s = 0;
@@ -185,6 +238,60 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
     stream.issue();  // into the stage read one step ago: its values are in registers and used
     const int k = stream.k0 + s * stream.step;
     if (k < in.n_in) add_chunk<TMAX, 8, true, true>(w, in, k, acc);
+  }
+  warp_sum_rows(acc, in.tokens);
+}
+
+// ring_rows_dot for MXFP4 rows (one token): each step's 16 bytes of a row are one MX block of 32 codes,
+// decoded in registers as the register path decodes them (packed.h); its scale is the byte of the
+// step's scale word that `rows` (this round's rows, as the stream saw them) says.
+template <class Stream>
+__device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, const PackedRow (&rows)[kRowsPerWarp],
+                                                    const TokenRows& in, float (&acc)[kRowsPerWarp][1]) {
+  using P = Packed<WeightFormat::kMxfp4>;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = 0.0f;
+  for (int s = 0; s < stream.steps; ++s) {
+    async_wait<kRingStages - 2>();  // this step's group has landed
+    uint4 codes[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) codes[r] = *ring_slot(stage, r);
+    const uint4 words = *ring_scale_slot(stage);
+    stage = stage + 1 == kRingStages ? 0 : stage + 1;
+    stream.issue();  // into the stage read one step ago: its values are in registers and used
+    const int k = stream.k0 + s * stream.step;
+    if (k >= in.n_in) continue;
+    float xf[kPackedBlock];
+#pragma unroll
+    for (int c = 0; c < kPackedBlock; c += 8) {
+      const Bf16Vec<8> xv = load_activation<8, true>(in.x + k + c);
+#pragma unroll
+      for (int v = 0; v < 8; ++v) xf[c + v] = xv[v];
+      if (in.norm_w != nullptr) {
+        const Bf16Vec<8> nw = load_activation<8, true>(in.norm_w + k + c);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) xf[c + v] *= nw[v];
+      }
+    }
+    const uint32_t word[kRowsPerWarp] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const uint2 halves[2] = {make_uint2(codes[r].x, codes[r].y), make_uint2(codes[r].z, codes[r].w)};
+      float even = 0.0f, odd = 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float w[kChunk];
+        P::decode(halves[h], w);
+#pragma unroll
+        for (int v = 0; v < kChunk; v += 2) {
+          even = fmaf(w[v], xf[h * kChunk + v], even);
+          odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
+        }
+      }
+      const uint8_t* scale = RingChunk<WeightFormat::kMxfp4>::scale(rows[r].scales, k);
+      const uint32_t byte = (word[r] >> (8 * (reinterpret_cast<uintptr_t>(scale) & 3u))) & 0xFFu;
+      acc[r][0] = fmaf((even + odd) * P::kPre, e8m0_to_float(byte), acc[r][0]);
+    }
   }
   warp_sum_rows(acc, in.tokens);
 }

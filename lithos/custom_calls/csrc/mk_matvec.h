@@ -47,10 +47,11 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 // `before_epilogue(in)` runs once, by the whole block, after the first dot products (the RMSNorm
 // factor: its pass over the inputs then hits L1, or reads their staged copy).
 //
-// bf16 rows in the 1- and 2-token kernels come through the lane ring (mk_lane_ring.h: each lane's
-// chunks copied into shared memory steps ahead, the task's first steps before its wait) and the inputs
-// from a shared-memory copy when they fit; otherwise the warps stream the rows through registers, and
-// in the 4- to 16-token kernels (CUDA) multiply them on tensor cores (mma_rowdot.h).
+// bf16 rows in the 1- and 2-token kernels and MXFP4 rows in the 1-token kernel come through the lane
+// ring (mk_lane_ring.h: each lane's chunks copied into shared memory steps ahead, the task's first steps
+// before its wait) and the inputs from a shared-memory copy when they fit; otherwise the warps stream
+// the rows through registers, and in the 4- to 16-token kernels (CUDA) multiply them on tensor cores
+// (mma_rowdot.h).
 template <WeightFormat F, int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
 __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
                                   const TokenRows& task_in, RowsOf rows_of, BeforeEpilogue before_epilogue,
@@ -64,10 +65,12 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
   if (threadIdx.x < kMatvecWarps) arrivals[0][threadIdx.x] = arrivals[1][threadIdx.x] = reduced[threadIdx.x] = 0;
   __syncthreads();  // the counters are zero (and the last task's staged inputs read) before anyone writes
 #if LITHOS_MK_LANE_RING
-  constexpr bool kRing = F == WeightFormat::kBf16 && kRingFor<TMAX>;
-  const int step = k_split * WARP_SIZE * 8;
-  RingStream<RowsOf> stream{rows_of, end, slots, slot, (part * WARP_SIZE + lane_id()) * 8, step,
-                            (task_in.n_in + step - 1) / step, task_in.n_in};
+  constexpr bool kRing = kRingFormat<F, TMAX>;
+  constexpr int kLaneElements = RingChunk<kRing ? F : WeightFormat::kBf16>::kElements;
+  const int step = k_split * WARP_SIZE * kLaneElements;
+  RingStream<kRing ? F : WeightFormat::kBf16, RowsOf> stream{
+      rows_of, end, slots, slot, (part * WARP_SIZE + lane_id()) * kLaneElements, step,
+      (task_in.n_in + step - 1) / step, task_in.n_in};
   int read_stage = 0;
   if constexpr (kRing) {  // the task's first steps: the weights do not depend on the step's data
     stream.start(task.first);
@@ -93,9 +96,11 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     const int unit = min(base + slot, end - 1);  // a surplus warp redoes the last group, unused
     float acc[kRowsPerWarp][TMAX];
     PackedRow rows[kRowsPerWarp];
-    if constexpr (!kRing) rows_of(unit, rows);
+    if constexpr (!kRing || F != WeightFormat::kBf16) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
-    if constexpr (kRing) {
+    if constexpr (kRing && F == WeightFormat::kMxfp4) {
+      ring_rows_dot_mxfp4(stream, read_stage, rows, in, acc);
+    } else if constexpr (kRing) {
       ring_rows_dot<TMAX>(stream, read_stage, in, acc);
     } else
 #endif

@@ -136,6 +136,30 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
   return TokenRows{staged, norm_elements > 0 ? staged + x_elements : nullptr, in.tokens, in.n_in};
 }
 
+// After the wait of an MXFP4 task at one token: x * norm_w (or x, without an RMSNorm weight) as floats in the
+// staged-input area, formed once for all of the task's row groups (the products the steps would form: a bf16
+// product is exact in f32). nullptr when they do not fit; the steps then form them from `in`. Every thread
+// calls it; one memory round trip, then a barrier.
+__device__ inline const float* ring_stage_products(const TokenRows& in) {
+  if (in.tokens != 1 || in.n_in * static_cast<int>(sizeof(float)) > kRingInputBytes) return nullptr;
+  float* staged = reinterpret_cast<float*>(ring_memory());
+  for (int i = static_cast<int>(threadIdx.x) * 8; i < in.n_in; i += kMatvecThreads * 8) {
+    const Bf16Vec<8> xv = load_activation<8, true>(in.x + i);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = xv[j];
+    if (in.norm_w != nullptr) {
+      const Bf16Vec<8> nw = load_cached<8>(in.norm_w + i);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] *= nw[j];
+    }
+    reinterpret_cast<float4*>(staged + i)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(staged + i)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  __syncthreads();
+  return staged;
+}
+
 // Lets this thread's copies in flight land before its block leaves an aborted step.
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
@@ -244,10 +268,12 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
 
 // ring_rows_dot for MXFP4 rows (one token): each step's 16 bytes of a row are one MX block of 32 codes,
 // decoded in registers as the register path decodes them (packed.h); its scale is the byte of the
-// step's scale word that `rows` (this round's rows, as the stream saw them) says.
+// step's scale word that `rows` (this round's rows, as the stream saw them) says. The inputs times the
+// RMSNorm weight come from `products` (ring_stage_products) or, where that is nullptr, from `in`.
 template <class Stream>
 __device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, const PackedRow (&rows)[kRowsPerWarp],
-                                                    const TokenRows& in, float (&acc)[kRowsPerWarp][1]) {
+                                                    const TokenRows& in, const float* products,
+                                                    float (&acc)[kRowsPerWarp][1]) {
   using P = Packed<WeightFormat::kMxfp4>;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = 0.0f;
@@ -262,15 +288,26 @@ __device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, 
     const int k = stream.k0 + s * stream.step;
     if (k >= in.n_in) continue;
     float xf[kPackedBlock];
+    if (products != nullptr) {
 #pragma unroll
-    for (int c = 0; c < kPackedBlock; c += 8) {
-      const Bf16Vec<8> xv = load_activation<8, true>(in.x + k + c);
+      for (int c = 0; c < kPackedBlock; c += 4) {
+        const float4 p = *reinterpret_cast<const float4*>(products + k + c);
+        xf[c] = p.x;
+        xf[c + 1] = p.y;
+        xf[c + 2] = p.z;
+        xf[c + 3] = p.w;
+      }
+    } else {
 #pragma unroll
-      for (int v = 0; v < 8; ++v) xf[c + v] = xv[v];
-      if (in.norm_w != nullptr) {
-        const Bf16Vec<8> nw = load_activation<8, true>(in.norm_w + k + c);
+      for (int c = 0; c < kPackedBlock; c += 8) {
+        const Bf16Vec<8> xv = load_activation<8, true>(in.x + k + c);
 #pragma unroll
-        for (int v = 0; v < 8; ++v) xf[c + v] *= nw[v];
+        for (int v = 0; v < 8; ++v) xf[c + v] = xv[v];
+        if (in.norm_w != nullptr) {
+          const Bf16Vec<8> nw = load_activation<8, true>(in.norm_w + k + c);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) xf[c + v] *= nw[v];
+        }
       }
     }
     const uint32_t word[kRowsPerWarp] = {words.x, words.y, words.z, words.w};

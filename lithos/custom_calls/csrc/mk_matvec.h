@@ -84,7 +84,11 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     return false;
   }
 #if LITHOS_MK_LANE_RING
-  const TokenRows in = kRing ? ring_stage_inputs(task_in) : task_in;
+  // MXFP4 at one token stages x * norm_w as floats (formed once, not once per row group); the other ring
+  // formats, and MXFP4 rows too long for that, stage x and norm_w as they are.
+  const float* products = nullptr;
+  if constexpr (kRing && F == WeightFormat::kMxfp4) products = ring_stage_products(task_in);
+  const TokenRows in = kRing && products == nullptr ? ring_stage_inputs(task_in) : task_in;
 #else
   const TokenRows& in = task_in;
 #endif
@@ -99,7 +103,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     if constexpr (!kRing || F != WeightFormat::kBf16) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
     if constexpr (kRing && F == WeightFormat::kMxfp4) {
-      ring_rows_dot_mxfp4(stream, read_stage, rows, in, acc);
+      ring_rows_dot_mxfp4(stream, read_stage, rows, in, products, acc);
     } else if constexpr (kRing) {
       ring_rows_dot<TMAX>(stream, read_stage, in, acc);
     } else

@@ -136,10 +136,16 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
   return TokenRows{staged, norm_elements > 0 ? staged + x_elements : nullptr, in.tokens, in.n_in};
 }
 
+// Where the staged products keep their 16-byte group f (inputs 4f..4f+3): a lane reads the 8 groups of its
+// 32-input block, and consecutive lanes read consecutive blocks, 128 bytes apart, so the groups of a block are
+// stored rotated by the block's index (an XOR of its low 3 bits): the 8 lanes of a shared-memory phase then
+// read 8 different bank groups, where unrotated they would all read the same one (run 92).
+__device__ __forceinline__ int product_slot(int f) { return (f & ~7) | ((f & 7) ^ ((f >> 3) & 7)); }
+
 // After the wait of an MXFP4 task at one token: x * norm_w (or x, without an RMSNorm weight) as floats in the
-// staged-input area, formed once for all of the task's row groups (the products the steps would form: a bf16
-// product is exact in f32). nullptr when they do not fit; the steps then form them from `in`. Every thread
-// calls it; one memory round trip, then a barrier.
+// staged-input area (product_slot's order), formed once for all of the task's row groups (the products the
+// steps would form: a bf16 product is exact in f32). nullptr when they do not fit; the steps then form them
+// from `in`. Every thread calls it; one memory round trip, then a barrier.
 __device__ inline const float* ring_stage_products(const TokenRows& in) {
   if (in.tokens != 1 || in.n_in * static_cast<int>(sizeof(float)) > kRingInputBytes) return nullptr;
   float* staged = reinterpret_cast<float*>(ring_memory());
@@ -153,8 +159,8 @@ __device__ inline const float* ring_stage_products(const TokenRows& in) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] *= nw[j];
     }
-    reinterpret_cast<float4*>(staged + i)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(staged + i)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    reinterpret_cast<float4*>(staged)[product_slot(i / 4)] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(staged)[product_slot(i / 4 + 1)] = make_float4(v[4], v[5], v[6], v[7]);
   }
   __syncthreads();
   return staged;
@@ -291,7 +297,7 @@ __device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, 
     if (products != nullptr) {
 #pragma unroll
       for (int c = 0; c < kPackedBlock; c += 4) {
-        const float4 p = *reinterpret_cast<const float4*>(products + k + c);
+        const float4 p = reinterpret_cast<const float4*>(products)[product_slot((k + c) / 4)];
         xf[c] = p.x;
         xf[c + 1] = p.y;
         xf[c + 2] = p.z;

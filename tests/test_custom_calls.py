@@ -342,14 +342,16 @@ def test_build_variant_compiles(define, kernel):
         assert symbol.encode() in library.read_bytes()
 
 
-def test_packed_megakernel_compiles(toolchain):
-    """The megakernel over packed weights, in the build the default model needs (Q4_1 layers, a Q8_0
-    head: the packed dot products with mins, and a second format in one kernel), for both vendors.
-    Every other format triple instantiates the same templates with decoders the fused packed sources
-    compile (test_kernel_source_compiles)."""
+@pytest.mark.parametrize("formats", [("q4_1", "q4_1", "q8_0"), ("mxfp4", "mxfp4", "bfloat16")], ids=["q4_1", "mxfp4"])
+def test_packed_megakernel_compiles(toolchain, formats):
+    """The megakernel over packed weights, for both vendors: in the build the default model needs (Q4_1
+    layers, a Q8_0 head: the packed dot products with mins, and a second format in one kernel), and in the
+    benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token). Every other format
+    triple instantiates the register path's templates with decoders the fused packed sources compile
+    (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
 
-    variant = WeightFormats("q4_1", "q4_1", "q8_0").variant()
+    variant = WeightFormats(*formats).variant()
     library = build.build("megakernel", variant.toolchain(check_build(toolchain)))
     assert library != build.library_path("megakernel", check_build(toolchain))
     assert b"LithosMegakernel" in library.read_bytes()

@@ -104,7 +104,9 @@ __device__ __forceinline__ void async_copy16(void* to, const void* from) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(from) : "memory");
 }
-// The aligned 4-byte word holding byte `p`, asynchronously (a scale beside its block's codes).
+// The aligned 4-byte word holding byte `p`, asynchronously (a scale beside its block's codes). For the last
+// scales of a plane whose size is not a multiple of 4 the word reaches up to 3 bytes past it: inside the
+// buffer's allocation, which XLA aligns (and so pads) to at least 64 bytes; the extra bytes are never used.
 __device__ __forceinline__ void async_copy_word_of(void* to, const uint8_t* p) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
   const uint8_t* word = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3});

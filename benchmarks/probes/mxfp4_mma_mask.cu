@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
 
 // A fragments on the host, [step][mma][A row] quads: for step s and A row m (block 8 s + 4 (m / 4) + m % 4), mma j's quad (a0, a1, a2,
 // a3): a0 = (x[8i+q], x[8i+q+4]), a2 = (x[8i+q+1], x[8i+q+5]) of the block (i = j / 2, q = 2 (j % 2)), as bf16
-// of x * 2^64; a1, a3 (rows m + 8) zero, or with `low` the same as a0, a2 (MODE 2's check: twice the sum).
+// of x * 2^64; a1, a3 (rows m + 8) zero, or with `low` the same as a0, a2 (the check of A rows 8..15: twice the sum).
 template <int RUN>
 static std::vector<uint32_t> a_fragments(const std::vector<__nv_bfloat16>& hx, int n_in, bool low) {
   const int steps = n_in / 256;

@@ -195,6 +195,23 @@ __global__ void __launch_bounds__(256) mx_matvec(const uint8_t* __restrict__ w, 
   }
 }
 
+// Microseconds per launch of `launch(iter)`: 10 launches of warm-up, then the mean of 400 timed by events.
+template <class Launch>
+double time_launches(Launch launch) {
+  for (int i = 0; i < 10; ++i) launch(i);
+  CK(cudaDeviceSynchronize());
+  const int iters = 400;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a); cudaEventCreate(&b);
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) launch(i);
+  cudaEventRecord(b);
+  CK(cudaEventSynchronize(b));
+  float ms; cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a); cudaEventDestroy(b);
+  return ms * 1000 / iters;
+}
+
 template <int BYTES, int ROWS, int UNROLL, int MODE, bool XSMEM>
 void run(const char* name, const uint8_t* w, const uint8_t* sc, const __nv_bfloat16* x, float* y, int n_out, int n_in,
          int layers, int sms) {
@@ -206,19 +223,10 @@ void run(const char* name, const uint8_t* w, const uint8_t* sc, const __nv_bfloa
   const int groups = n_out / ROWS;
   int blocks = std::min(sms * per_sm, (groups + 7) / 8);
   size_t lb = (size_t)n_out * n_in / 2, ls = (size_t)n_out * n_in / 32;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
   static const bool profile = getenv("PROFILE") != nullptr;
   if (profile) { k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, 0); CK(cudaDeviceSynchronize()); printf("profiled %s\n", name); return; }
-  for (int i = 0; i < 10; ++i) k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i);
-  CK(cudaDeviceSynchronize());
-  const int iters = 400;
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i);
-  cudaEventRecord(b);
-  CK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1000 / iters, bytes = lb + ls;
+  const double us = time_launches([&](int i) { k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i); });
+  const double bytes = lb + ls;
   printf("%-34s out=%6d in=%6d  %7.2f us  %6.0f GB/s  %5.1f elem/clk/SM  (%d blocks/SM)\n", name, n_out, n_in, us,
          bytes / us / 1e3, (double)n_out * n_in / (us * 1e-6) / sms / 1.98e9, per_sm);
 }
@@ -401,17 +409,9 @@ void run_mma(const char* name, const uint8_t* w, const uint8_t* sc, const __nv_b
     CK(cudaDeviceSynchronize());
     return;
   }
-  cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 10; ++i) k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split);
-  CK(cudaDeviceSynchronize());
-  const int iters = 400;
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split);
-  cudaEventRecord(b);
-  CK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1000 / iters, bytes = lb + ls;
+  const double us =
+      time_launches([&](int i) { k<<<blocks, 256, smem>>>(w, sc, x, y, n_out, n_in, lb, ls, layers, i, k_split); });
+  const double bytes = lb + ls;
   printf("%-34s out=%6d in=%6d  %7.2f us  %6.0f GB/s  %5.1f elem/clk/SM  (%d blocks/SM, k_split %d)\n", name, n_out,
          n_in, us, bytes / us / 1e3, (double)n_out * n_in / (us * 1e-6) / sms / 1.98e9, per_sm, k_split);
 }

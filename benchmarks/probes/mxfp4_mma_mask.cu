@@ -49,7 +49,7 @@ __host__ __device__ __forceinline__ int block_of(int step, int h, int t) {
 
 // MODE 0: loads only (weights, scales, A fragments); 3: weights and scales only; 1: the matvec. SETS row
 // sets of 4 per step share each A fragment (2: 8 rows, two weight blocks per lane and step).
-template <int U, int MODE, int MINB, int SETS, bool PRED = true, int RUN = 1, bool JIT = false, bool LOW = true>
+template <int U, int MODE, int MINB, int SETS, int RUN = 1, bool JIT = false, bool LOW = true>
 __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__ w, const uint8_t* __restrict__ sc,
                                                      const uint32_t* __restrict__ afrag, float* y, int n_out,
                                                      int n_in, size_t layer_bytes, size_t layer_scale_bytes,
@@ -121,21 +121,14 @@ __global__ void __launch_bounds__(256, MINB) mx_mask(const uint8_t* __restrict__
           }
         }
         // Only the 8 lanes that supply an A row read shared memory (one wavefront per LDS.128); the
-        // others keep the zeros a4 started with. PRED = false: every lane reads, the others a zero row.
-        // JIT: each quad is read just before its mma (all lanes: the zero row for those that supply
-        // none), so that 8 quads are never live at once.
+        // others keep the zeros a4 started with. JIT: each quad is read just before its mma (all lanes: the
+        // zero row for those that supply none), so that 8 quads are never live at once.
         const uint4* aq_base = supplies ? fr + (st + u) * 64 + g : zeros;
         const int aq_stride = supplies ? 8 : 0;
-        if (MODE == 3 || JIT) {
-        } else if (PRED) {
-          if (supplies) {  // quad i of the 8 rows at consecutive addresses: one wavefront, no bank conflict
-            const uint4* ap = fr + (st + u) * 64 + g;
+        if (MODE != 3 && !JIT && supplies) {  // quad i of the 8 rows at consecutive addresses: no bank conflict
+          const uint4* ap = fr + (st + u) * 64 + g;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) a4[i] = ap[8 * i];
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a4[i] = supplies ? fr[(st + u) * 64 + 8 * i + g] : zeros[i];
+          for (int i = 0; i < 8; ++i) a4[i] = ap[8 * i];
         }
         if (MODE == 0 || MODE == 3) {
 #pragma unroll
@@ -214,10 +207,10 @@ static std::vector<uint32_t> a_fragments(const std::vector<__nv_bfloat16>& hx, i
   return out;
 }
 
-template <int U, int MODE, int MINB, int SETS, bool PRED = true, int RUN = 1, bool JIT = false, bool LOW = true>
+template <int U, int MODE, int MINB, int SETS, int RUN = 1, bool JIT = false, bool LOW = true>
 void run_mask(const char* name, const uint8_t* w, const uint8_t* sc, const uint32_t* af, float* y, int n_out,
               int n_in, int layers, int sms, int k_split, bool check_only = false) {
-  auto k = mx_mask<U, MODE, MINB, SETS, PRED, RUN, JIT, LOW>;
+  auto k = mx_mask<U, MODE, MINB, SETS, RUN, JIT, LOW>;
   const size_t smem = ((size_t)(n_in / 256) * 8 * 32 + 32) * 4;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
@@ -231,17 +224,9 @@ void run_mask(const char* name, const uint8_t* w, const uint8_t* sc, const uint3
     CK(cudaDeviceSynchronize());
     return;
   }
-  cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 10; ++i) k<<<blocks, 256, smem>>>(w, sc, af, y, n_out, n_in, lb, ls, layers, i, k_split);
-  CK(cudaDeviceSynchronize());
-  const int iters = 400;
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) k<<<blocks, 256, smem>>>(w, sc, af, y, n_out, n_in, lb, ls, layers, i, k_split);
-  cudaEventRecord(b);
-  CK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1000 / iters, bytes = lb + ls;
+  const double us =
+      time_launches([&](int i) { k<<<blocks, 256, smem>>>(w, sc, af, y, n_out, n_in, lb, ls, layers, i, k_split); });
+  const double bytes = lb + ls;
   printf("%-34s out=%6d in=%6d  %7.2f us  %6.0f GB/s  (%d blocks/SM, k_split %d)\n", name, n_out, n_in, us,
          bytes / us / 1e3, per_sm, k_split);
 }
@@ -302,7 +287,7 @@ int main() {
       char name[64];
 #define RUN(U, MODE, MINB, SETS, R, JIT, LOW)                                                          \
   snprintf(name, sizeof name, "mask %s u%d minb%d rows%d run%d%s%s ks%d", MODE == 1 ? "mma" : MODE == 0 ? "loads" : "wloads", U, MINB, 4 * SETS, R, JIT ? " jit" : "", LOW ? "" : " nolow", ks); \
-  run_mask<U, MODE, MINB, SETS, true, R, JIT, LOW>(name, w, sc, R == 1 ? af : af4, y, n_out, n_in, layers, sms, ks)
+  run_mask<U, MODE, MINB, SETS, R, JIT, LOW>(name, w, sc, R == 1 ? af : af4, y, n_out, n_in, layers, sms, ks)
       if ((n_in / 256) % (4 * ks) == 0) {
         RUN(2, 1, 2, 2, 1, false, true);
         RUN(4, 1, 3, 1, 4, false, true);
@@ -318,10 +303,10 @@ int main() {
       }
 #undef RUN
       if ((n_in / 256) % (4 * ks) == 0) {
-        run_mask<4, 1, 2, 1, true, 4>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
+        run_mask<4, 1, 2, 1, 4>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
         snprintf(name, sizeof name, "check rows4 run4 ks%d", ks);
         check(name, 1.0);
-        run_mask<2, 1, 2, 2, true, 4, true, false>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
+        run_mask<2, 1, 2, 2, 4, true, false>(name, w, sc, af4, y, n_out, n_in, layers, sms, ks, true);
         snprintf(name, sizeof name, "check rows8 run4 jit nolow ks%d", ks);
         check(name, 1.0);
       }

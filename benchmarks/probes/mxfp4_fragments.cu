@@ -210,10 +210,196 @@ __global__ void __launch_bounds__(256, MINB)
   if (MODE == 0 && sink == 0x12345678u) y[0] = 1.0f;
 }
 
+__device__ __forceinline__ void copy16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem));
+}
+__device__ __forceinline__ void copy4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Run 94 left each warp's units short (8-28 steps) and each paid a full memory latency to start, with 32 KB in
+// flight an SM. Here a warp streams one flat range of (row group, k tile) steps, its loads running on across
+// row groups, over a layout whose step is R tiles side by side ([group][k tile][R tiles], `repack(..., R)`): a
+// step is R * 512 contiguous bytes, the next step's right after, so a pointer walks them. A row group's sums are
+// written when its last step in the range is done (atomically when ATOMIC, the check; stored otherwise, the
+// timing: a row group split between two warps then holds one warp's part). RING = 0: D steps in flight in
+// registers; RING = S: each lane's chunks copied into a shared-memory ring of S stages by cp.async, S - 1 steps
+// ahead, no registers held.
+template <int R, int D, int RING, int MINB, bool ATOMIC>
+__global__ void __launch_bounds__(256, MINB)
+    mx_flat(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc, const float* __restrict__ p, float* y,
+            int n_out, int n_in, size_t layer_bytes, size_t layer_words, int layers, int iter) {
+  extern __shared__ uint4 smem[];
+  const int steps = n_in / 16, kt_total = n_in / kTileK, tiles = n_out / kTileRows;
+  uint2* bs = reinterpret_cast<uint2*>(smem);
+  for (int i = threadIdx.x; i < steps * 4; i += blockDim.x) {
+    const int s = i / 4, t = i % 4;
+    uint32_t half[3][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 v2 = *reinterpret_cast<const float2*>(p + 16 * s + 2 * t + 8 * h);
+      float v[2] = {v2.x * 18446744073709551616.0f, v2.y * 18446744073709551616.0f};
+#pragma unroll
+      for (int g = 0; g < 3; ++g) {
+        const __nv_bfloat16 b0 = __float2bfloat16_rn(v[0]), b1 = __float2bfloat16_rn(v[1]);
+        half[g][h] = __bfloat16_as_ushort(b0) | static_cast<uint32_t>(__bfloat16_as_ushort(b1)) << 16;
+        v[0] -= __bfloat162float(b0);
+        v[1] -= __bfloat162float(b1);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < 3; ++g) bs[s * 12 + 4 * g + t] = make_uint2(half[g][0], half[g][1]);
+  }
+  // The ring: [warp][stage][tile] 512 bytes of codes, then [warp][stage][tile][lane] scale words.
+  constexpr int kStages = RING > 0 ? RING : 1;
+  const int stage_uint4 = (steps * 12 * 8 + 15) / 16;
+  uint4* ring_codes = smem + stage_uint4 + (threadIdx.x / 32) * kStages * R * 32;
+  uint32_t* ring_scales =
+      reinterpret_cast<uint32_t*>(smem + stage_uint4 + 8 * kStages * R * 32) + (threadIdx.x / 32) * kStages * R * 32;
+  __syncthreads();
+  const int layer = iter % layers;
+  const int lane = threadIdx.x % 32, g = lane / 4;
+  const int warps = gridDim.x * (blockDim.x / 32), gw = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int total = tiles / R * kt_total;
+  const int q0 = static_cast<int>((long)total * gw / warps), q1 = static_cast<int>((long)total * (gw + 1) / warps);
+  // Step q's lane chunk of tile r: codes + q * R * 32 + r * 32 (uint4), scales + q * R * 8 + r * 8 + g.
+  const uint4* codes = reinterpret_cast<const uint4*>(w + layer * layer_bytes) + (size_t)q0 * R * 32 + lane;
+  const uint32_t* scales = sc + layer * layer_words + (size_t)q0 * R * 8 + g;
+  const int n = q1 - q0;
+  uint4 cbuf[RING > 0 ? 1 : D][R];
+  uint32_t sbuf[RING > 0 ? 1 : D][R];
+  int issue_stage = 0, read_stage = 0;
+  auto issue = [&](int i) {  // step q0 + i into the ring's next stage (an empty group past the range keeps the count)
+    if (i < n) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        copy16(ring_codes + (issue_stage * R + r) * 32 + lane, codes + (size_t)i * R * 32 + r * 32);
+        copy4(ring_scales + (issue_stage * R + r) * 32 + lane, scales + (size_t)i * R * 8 + r * 8);
+      }
+    }
+    copy_commit();
+    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
+  };
+  if constexpr (RING > 0) {
+    for (int d = 0; d < kStages - 1; ++d) issue(d);
+  } else {
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (d < n) {
+          cbuf[d][r] = load_codes(reinterpret_cast<const uint8_t*>(codes + (size_t)d * R * 32 + r * 32));
+          sbuf[d][r] = load_scales(scales + (size_t)d * R * 8 + r * 8);
+        }
+  }
+  float acc[R][4] = {};
+  int kt = q0 % kt_total, group = q0 / kt_total;
+  constexpr int kUnroll = RING > 0 ? 1 : D;
+  for (int i0 = 0; i0 < n; i0 += kUnroll) {
+#pragma unroll
+    for (int d = 0; d < kUnroll; ++d) {
+      const int i = i0 + d;
+      if (i >= n) break;
+      uint4 cur[R];
+      uint32_t cs[R];
+      if constexpr (RING > 0) {
+        copy_wait<kStages - 2>();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          cur[r] = ring_codes[(read_stage * R + r) * 32 + lane];
+          cs[r] = ring_scales[(read_stage * R + r) * 32 + lane];
+        }
+        read_stage = read_stage + 1 == kStages ? 0 : read_stage + 1;
+        issue(i + kStages - 1);  // into the stage read one step ago
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          cur[r] = cbuf[d][r];
+          cs[r] = sbuf[d][r];
+        }
+        if (i + D < n) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            cbuf[d][r] = load_codes(reinterpret_cast<const uint8_t*>(codes + (size_t)(i + D) * R * 32 + r * 32));
+            sbuf[d][r] = load_scales(scales + (size_t)(i + D) * R * 8 + r * 8);
+          }
+        }
+      }
+      uint2 b[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = g < 3 ? bs[(kt * 4 + j) * 12 + lane] : make_uint2(0u, 0u);
+#pragma unroll
+      for (int r = 0; r < R; ++r) tile_step(cur[r], cs[r], b, acc[r]);
+      if (kt == kt_total - 1 || i + 1 == n) {  // the row group's last step in this range: its sums out
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float vg = acc[r][0] + acc[r][1], vg8 = acc[r][2] + acc[r][3];
+          vg += __shfl_down_sync(0xffffffffu, vg, 1);
+          vg8 += __shfl_down_sync(0xffffffffu, vg8, 1);
+          if (lane % 4 == 0) {
+            const int row = (group * R + r) * kTileRows + g;
+            if (ATOMIC) {
+              atomicAdd(y + row, vg);
+              atomicAdd(y + row + 8, vg8);
+            } else {
+              y[row] = vg;
+              y[row + 8] = vg8;
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
+        }
+      }
+      if (++kt == kt_total) {
+        kt = 0;
+        ++group;
+      }
+    }
+  }
+  if constexpr (RING > 0) copy_wait<0>();
+}
+
+template <int R, int D, int RING, int MINB>
+double run_flat(const char* name, const uint8_t* w, const uint32_t* sc, const float* p, float* y, int n_out, int n_in,
+                int layers, int sms, bool check_only = false) {
+  auto k = mx_flat<R, D, RING, MINB, false>;
+  auto kc = mx_flat<R, D, RING, MINB, true>;
+  const size_t stage_bytes = ((size_t)(n_in / 16) * 12 * 8 + 15) / 16 * 16;
+  const size_t smem = stage_bytes + (RING > 0 ? (size_t)8 * RING * R * (512 + 128) : 0);
+  if (smem > 227 * 1024) {
+    printf("%-40s skipped: %zu KB of shared memory\n", name, smem / 1024);
+    return 0;
+  }
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  CK(cudaFuncSetAttribute(kc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, 256, smem));
+  const int blocks = sms * per_sm;
+  const size_t lb = (size_t)n_out * n_in / 2, lw = (size_t)n_out * n_in / 32 / 4;
+  if (check_only) {
+    CK(cudaMemset(y, 0, (size_t)n_out * 4));
+    kc<<<blocks, 256, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, 0);
+    CK(cudaDeviceSynchronize());
+    return 0;
+  }
+  const double us = time_launches([&](int i) { k<<<blocks, 256, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, i); });
+  const double bytes = lb + lw * 4;
+  printf("%-40s out=%6d in=%6d  %7.2f us  %6.0f GB/s  (%d blocks/SM, %zu KB smem)\n", name, n_out, n_in, us,
+         bytes / us / 1e3, per_sm, smem / 1024);
+  return us;
+}
+
 // The repack, on the host: codes [n_out][n_in / 2] (low nibble first) and scales [n_out][n_in / 32] as
 // stored, to tiles. Returns false (and says why) when a scale is outside what the fast path takes.
 bool repack(const std::vector<uint8_t>& codes, const std::vector<uint8_t>& scales, int n_out, int n_in,
-            std::vector<uint8_t>& out_codes, std::vector<uint32_t>& out_scales) {
+            std::vector<uint8_t>& out_codes, std::vector<uint32_t>& out_scales, int side_by_side = 1) {
   const int kt_total = n_in / kTileK, tiles = n_out / kTileRows;
   out_codes.assign((size_t)n_out * n_in / 2, 0);
   out_scales.assign((size_t)tiles * kt_total * 8, 0);
@@ -223,7 +409,10 @@ bool repack(const std::vector<uint8_t>& codes, const std::vector<uint8_t>& scale
   };
   for (int T = 0; T < tiles; ++T)
     for (int kt = 0; kt < kt_total; ++kt) {
-      uint8_t* tile = out_codes.data() + ((size_t)T * kt_total + kt) * kTileBytes;
+      // Tile T's step kt: [T][kt] (side_by_side = 1), or [T / R][kt][T % R] (mx_flat's R tiles a step).
+      const int R = side_by_side;
+      const size_t at = ((size_t)(T / R) * kt_total + kt) * R + T % R;
+      uint8_t* tile = out_codes.data() + at * kTileBytes;
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, t = lane % 4;
         for (int j = 0; j < 4; ++j) {
@@ -252,7 +441,7 @@ bool repack(const std::vector<uint8_t>& codes, const std::vector<uint8_t>& scale
           }
           word |= (uint32_t)s << (8 * i);
         }
-        out_scales[((size_t)T * kt_total + kt) * 8 + g] = word;
+        out_scales[at * 8 + g] = word;
       }
     }
   return true;
@@ -309,22 +498,27 @@ int main() {
     }
     std::vector<__nv_bfloat16> hx(n_in);
     for (int i = 0; i < n_in; ++i) hx[i] = __float2bfloat16(hp[i]);
-    std::vector<uint8_t> fw;
-    std::vector<uint32_t> fs;
-    if (!repack(hw, hs, n_out, n_in, fw, fs)) return 1;
-    uint8_t *w, *sc, *fwd;
-    uint32_t* fsd;
+    // The layouts: R = 1 ([tile][k tile], mx_frag and mx_flat R1), 2 and 4 (mx_flat's R tiles a step).
+    uint8_t *w, *sc, *fwd[5] = {};
+    uint32_t* fsd[5] = {};
+    for (int R : {1, 2, 4}) {
+      std::vector<uint8_t> fw;
+      std::vector<uint32_t> fs;
+      if (!repack(hw, hs, n_out, n_in, fw, fs, R)) return 1;
+      CK(cudaMalloc(&fwd[R], lb * layers)); CK(cudaMalloc(&fsd[R], ls * layers));
+      for (int l = 0; l < layers; ++l) {
+        CK(cudaMemcpy(fwd[R] + l * lb, fw.data(), lb, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(reinterpret_cast<uint8_t*>(fsd[R]) + l * ls, fs.data(), ls, cudaMemcpyHostToDevice));
+      }
+    }
     __nv_bfloat16* x;
     float *y, *p;
     const int max_split = 32;
     CK(cudaMalloc(&w, lb * layers)); CK(cudaMalloc(&sc, ls * layers));
-    CK(cudaMalloc(&fwd, lb * layers)); CK(cudaMalloc(&fsd, ls * layers));
     CK(cudaMalloc(&x, n_in * 2)); CK(cudaMalloc(&p, n_in * 4)); CK(cudaMalloc(&y, (size_t)n_out * 4 * max_split));
     for (int l = 0; l < layers; ++l) {
       CK(cudaMemcpy(w + l * lb, hw.data(), lb, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(sc + l * ls, hs.data(), ls, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(fwd + l * lb, fw.data(), lb, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(reinterpret_cast<uint8_t*>(fsd) + l * ls, fs.data(), ls, cudaMemcpyHostToDevice));
     }
     CK(cudaMemcpy(x, hx.data(), n_in * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(p, hp.data(), n_in * 4, cudaMemcpyHostToDevice));
@@ -363,31 +557,38 @@ int main() {
     // Baselines in the same call: the 16-byte loads-only ceiling and the shipped decode (rows as stored).
     run<16, 4, 2, 0, false>("loads only 16B x4 rows u2 (as stored)", w, sc, x, y, n_out, n_in, layers, sms);
     run<8, 4, 4, 1, false>("shipped: 8B x4 u4 fp16trick+cvt", w, sc, x, y, n_out, n_in, layers, sms);
-    const bool wide = n_out > 10000;
-    for (int ks : wide ? std::vector<int>{1, 2, 4, 8} : std::vector<int>{4, 8, 16, 32}) {
-      if ((n_in / kTileK) % ks) continue;
-      char name[64];
-#define RUN(R, D, MODE, MINB)                                                                                   \
-  snprintf(name, sizeof name, "frag %s R%d D%d minb%d ks%d", MODE == 1 ? "mma" : MODE == 2 ? "mma-nostage" : "loads", R, D, MINB, ks);         \
-  run_frag<R, D, MODE, MINB>(name, fwd, fsd, p, y, n_out, n_in, layers, sms, ks)
-      RUN(2, 4, 0, 1);
-      RUN(2, 4, 2, 1);
-      RUN(2, 2, 1, 1);
-      RUN(2, 4, 1, 1);
-      RUN(4, 2, 1, 1);
-      RUN(4, 4, 1, 1);
-      RUN(1, 4, 1, 2);
-      RUN(2, 2, 1, 2);
-      RUN(2, 4, 1, 2);
-#undef RUN
-      run_frag<2, 4, 1, 1>(name, fwd, fsd, p, y, n_out, n_in, layers, sms, ks, true);
-      snprintf(name, sizeof name, "R2 D4 ks%d", ks);
-      check(name, ks);
-      run_frag<4, 2, 1, 1>(name, fwd, fsd, p, y, n_out, n_in, layers, sms, ks, true);
-      snprintf(name, sizeof name, "R4 D2 ks%d", ks);
-      check(name, ks);
-    }
-    CK(cudaFree(w)); CK(cudaFree(sc)); CK(cudaFree(fwd)); CK(cudaFree(fsd));
+    // Run 94's best of the unit-per-warp kernel, for comparison in the same call.
+    const int ks94 = n_out > 10000 ? 2 : 16;
+    run_frag<2, 4, 1, 2>("frag mma R2 D4 minb2 (run 94's best)", fwd[1], fsd[1], p, y, n_out, n_in, layers, sms, ks94);
+    char name[64];
+#define FLAT(R, D, RING, MINB)                                                                                  \
+  snprintf(name, sizeof name, "flat R%d %s%d minb%d", R, RING ? "ring" : "regs D", RING ? RING : D, MINB);       \
+  run_flat<R, D, RING, MINB>(name, fwd[R], fsd[R], p, y, n_out, n_in, layers, sms)
+    FLAT(2, 4, 0, 1);
+    FLAT(2, 4, 0, 2);
+    FLAT(1, 4, 0, 2);
+    FLAT(2, 1, 4, 1);
+    FLAT(2, 1, 8, 1);
+    FLAT(2, 1, 12, 1);
+    FLAT(1, 1, 8, 2);
+    FLAT(1, 1, 12, 1);
+    FLAT(1, 1, 16, 1);
+    FLAT(4, 1, 6, 1);
+    FLAT(4, 1, 8, 1);
+    FLAT(2, 1, 6, 1);
+    FLAT(4, 2, 0, 1);
+    FLAT(1, 8, 0, 2);
+#undef FLAT
+    run_flat<2, 1, 8, 1>(name, fwd[2], fsd[2], p, y, n_out, n_in, layers, sms, true);
+    check("flat R2 ring8", 1);
+    run_flat<2, 4, 0, 2>(name, fwd[2], fsd[2], p, y, n_out, n_in, layers, sms, true);
+    check("flat R2 regs D4", 1);
+    run_flat<4, 1, 6, 1>(name, fwd[4], fsd[4], p, y, n_out, n_in, layers, sms, true);
+    check("flat R4 ring6", 1);
+    run_flat<1, 1, 8, 2>(name, fwd[1], fsd[1], p, y, n_out, n_in, layers, sms, true);
+    check("flat R1 ring8", 1);
+    CK(cudaFree(w)); CK(cudaFree(sc));
+    for (int R : {1, 2, 4}) { CK(cudaFree(fwd[R])); CK(cudaFree(fsd[R])); }
     CK(cudaFree(x)); CK(cudaFree(p)); CK(cudaFree(y));
   }
   return 0;

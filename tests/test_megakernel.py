@@ -125,6 +125,27 @@ def test_k_split_balances_the_busiest_task():
     assert k_split_for(512, 8192, 132, 32) == 2  # 1B down: one warp per group leaves half the grid idle
     assert k_split_for(96, 2048, 16, 32) == 1  # 1B QKV: shares of 512 inputs are too short to pay
     assert k_split_for(96, 256, 16, 32) == 1
+    # MXFP4 through the lane ring reads 32 inputs a lane step: the 8B group's halves would be two steps each.
+    assert k_split_for(192, 4096, 16, 32, lane_step=32) == 1
+    assert k_split_for(512, 8192, 132, 32, lane_step=32) == 2  # 1B down: shares of four steps still
+
+
+def test_lane_steps_follow_the_weight_format():
+    from lithos.custom_calls.megakernel.kernel import WeightFormats, lane_steps
+    from lithos.custom_calls.megakernel.schedule import LaneSteps
+
+    assert lane_steps(WeightFormats(), 1, "cuda") == LaneSteps(8, 8, 8)
+    assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
+    # the ring carries MXFP4 at one token on CUDA only; elsewhere packed rows step by packed.h's 16
+    assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 4, "cuda") == LaneSteps(16, 16, 8)
+    assert lane_steps(WeightFormats("mxfp4", "q4_1", "mxfp4"), 1, "rocm") == LaneSteps(16, 16, 16)
+    shape = ModelShape(layers=1, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
+
+    def qkv_split(schedule) -> int:
+        return next(schedule.task(i).k_split for i in range(len(schedule)) if schedule.task(i).op == Op.QKV)
+
+    assert qkv_split(build_schedule(shape, 132, True, 32, LaneSteps(32, 32, 8))) == 1
+    assert qkv_split(build_schedule(shape, 132, True, 32)) == 2
 
 
 def simulate_grid(schedule, grid: int) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from lithos.custom_calls import build
 from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
-from lithos.custom_calls.megakernel.schedule import Schedule, build_schedule
+from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, Schedule, build_schedule
 from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, ModelShape
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
@@ -99,14 +99,26 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
     return blocks
 
 
+def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
+    """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): bf16 16 bytes; an
+    MXFP4 block of 32 through the lane ring (CUDA, one token); other packed rows packed.h's 16 a step."""
+
+    def step(name: str) -> int:
+        if name == "bfloat16":
+            return BF16_LANE_STEP
+        return 32 if name == "mxfp4" and tokens == 1 and platform == "cuda" else 16
+
+    return LaneSteps(*(step(name) for name in formats))
+
+
 def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:
     """The schedule `decode_step` runs: sized for this GPU's resident blocks (of the build that reads
-    `formats`), or for CPU_WORKERS."""
+    `formats`) and its lanes' steps, or for CPU_WORKERS."""
     platform = _gpu_platform()
     if platform is None:
         return build_schedule(shape, CPU_WORKERS, with_head)
     blocks = resident_blocks(platform, tokens, formats.variant())
-    return build_schedule(shape, blocks, with_head, WARP_SIZE[platform])
+    return build_schedule(shape, blocks, with_head, WARP_SIZE[platform], lane_steps(formats, tokens, platform))
 
 
 def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:

@@ -24,6 +24,23 @@ from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, WARPS_PER_B
 from lithos.errors import LithosError
 
 MAX_SPLITS = 64  # attention splits per KV head, at most
+BF16_LANE_STEP = 8  # inputs a lane reads per step of bf16 rows: 16 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneSteps:
+    """Inputs a lane reads per step of each weight group's rows (csrc/mk_matvec.h): 8 for bf16's 16 bytes, 32
+    for an MXFP4 block through the lane ring, 16 for packed rows decoded from registers (packed.h kChunk)."""
+
+    attention: int = BF16_LANE_STEP
+    mlp: int = BF16_LANE_STEP
+    head: int = BF16_LANE_STEP
+
+    def of(self, op: Op) -> int:
+        """The lane step of the rows task kind `op` reads."""
+        if op in (Op.QKV, Op.O_PROJ):
+            return self.attention
+        return self.head if op == Op.HEAD else self.mlp
 
 
 class ScheduleError(LithosError):
@@ -67,17 +84,17 @@ def describe_task(schedule: Schedule, index: int) -> str:
     return f"task {index}: {layer}{t.op.name.lower()} {what}; waits for {waits}"
 
 
-def k_split_for(units: int, n_in: int, tasks: int, warp_size: int) -> int:
+def k_split_for(units: int, n_in: int, tasks: int, warp_size: int, lane_step: int = BF16_LANE_STEP) -> int:
     """Warps that share a row group (1, 2, 4 or 8): the fewest that minimise the busiest task's work,
     ceil(rounds / tasks) rounds of n_in / k inputs per warp, where a round is 8 / k row groups. A stage
     ends with its slowest task, so a QKV group of 24 rounds over 16 tasks (two rounds for some, one for
     others) costs as much as 32: with k = 2, 48 rounds of half the inputs split 3 per task. More warps
     per group must save an eighth of that work at least (each team adds its sums once per round), and
-    each warp's share keeps four 16-byte chunks per lane at least (shorter shares cost more in sums and
-    activation loads than they stream: measured, 1B's QKV with k = 4)."""
+    each warp's share keeps four steps of `lane_step` inputs per lane at least (shorter shares cost more
+    in sums and activation loads than they stream: measured, 1B's QKV with k = 4)."""
     best_work, best_k = None, 1
     for k in (1, 2, 4, 8):
-        if k > WARPS_PER_BLOCK or n_in < k * warp_size * 8 * 4:
+        if k > WARPS_PER_BLOCK or n_in < k * warp_size * lane_step * 4:
             break
         rounds = -(-units // (WARPS_PER_BLOCK // k))
         work = -(-rounds // tasks) * -(-n_in // k)
@@ -102,9 +119,11 @@ def split_units(units: int, slots: int, tasks: int) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=64)
-def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp_size: int = 32) -> Schedule:
+def build_schedule(
+    shape: ModelShape, workers: int, with_head: bool = True, warp_size: int = 32, lane_steps: LaneSteps = LaneSteps()
+) -> Schedule:
     """The task list of one step of `shape` for a grid of `workers` blocks (any grid runs it correctly;
-    `workers` only sizes the tasks), with the LM head and greedy token when `with_head`."""
+    `workers` and `lane_steps` only size the tasks), with the LM head and greedy token when `with_head`."""
     if workers < 1:
         raise ScheduleError(f"workers must be at least 1, got {workers}")
     names: list[str] = []
@@ -119,7 +138,7 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
 
     def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str) -> tuple[int, int]:
         units = shape.units(op)
-        k = k_split_for(units, shape.input_size(op), workers, warp_size)
+        k = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op))
         done = counter(name)
         ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
         for first, count in ranges:
@@ -128,7 +147,7 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
 
     for layer in range(shape.layers):
         per_group = shape.qkv_units_per_group
-        k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size)
+        k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size, lane_steps.attention)
         qkv_done = []
         for g in range(shape.kv_heads):
             done = counter(f"layer {layer} qkv group {g}")
@@ -148,7 +167,7 @@ def build_schedule(shape: ModelShape, workers: int, with_head: bool = True, warp
     head_tasks = 0
     if with_head:
         units = shape.units(Op.HEAD)
-        k = k_split_for(units, shape.hidden, workers, warp_size)
+        k = k_split_for(units, shape.hidden, workers, warp_size, lane_steps.head)
         arrived = counter("head")
         ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
         head_tasks = len(ranges)

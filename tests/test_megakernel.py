@@ -128,6 +128,7 @@ def test_k_split_balances_the_busiest_task():
     # MXFP4 through the lane ring reads 32 inputs a lane step: the 8B group's halves would be two steps each.
     assert k_split_for(192, 4096, 16, 32, lane_step=32) == 1
     assert k_split_for(512, 8192, 132, 32, lane_step=32) == 2  # 1B down: shares of four steps still
+    assert k_split_for(512, 2048, 132, 32, lane_step=32) == 2  # 1B O: whole rows would idle half the blocks
 
 
 def test_lane_steps_follow_the_weight_format():

@@ -232,15 +232,23 @@ __device__ __forceinline__ void copy_wait() {
 // timing: a row group split between two warps then holds one warp's part). RING = 0: D steps in flight in
 // registers; RING = S: each lane's chunks copied into a shared-memory ring of S stages by cp.async, S - 1 steps
 // ahead, no registers held.
-template <int R, int D, int RING, int MINB, bool ATOMIC>
-__global__ void __launch_bounds__(256, MINB)
+// THREADS: the block's threads (the ring variants take 256). The block stages B only for the k tiles its warps'
+// steps touch (all of them when the block's range covers a row group).
+template <int R, int D, int RING, int MINB, bool ATOMIC, int THREADS = 256>
+__global__ void __launch_bounds__(THREADS, MINB)
     mx_flat(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc, const float* __restrict__ p, float* y,
             int n_out, int n_in, size_t layer_bytes, size_t layer_words, int layers, int iter) {
   extern __shared__ uint4 smem[];
   const int steps = n_in / 16, kt_total = n_in / kTileK, tiles = n_out / kTileRows;
   uint2* bs = reinterpret_cast<uint2*>(smem);
-  for (int i = threadIdx.x; i < steps * 4; i += blockDim.x) {
-    const int s = i / 4, t = i % 4;
+  const int block_warps = blockDim.x / 32, all_warps = gridDim.x * block_warps;
+  const int all_steps = tiles / R * kt_total;
+  const int b0 = static_cast<int>((long)all_steps * blockIdx.x * block_warps / all_warps);
+  const int b1 = static_cast<int>((long)all_steps * (blockIdx.x + 1) * block_warps / all_warps);
+  const int kt_span = min(b1 - b0, kt_total), kt_first = b0 % kt_total;
+  for (int i = threadIdx.x; i < kt_span * 16; i += blockDim.x) {
+    const int kt = kt_first + i / 16 < kt_total ? kt_first + i / 16 : kt_first + i / 16 - kt_total;
+    const int s = kt * 4 + (i % 16) / 4, t = i % 4;
     uint32_t half[3][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -366,11 +374,11 @@ __global__ void __launch_bounds__(256, MINB)
   if constexpr (RING > 0) copy_wait<0>();
 }
 
-template <int R, int D, int RING, int MINB>
+template <int R, int D, int RING, int MINB, int THREADS = 256>
 double run_flat(const char* name, const uint8_t* w, const uint32_t* sc, const float* p, float* y, int n_out, int n_in,
                 int layers, int sms, bool check_only = false) {
-  auto k = mx_flat<R, D, RING, MINB, false>;
-  auto kc = mx_flat<R, D, RING, MINB, true>;
+  auto k = mx_flat<R, D, RING, MINB, false, THREADS>;
+  auto kc = mx_flat<R, D, RING, MINB, true, THREADS>;
   const size_t stage_bytes = ((size_t)(n_in / 16) * 12 * 8 + 15) / 16 * 16;
   const size_t smem = stage_bytes + (RING > 0 ? (size_t)8 * RING * R * (512 + 128) : 0);
   if (smem > 227 * 1024) {
@@ -380,16 +388,17 @@ double run_flat(const char* name, const uint8_t* w, const uint32_t* sc, const fl
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   CK(cudaFuncSetAttribute(kc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, 256, smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, smem));
   const int blocks = sms * per_sm;
   const size_t lb = (size_t)n_out * n_in / 2, lw = (size_t)n_out * n_in / 32 / 4;
   if (check_only) {
     CK(cudaMemset(y, 0, (size_t)n_out * 4));
-    kc<<<blocks, 256, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, 0);
+    kc<<<blocks, THREADS, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, 0);
     CK(cudaDeviceSynchronize());
     return 0;
   }
-  const double us = time_launches([&](int i) { k<<<blocks, 256, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, i); });
+  const double us =
+      time_launches([&](int i) { k<<<blocks, THREADS, smem>>>(w, sc, p, y, n_out, n_in, lb, lw, layers, i); });
   const double bytes = lb + lw * 4;
   printf("%-40s out=%6d in=%6d  %7.2f us  %6.0f GB/s  (%d blocks/SM, %zu KB smem)\n", name, n_out, n_in, us,
          bytes / us / 1e3, per_sm, smem / 1024);
@@ -499,9 +508,9 @@ int main() {
     std::vector<__nv_bfloat16> hx(n_in);
     for (int i = 0; i < n_in; ++i) hx[i] = __float2bfloat16(hp[i]);
     // The layouts: R = 1 ([tile][k tile], mx_frag and mx_flat R1), 2 and 4 (mx_flat's R tiles a step).
-    uint8_t *w, *sc, *fwd[5] = {};
-    uint32_t* fsd[5] = {};
-    for (int R : {1, 2, 4}) {
+    uint8_t *w, *sc, *fwd[9] = {};
+    uint32_t* fsd[9] = {};
+    for (int R : {1, 2, 4, 8}) {
       std::vector<uint8_t> fw;
       std::vector<uint32_t> fs;
       if (!repack(hw, hs, n_out, n_in, fw, fs, R)) return 1;
@@ -561,26 +570,27 @@ int main() {
     const int ks94 = n_out > 10000 ? 2 : 16;
     run_frag<2, 4, 1, 2>("frag mma R2 D4 minb2 (run 94's best)", fwd[1], fsd[1], p, y, n_out, n_in, layers, sms, ks94);
     char name[64];
-#define FLAT(R, D, RING, MINB)                                                                                  \
-  snprintf(name, sizeof name, "flat R%d %s%d minb%d", R, RING ? "ring" : "regs D", RING ? RING : D, MINB);       \
-  run_flat<R, D, RING, MINB>(name, fwd[R], fsd[R], p, y, n_out, n_in, layers, sms)
-    FLAT(2, 4, 0, 1);
-    FLAT(2, 4, 0, 2);
-    FLAT(1, 4, 0, 2);
-    FLAT(2, 1, 4, 1);
-    FLAT(2, 1, 8, 1);
-    FLAT(2, 1, 12, 1);
-    FLAT(1, 1, 8, 2);
-    FLAT(1, 1, 12, 1);
-    FLAT(1, 1, 16, 1);
-    FLAT(4, 1, 6, 1);
-    FLAT(4, 1, 8, 1);
-    FLAT(2, 1, 6, 1);
-    FLAT(4, 2, 0, 1);
-    FLAT(1, 8, 0, 2);
+#define FLAT(R, D, RING, MINB, THREADS)                                                                        \
+  snprintf(name, sizeof name, "flat R%d %s%d minb%d x%d", R, RING ? "ring" : "regs D", RING ? RING : D, MINB,   \
+           THREADS);                                                                                             \
+  run_flat<R, D, RING, MINB, THREADS>(name, fwd[R], fsd[R], p, y, n_out, n_in, layers, sms)
+    FLAT(4, 2, 0, 1, 256);
+    FLAT(2, 4, 0, 1, 256);
+    FLAT(2, 1, 6, 1, 256);
+    FLAT(4, 3, 0, 1, 256);
+    FLAT(8, 1, 0, 1, 256);
+    FLAT(8, 2, 0, 1, 256);
+    FLAT(4, 2, 0, 1, 384);
+    FLAT(4, 2, 0, 1, 512);
+    FLAT(2, 4, 0, 1, 384);
+    FLAT(2, 3, 0, 1, 512);
+    FLAT(2, 2, 0, 1, 512);
+    FLAT(4, 1, 0, 1, 512);
 #undef FLAT
-    run_flat<2, 1, 8, 1>(name, fwd[2], fsd[2], p, y, n_out, n_in, layers, sms, true);
-    check("flat R2 ring8", 1);
+    run_flat<4, 2, 0, 1, 512>(name, fwd[4], fsd[4], p, y, n_out, n_in, layers, sms, true);
+    check("flat R4 regs D2 x512", 1);
+    run_flat<8, 2, 0, 1>(name, fwd[8], fsd[8], p, y, n_out, n_in, layers, sms, true);
+    check("flat R8 regs D2", 1);
     run_flat<2, 4, 0, 2>(name, fwd[2], fsd[2], p, y, n_out, n_in, layers, sms, true);
     check("flat R2 regs D4", 1);
     run_flat<4, 1, 6, 1>(name, fwd[4], fsd[4], p, y, n_out, n_in, layers, sms, true);
@@ -588,7 +598,7 @@ int main() {
     run_flat<1, 1, 8, 2>(name, fwd[1], fsd[1], p, y, n_out, n_in, layers, sms, true);
     check("flat R1 ring8", 1);
     CK(cudaFree(w)); CK(cudaFree(sc));
-    for (int R : {1, 2, 4}) { CK(cudaFree(fwd[R])); CK(cudaFree(fsd[R])); }
+    for (int R : {1, 2, 4, 8}) { CK(cudaFree(fwd[R])); CK(cudaFree(fsd[R])); }
     CK(cudaFree(x)); CK(cudaFree(p)); CK(cudaFree(y));
   }
   return 0;

@@ -100,8 +100,8 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
-    """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): bf16 16 bytes; an
-    MXFP4 block of 32 through the lane ring (CUDA, one token); other packed rows packed.h's 16 a step."""
+    """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
+    an MXFP4 block of 32 through the lane ring (CUDA, one token), 16 of other packed rows (packed.h's chunk)."""
 
     def step(name: str) -> int:
         if name == "bfloat16":

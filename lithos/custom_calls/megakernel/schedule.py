@@ -101,7 +101,7 @@ def k_split_for(units: int, n_in: int, tasks: int, warp_size: int, lane_step: in
         if k > WARPS_PER_BLOCK or n_in < k * warp_size * BF16_LANE_STEP * 4:
             break
         rounds = -(-units // (WARPS_PER_BLOCK // k))
-        fewer_rounds = -(-units // (WARPS_PER_BLOCK // max(1, k // 2)))  # the next smaller split's
+        fewer_rounds = -(-units // (WARPS_PER_BLOCK // max(1, k // 2)))  # rounds of the split k / 2
         if k > 1 and n_in < k * warp_size * lane_step * 4 and fewer_rounds >= tasks:
             break
         work = -(-rounds // tasks) * -(-n_in // k)

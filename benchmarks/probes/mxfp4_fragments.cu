@@ -106,19 +106,13 @@ __device__ __forceinline__ void tile_step(const uint4& c, uint32_t sw, const uin
   }
 }
 
-// MODE 0: the loads alone (codes and scales, folded into a value nobody reads); 1: the matvec; 2: the matvec
-// without staging B (wrong numbers: what the staging costs).
-// A warp's unit is R consecutive row tiles over one of k_split ranges of k tiles, D steps of loads in flight.
-// Partial sums go to y[part * n_out + row] (the host adds the k_split parts).
-template <int R, int D, int MODE, int MINB>
-__global__ void __launch_bounds__(256, MINB)
-    mx_frag(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc, const float* __restrict__ p, float* y,
-            int n_out, int n_in, size_t layer_bytes, size_t layer_words, int layers, int iter, int k_split) {
-  extern __shared__ uint2 bs[];  // [k-step][12]: lanes (g < 3, t) of B
-  const int steps = n_in / 16, kt_total = n_in / kTileK, tiles = n_out / kTileRows;
-  // Stage B: x * 2^64 as hi, mid, lo bf16 parts, part g in lanes (g, t). MODE 2 skips it (timing only).
-  for (int i = threadIdx.x; MODE != 2 && i < steps * 4; i += blockDim.x) {
-    const int s = i / 4, t = i % 4;
+// Stage B for k tiles kt_first .. kt_first + kt_span - 1 (wrapping past the last): x * 2^64 as hi, mid and lo
+// bf16 parts, part g in lanes (g, t) of k-step s at bs[12 s + 4 g + t].
+__device__ __forceinline__ void stage_b(uint2* bs, const float* __restrict__ p, int kt_total, int kt_first,
+                                        int kt_span) {
+  for (int i = threadIdx.x; i < kt_span * 16; i += blockDim.x) {
+    const int kt = kt_first + i / 16 < kt_total ? kt_first + i / 16 : kt_first + i / 16 - kt_total;
+    const int s = kt * 4 + (i % 16) / 4, t = i % 4;
     uint32_t half[3][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -135,6 +129,19 @@ __global__ void __launch_bounds__(256, MINB)
 #pragma unroll
     for (int g = 0; g < 3; ++g) bs[s * 12 + 4 * g + t] = make_uint2(half[g][0], half[g][1]);
   }
+}
+
+// MODE 0: the loads alone (codes and scales, folded into a value nobody reads); 1: the matvec; 2: the matvec
+// without staging B (wrong numbers: what the staging costs).
+// A warp's unit is R consecutive row tiles over one of k_split ranges of k tiles, D steps of loads in flight.
+// Partial sums go to y[part * n_out + row] (the host adds the k_split parts).
+template <int R, int D, int MODE, int MINB>
+__global__ void __launch_bounds__(256, MINB)
+    mx_frag(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc, const float* __restrict__ p, float* y,
+            int n_out, int n_in, size_t layer_bytes, size_t layer_words, int layers, int iter, int k_split) {
+  extern __shared__ uint2 bs[];  // [k-step][12]: lanes (g < 3, t) of B
+  const int kt_total = n_in / kTileK, tiles = n_out / kTileRows;
+  if (MODE != 2) stage_b(bs, p, kt_total, 0, kt_total);  // MODE 2 skips it (timing only)
   __syncthreads();
   const int layer = iter % layers;
   w += layer * layer_bytes;
@@ -245,26 +252,7 @@ __global__ void __launch_bounds__(THREADS, MINB)
   const int all_steps = tiles / R * kt_total;
   const int b0 = static_cast<int>((long)all_steps * blockIdx.x * block_warps / all_warps);
   const int b1 = static_cast<int>((long)all_steps * (blockIdx.x + 1) * block_warps / all_warps);
-  const int kt_span = min(b1 - b0, kt_total), kt_first = b0 % kt_total;
-  for (int i = threadIdx.x; i < kt_span * 16; i += blockDim.x) {
-    const int kt = kt_first + i / 16 < kt_total ? kt_first + i / 16 : kt_first + i / 16 - kt_total;
-    const int s = kt * 4 + (i % 16) / 4, t = i % 4;
-    uint32_t half[3][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float2 v2 = *reinterpret_cast<const float2*>(p + 16 * s + 2 * t + 8 * h);
-      float v[2] = {v2.x * 18446744073709551616.0f, v2.y * 18446744073709551616.0f};
-#pragma unroll
-      for (int g = 0; g < 3; ++g) {
-        const __nv_bfloat16 b0 = __float2bfloat16_rn(v[0]), b1 = __float2bfloat16_rn(v[1]);
-        half[g][h] = __bfloat16_as_ushort(b0) | static_cast<uint32_t>(__bfloat16_as_ushort(b1)) << 16;
-        v[0] -= __bfloat162float(b0);
-        v[1] -= __bfloat162float(b1);
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < 3; ++g) bs[s * 12 + 4 * g + t] = make_uint2(half[g][0], half[g][1]);
-  }
+  stage_b(bs, p, kt_total, b0 % kt_total, min(b1 - b0, kt_total));
   // The ring: [warp][stage][tile] 512 bytes of codes, then [warp][stage][tile][lane] scale words.
   constexpr int kStages = RING > 0 ? RING : 1;
   const int stage_uint4 = (steps * 12 * 8 + 15) / 16;

@@ -106,6 +106,15 @@ __device__ __forceinline__ void tile_step(const uint4& c, uint32_t sw, const uin
   }
 }
 
+// Rows g and g + 8 of a tile (lane group g) from its accumulators: columns 0, 1 (lane t = 0) and 2 (lane t = 1)
+// added; lanes t = 2, 3 hold zero columns. Valid in lanes t = 0.
+__device__ __forceinline__ float2 tile_rows(const float (&acc)[4]) {
+  float vg = acc[0] + acc[1], vg8 = acc[2] + acc[3];
+  vg += __shfl_down_sync(0xffffffffu, vg, 1);
+  vg8 += __shfl_down_sync(0xffffffffu, vg8, 1);
+  return make_float2(vg, vg8);
+}
+
 // Stage B for k tiles kt_first .. kt_first + kt_span - 1 (wrapping past the last): x * 2^64 as hi, mid and lo
 // bf16 parts, part g in lanes (g, t) of k-step s at bs[12 s + 4 g + t].
 __device__ __forceinline__ void stage_b(uint2* bs, const float* __restrict__ p, int kt_total, int kt_first,
@@ -202,14 +211,11 @@ __global__ void __launch_bounds__(256, MINB)
     if constexpr (MODE != 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        // Row g: columns 0, 1 (lane t = 0) and 2 (lane t = 1); lanes t = 2, 3 hold zero columns.
-        float vg = acc[r][0] + acc[r][1], vg8 = acc[r][2] + acc[r][3];
-        vg += __shfl_down_sync(0xffffffffu, vg, 1);
-        vg8 += __shfl_down_sync(0xffffffffu, vg8, 1);
+        const float2 v = tile_rows(acc[r]);
         if (lane % 4 == 0) {
           const int row = (group * R + r) * kTileRows + g;
-          y[(size_t)part * n_out + row] = vg;
-          y[(size_t)part * n_out + row + 8] = vg8;
+          y[(size_t)part * n_out + row] = v.x;
+          y[(size_t)part * n_out + row + 8] = v.y;
         }
       }
     }
@@ -336,17 +342,15 @@ __global__ void __launch_bounds__(THREADS, MINB)
       if (kt == kt_total - 1 || i + 1 == n) {  // the row group's last step in this range: its sums out
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          float vg = acc[r][0] + acc[r][1], vg8 = acc[r][2] + acc[r][3];
-          vg += __shfl_down_sync(0xffffffffu, vg, 1);
-          vg8 += __shfl_down_sync(0xffffffffu, vg8, 1);
+          const float2 v = tile_rows(acc[r]);
           if (lane % 4 == 0) {
             const int row = (group * R + r) * kTileRows + g;
             if (ATOMIC) {
-              atomicAdd(y + row, vg);
-              atomicAdd(y + row + 8, vg8);
+              atomicAdd(y + row, v.x);
+              atomicAdd(y + row + 8, v.y);
             } else {
-              y[row] = vg;
-              y[row + 8] = vg8;
+              y[row] = v.x;
+              y[row + 8] = v.y;
             }
           }
 #pragma unroll

@@ -28,7 +28,8 @@ from lithos.custom_calls.megakernel import (
     describe_task,
     interpret,
 )
-from lithos.custom_calls.megakernel.schedule import k_split_for
+from lithos.custom_calls.megakernel.kernel import WeightFormats, lane_steps
+from lithos.custom_calls.megakernel.schedule import LaneSteps, k_split_for
 from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import llama
@@ -132,9 +133,6 @@ def test_k_split_balances_the_busiest_task():
 
 
 def test_lane_steps_follow_the_weight_format():
-    from lithos.custom_calls.megakernel.kernel import WeightFormats, lane_steps
-    from lithos.custom_calls.megakernel.schedule import LaneSteps
-
     assert lane_steps(WeightFormats(), 1, "cuda") == LaneSteps(8, 8, 8)
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     # the ring carries MXFP4 at one token on CUDA only; elsewhere packed rows step by packed.h's 16

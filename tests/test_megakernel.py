@@ -28,7 +28,7 @@ from lithos.custom_calls.megakernel import (
     describe_task,
     interpret,
 )
-from lithos.custom_calls.megakernel.kernel import WeightFormats, lane_steps
+from lithos.custom_calls.megakernel.kernel import WeightFormats, lane_steps, weight_formats
 from lithos.custom_calls.megakernel.schedule import LaneSteps, k_split_for
 from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
@@ -405,7 +405,6 @@ def test_weight_formats_choose_the_build():
     """Each (attention, MLP, head) format triple is its own build, registered under its own name; bf16
     weights take the plain build, and a group of mixed formats is an error that names the fix."""
     from lithos.custom_calls import build
-    from lithos.custom_calls.megakernel.kernel import WeightFormats, weight_formats
 
     weights, *_ = random_step(SHAPES["tiny"], 1, 8, jnp.bfloat16)
     assert weight_formats(weights) == WeightFormats() and WeightFormats().variant() == build.PLAIN

@@ -100,10 +100,9 @@ def k_split_for(units: int, n_in: int, tasks: int, warp_size: int, lane_step: in
     for k in (1, 2, 4, 8):
         if k > WARPS_PER_BLOCK or n_in < k * warp_size * BF16_LANE_STEP * 4:
             break
+        if k > 1 and n_in < k * warp_size * lane_step * 4 and -(-units // (WARPS_PER_BLOCK // (k // 2))) >= tasks:
+            break  # shares under four lane steps, and the split k / 2 keeps every task busy
         rounds = -(-units // (WARPS_PER_BLOCK // k))
-        fewer_rounds = -(-units // (WARPS_PER_BLOCK // max(1, k // 2)))  # rounds of the split k / 2
-        if k > 1 and n_in < k * warp_size * lane_step * 4 and fewer_rounds >= tasks:
-            break
         work = -(-rounds // tasks) * -(-n_in // k)
         if best_work is None or 8 * work < 7 * best_work:
             best_work, best_k = work, k

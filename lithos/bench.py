@@ -30,7 +30,7 @@ from lithos import decode
 from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
 from lithos.kv_cache import CACHE_DTYPES, cache_dtype, is_fp8, ring_for
-from lithos.models import family_for_architecture, init_model_cache
+from lithos.models import family_for_architecture, init_model_cache, params_for_kernels
 from lithos.quant import bytes_by_format, quantize_params
 from lithos.sampling import SamplingParams
 
@@ -248,10 +248,12 @@ def _bench_rows(
     variants = [(kernels, kernels, placement) for kernels in kernel_paths]
     if overlap and placement is not None and "fused" in kernel_paths:
         variants.append(("fused+overlap", "fused", dataclasses.replace(placement, overlap=True)))
+    # Each path's weights as it reads them (the same values; the megakernel's MXFP4 gate/up in tiles when asked).
+    laid_out = {kernels: params_for_kernels(params, cfg, kernels) for kernels in kernel_paths}
     for context in contexts:
         for label, kernels, where in variants:
             per_step = time_decode_steps(
-                params, cfg, context, kernels, timing.steps, timing.runs, where, kv_dtype, loops=timing.loops
+                laid_out[kernels], cfg, context, kernels, timing.steps, timing.runs, where, kv_dtype, loops=timing.loops
             )
             step_ms = statistics.median(per_step)
             kv = kv_cache_bytes_read(cfg, context, kv_dtype)
@@ -261,7 +263,7 @@ def _bench_rows(
                 {
                     "model": name,
                     "dtype": str(params.embed.dtype),
-                    "weight_formats": bytes_by_format(params),
+                    "weight_formats": bytes_by_format(laid_out[kernels]),
                     "kv_cache": kv_dtype if is_fp8(kv_dtype) else jnp.dtype(kv_dtype).name,
                     "kernels": label,
                     "tp": 1 if where is None else where.tp,

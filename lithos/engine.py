@@ -105,7 +105,7 @@ class Model:
             raise LithosError(f"stream_every ({stream_every}) must be a multiple of block ({block})")
         if max_len < MIN_PROMPT_BUCKET:
             raise LithosError(f"max_len must be at least {MIN_PROMPT_BUCKET}, got {max_len}")
-        from lithos.models import family_of
+        from lithos.models import family_of, params_for_kernels
 
         if placement is not None and kernels not in ("reference", "fused"):
             raise LithosError(
@@ -142,7 +142,7 @@ class Model:
         self.placement = placement
         self.checkpoint = checkpoint
         self.cfg = checkpoint.cfg
-        self.params = checkpoint.params
+        self.params = params_for_kernels(checkpoint.params, checkpoint.cfg, kernels)
         self.tokenizer = checkpoint.tokenizer
         self.max_len = max_len
         self.kernels = kernels

@@ -342,12 +342,17 @@ def test_build_variant_compiles(define, kernel):
         assert symbol.encode() in library.read_bytes()
 
 
-@pytest.mark.parametrize("formats", [("q4_1", "q4_1", "q8_0"), ("mxfp4", "mxfp4", "bfloat16")], ids=["q4_1", "mxfp4"])
+@pytest.mark.parametrize(
+    "formats",
+    [("q4_1", "q4_1", "q8_0"), ("mxfp4", "mxfp4", "bfloat16"), ("mxfp4", "mxfp4", "bfloat16", True)],
+    ids=["q4_1", "mxfp4", "mxfp4-tiles"],
+)
 def test_packed_megakernel_compiles(toolchain, formats):
     """The megakernel over packed weights, for both vendors: in the build the default model needs (Q4_1
-    layers, a Q8_0 head: the packed dot products with mins, and a second format in one kernel), and in the
-    benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token). Every other format
-    triple instantiates the register path's templates with decoders the fused packed sources compile
+    layers, a Q8_0 head: the packed dot products with mins, and a second format in one kernel), in the
+    benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token), and with its gate and up
+    in fragment tiles (tensor cores on CUDA, the decode to f32 on both). Every other format triple
+    instantiates the register path's templates with decoders the fused packed sources compile
     (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
 

@@ -147,6 +147,23 @@ def test_lane_steps_follow_the_weight_format():
     assert qkv_split(build_schedule(shape, 132, True, 32)) == 2
 
 
+def test_tiled_gate_up_tasks_take_whole_tile_pairs():
+    """Over MXFP4 fragment tiles a gate/up task takes whole pairs of 16-row tiles (8 row groups), shared by the
+    block's 8 warps at one token and a warp each at more; every row group is still computed once."""
+    tiled = WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles=True)
+    assert lane_steps(tiled, 1, "cuda") == LaneSteps(32, 32, 8, gate_up_units=8, gate_up_team=8)
+    assert lane_steps(tiled, 4, "cuda") == LaneSteps(16, 16, 8, gate_up_units=8, gate_up_team=1)
+    for name, workers, tokens in (("llama-3.1-8b", 132, 1), ("llama-3.2-1b", 132, 4), ("smollm2-like", 7, 1)):
+        shape = dataclasses.replace(SHAPES[name], layers=1)
+        schedule = build_schedule(shape, workers, True, 32, lane_steps(tiled, tokens, "cuda"))
+        gate_up = [schedule.task(i) for i in range(len(schedule)) if schedule.task(i).op == Op.GATE_UP]
+        assert all(t.first % 8 == 0 and t.count % 8 == 0 for t in gate_up)
+        assert {t.k_split for t in gate_up} == {8 if tokens == 1 else 1}
+        covered = np.concatenate([np.arange(t.first, t.first + t.count) for t in gate_up])
+        np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(Op.GATE_UP)))
+        assert len(gate_up) <= workers
+
+
 def simulate_grid(schedule, grid: int) -> int:
     """Run the task list as the kernel does (block b takes tasks b, b + grid, ...; a block waits on its
     current task's counter) and return the rounds taken; fails on a deadlock."""
@@ -417,6 +434,44 @@ def test_weight_formats_choose_the_build():
     mixed = packed._replace(wo=weights.wo)
     with pytest.raises(lithos.LithosError, match="attention matrices must share one format"):
         weight_formats(mixed)
+
+
+def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
+    """MXFP4 gate and up laid out in tiles on CUDA when asked for (down stays in rows) take the tiles build;
+    by default, elsewhere, or where the tiles do not fit, the weights stay as they are; the interpreter reads
+    both layouts alike."""
+    from lithos.custom_calls.megakernel import weights_for_megakernel
+    from lithos.custom_calls.megakernel.kernel import ATTENTION_WEIGHTS as ATTENTION
+
+    shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=160)
+    weights, *rest = random_step(shape, 2, 40, jnp.float32)
+    packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    def unchanged(w_gate, w_up, platform="cuda") -> bool:
+        return all(a is b for a, b in zip(weights_for_megakernel(w_gate, w_up, platform), (w_gate, w_up), strict=True))
+
+    assert unchanged(packed.w_gate, packed.w_up)  # off by default
+    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    assert unchanged(packed.w_gate, packed.w_up, None) and unchanged(packed.w_gate, packed.w_up, "rocm")
+    w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
+    assert w_gate.format == w_up.format == quant.MXFP4_TILES
+    tiled = packed._replace(w_gate=w_gate, w_up=w_up)
+    formats = weight_formats(tiled)
+    assert formats == WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles=True)
+    assert formats.variant().defines[-1] == "LITHOS_MK_GATE_UP_TILES=1"
+    assert formats.variant().target("LithosMegakernel") == "LithosMegakernel_mxfp4_mxfp4_bfloat16_tiles"
+    schedule = build_schedule(shape, 5, True, 32, LaneSteps(gate_up_units=8, gate_up_team=8))
+    rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
+    for a, b in zip(rows, tiles, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(lithos.LithosError, match="only the MLP's gate and up"):
+        weight_formats(tiled._replace(**{name: quant.to_tiles(getattr(packed, name)) for name in ATTENTION}))
+    # A scale the tiled kernel cannot convert exactly keeps the rows.
+    large = packed.w_gate.replace(scales=packed.w_gate.scales.at[0, 0, 0].set(200))
+    assert unchanged(large, packed.w_up)
+    # rows of 96 inputs are not whole tiles of 64
+    odd = dataclasses.replace(SHAPES["tiny"], hidden=96)
+    small = packed_step_weights(random_step(odd, 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
+    assert unchanged(small.w_gate, small.w_up)
 
 
 def test_megakernel_generation_equals_reference(hf_checkpoint):

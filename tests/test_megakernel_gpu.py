@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import lithos
-from lithos.custom_calls.megakernel import decode_step, step_schedule
+from lithos import quant
+from lithos.custom_calls.megakernel import decode_step, step_schedule, weights_for_megakernel
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op
@@ -87,6 +88,28 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
     shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
     weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens)
     check_against_interpreter((packed_step_weights(weights, groups), *rest), 1000)
+
+
+@pytest.mark.parametrize(
+    "name, tokens",
+    [
+        ("llama-3.2-1b", 1),  # tensor cores, teams of 8 warps over 4 tile pairs a block
+        ("llama-3.1-8b", 1),  # 7 tile pairs a block, 8 steps of 64 inputs a warp each
+        ("smollm2-like", 1),  # 576 inputs: 9 steps a tile over 8 warps (one member takes 2)
+        ("smollm2-like", 4),  # the decode to f32, a warp a tile
+        ("llama-3.2-1b", 16),
+    ],
+)
+def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
+    """MXFP4 gate and up in fragment tiles (lithos.quant.tiles), in the build that reads them: on tensor
+    cores at one token, decoded to f32 at more."""
+    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
+    weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
+    weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
+    assert w_gate.format == w_up.format == quant.MXFP4_TILES
+    check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up), *rest), 1000)
 
 
 def check_against_interpreter(args, context: int):

@@ -54,6 +54,12 @@ def _check_packed(op: str, x: jax.Array, *weights: QuantizedArray, tokens_limit:
             f"{op}: the fused kernels take bfloat16 activations, got {x.dtype}; cast or use path='reference'"
         )
     names = {w.format.name for w in weights}
+    if "mxfp4_tiles" in names:
+        raise LithosError(
+            f"{op}: these weights are MXFP4 in fragment tiles, the layout only the megakernel reads; use the "
+            "model's own params (lithos.models.params_for_kernels lays them out for kernels='megakernel' only) or "
+            "lithos.quant.from_tiles"
+        )
     if len(names) != 1 or not names <= set(PACKED_FORMATS):
         raise LithosError(
             f"{op}: the packed kernels read one format per call from {', '.join(PACKED_FORMATS)}; got {sorted(names)}"

@@ -33,6 +33,13 @@ def family_of(cfg) -> ModuleType:
     return family_for_architecture(cfg.architecture)
 
 
+def params_for_kernels(params, cfg, kernels: str):
+    """`params` laid out as the kernel path `kernels` is set to read them (the family's `params_for_kernels`;
+    the same params where a family has none): the same values."""
+    prepare = getattr(family_of(cfg), "params_for_kernels", None)
+    return params if prepare is None else prepare(params, kernels)
+
+
 def init_model_cache(cfg, batch: int, max_len: int, dtype, step_tokens: int = 1) -> KVCache:
     """An empty KV cache for `cfg`'s model and sequences of up to `max_len` positions: a ring when its family
     says every layer is windowed (`cache_window`), made for forwards of up to `step_tokens` new tokens

@@ -403,6 +403,18 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
             )
 
 
+def params_for_kernels(params: Params, kernels: str) -> Params:
+    """`params` laid out as `kernels` is set to read them: for the megakernel, MXFP4 gate and up matrices in
+    fragment tiles where asked for (lithos.custom_calls.megakernel.weights_for_megakernel). The values are the
+    same; the reference path reads any layout."""
+    if kernels != "megakernel":
+        return params
+    from lithos.custom_calls.megakernel import weights_for_megakernel
+
+    w_gate, w_up = weights_for_megakernel(params.layers.w_gate, params.layers.w_up)
+    return params.replace(layers=params.layers.replace(w_gate=w_gate, w_up=w_up))
+
+
 def rope_inv_freq(cfg: Config) -> np.ndarray:
     """Inverse frequencies `[head_dim/2]`, with llama3 or linear scaling applied (as transformers does)."""
     d = cfg.head_dim

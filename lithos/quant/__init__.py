@@ -13,6 +13,7 @@ from lithos.quant.formats import (
     FORMATS,
     FP8_BLOCK128,
     MXFP4,
+    MXFP4_TILES,
     MXFP8,
     Q4_0,
     Q4_1,
@@ -33,6 +34,7 @@ from lithos.quant.formats import (
 )
 from lithos.quant.layouts import GGUF_FORMATS, from_fp8_block_scaled, from_gguf, from_gpt_oss_mxfp4
 from lithos.quant.quantize import DEFAULT_GROUPS, GROUPS, names_for_groups, quantize, quantize_mx, quantize_params
+from lithos.quant.tiles import from_tiles, tiles_fit, to_tiles
 
 __all__ = [
     "DEFAULT_GROUPS",
@@ -41,6 +43,7 @@ __all__ = [
     "GGUF_FORMATS",
     "GROUPS",
     "MXFP4",
+    "MXFP4_TILES",
     "MXFP8",
     "Q4_0",
     "Q4_1",
@@ -56,6 +59,7 @@ __all__ = [
     "from_gguf",
     "from_gpt_oss_mxfp4",
     "from_planes",
+    "from_tiles",
     "get_format",
     "is_quantized",
     "names_for_groups",
@@ -63,6 +67,8 @@ __all__ = [
     "quantize_mx",
     "quantize_params",
     "scale_by_e8m0",
+    "tiles_fit",
+    "to_tiles",
     "unpack_nibbles",
     "with_dtype",
 ]

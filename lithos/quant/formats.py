@@ -11,6 +11,7 @@ Planes, for logical shape `[..., out, in]` (all row-major):
 
     format        data                       scales                                mins
     mxfp4         u8 [..., out, in/2]        u8  [..., out, in/32]  E8M0           -
+    mxfp4_tiles   mxfp4's planes, their bytes in fragment tiles (lithos.quant.tiles)
     mxfp8         u8 [..., out, in]  E4M3    u8  [..., out, in/32]  E8M0           -
     fp8_block128  u8 [..., out, in]  E4M3    f32 [..., ceil(out/128), ceil(in/128)] (multiplier)
     q8_0          i8 [..., out, in]          f16 [..., out, in/32]                 -
@@ -70,6 +71,7 @@ class QuantFormat:
     scale: str  # "e8m0" (u8 biased exponent), "f16", "f32"
     has_min: bool = False
     origin: str = ""
+    tile: tuple[int, int] | None = None  # (rows, inputs) a layout's tiles need (lithos.quant.tiles)
 
     @property
     def elements_per_byte(self) -> int:
@@ -91,6 +93,11 @@ class QuantFormat:
                 f"{self.name} packs rows in blocks of {cols_block}, but the rows have {cols} elements: "
                 f"keep this tensor in bf16/f32 (its input size must be a multiple of {cols_block})"
             )
+        if self.tile is not None and (len(shape) < 2 or shape[-2] % self.tile[0] or cols % self.tile[1]):
+            raise LithosError(
+                f"{self.name} lays matrices out in tiles of {self.tile[0]} rows x {self.tile[1]} inputs; shape "
+                f"{shape} does not split in them"
+            )
         data_dtype = np.dtype(np.int8) if self.element == "int8" else np.dtype(np.uint8)
         planes = {"data": ((*lead, cols // self.elements_per_byte), data_dtype)}
         scale_dtype = np.dtype({"e8m0": np.uint8, "f16": np.float16, "f32": np.float32}[self.scale])
@@ -108,6 +115,10 @@ class QuantFormat:
 
 
 MXFP4 = QuantFormat("mxfp4", "e2m1", 4, (1, 32), "e8m0", origin="OCP MX v1.0; GPT-OSS checkpoints")
+# MXFP4 in fragment tiles (lithos.quant.tiles): the same planes' sizes, the bits placed for tensor cores.
+MXFP4_TILES = QuantFormat(
+    "mxfp4_tiles", "e2m1", 4, (1, 32), "e8m0", origin="MXFP4 laid out for the megakernel", tile=(16, 64)
+)
 MXFP8 = QuantFormat("mxfp8", "e4m3", 8, (1, 32), "e8m0", origin="OCP MX v1.0 (MXFP8 E4M3)")
 FP8_BLOCK128 = QuantFormat(
     "fp8_block128", "e4m3", 8, (128, 128), "f32", origin="DeepSeek-V3 / Qwen3 FP8 (weight_scale_inv)"
@@ -116,7 +127,7 @@ Q8_0 = QuantFormat("q8_0", "int8", 8, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_0 = QuantFormat("q4_0", "uint4", 4, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_1 = QuantFormat("q4_1", "uint4", 4, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (MXFP4, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1)}
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1)}
 
 
 def get_format(name: str) -> QuantFormat:
@@ -271,6 +282,10 @@ def _unblock(x: jax.Array) -> jax.Array:
 
 
 def _dequantize_f32(w: QuantizedArray) -> jax.Array:
+    if w.format == MXFP4_TILES:
+        from lithos.quant.tiles import from_tiles
+
+        w = from_tiles(w)
     fmt = w.format
     name = fmt.name
     if name in ("mxfp4", "mxfp8"):

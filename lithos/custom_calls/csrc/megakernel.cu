@@ -12,7 +12,7 @@
 //   mk_qkv.h        RMSNorm + Q/K/V rows of one KV group + RoPE + cache append
 //   mk_attention.h  one length split of one KV head; the last split combines
 //   mk_projection.h O projection + residual, down projection + residual
-//   mk_gate_up.h    RMSNorm + gate/up rows + SiLU
+//   mk_gate_up.h    RMSNorm + gate/up rows + SiLU (mk_gate_up_tiles.h: over MXFP4 fragment tiles)
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
 // and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task
 // reads) and mk_lane_ring.h (those rows copied into shared memory ahead of the dot products, CUDA).
@@ -28,6 +28,7 @@
 #include "mk_attention.h"
 #include "mk_common.h"
 #include "mk_gate_up.h"
+#include "mk_gate_up_tiles.h"
 #include "mk_lm_head.h"
 #include "mk_projection.h"
 #include "mk_qkv.h"
@@ -98,7 +99,13 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
       case kOpAttention: ok = attention_task<TMAX>(a, task, index); break;
       case kOpOProj:
       case kOpDown: ok = any_projection_task<TMAX>(a, task, index); break;
-      case kOpGateUp: ok = gate_up_task<TMAX>(a, task, index); break;
+      case kOpGateUp:
+        if constexpr (kGateUpTiles) {
+          ok = gate_up_tiles_task<TMAX>(a, task, index);
+        } else {
+          ok = gate_up_task<TMAX>(a, task, index);
+        }
+        break;
       case kOpHead: ok = head_task<TMAX>(a, task, index); break;
       default:
         if (threadIdx.x == 0) abort_step(a, index);
@@ -327,6 +334,9 @@ ffi::Error megakernel_impl(
   if (a.hidden % 8 != 0 || a.ffn % 8 != 0)
     return invalid("megakernel: hidden " + std::to_string(a.hidden) + " and ffn " + std::to_string(a.ffn) +
                    " must be multiples of 8 (16-byte rows); use kernels='fused'");
+  if (kGateUpTiles && (a.hidden % kTileInputs != 0 || a.ffn % kTileRows != 0))
+    return invalid("megakernel: gate and up in fragment tiles need hidden a multiple of 64 and ffn of 16, got " +
+                   std::to_string(a.hidden) + " and " + std::to_string(a.ffn) + "; keep them in rows");
   // Weight i has `rows` rows in each of its matrices: `layers` of them (the head: one).
   auto fits = [&](int i, const PackedWeight& w, int64_t rows) {
     return w.n_out == rows && weight_args.get<ffi::AnyBuffer>(3 * i)->dimensions()[0] == (i == 7 ? 1 : layers);

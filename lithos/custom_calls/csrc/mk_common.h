@@ -75,6 +75,14 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6
                   LITHOS_MK_MLP_FORMAT <= 6 && LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= 6,
               "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
 
+// The MLP's gate and up matrices in MXFP4 fragment tiles (lithos/quant/tiles.py, mk_gate_up_tiles.h), a build
+// of its own: kernel.py asks for it when the weights it is given are laid out so.
+#ifndef LITHOS_MK_GATE_UP_TILES
+#define LITHOS_MK_GATE_UP_TILES 0
+#endif
+constexpr bool kGateUpTiles = LITHOS_MK_GATE_UP_TILES != 0;
+static_assert(!kGateUpTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 gate and up rows");
+
 struct Args {
   const Task* tasks;
   int n_tasks;

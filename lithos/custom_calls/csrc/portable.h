@@ -82,6 +82,16 @@ __device__ __forceinline__ int shfl_xor(int v, int mask) {
 #endif
 }
 
+// The warp's lanes meet: writes to shared memory before it are visible to the warp's lanes after it (with
+// __threadfence_block for the order of their own accesses). A wavefront runs in lockstep.
+__device__ __forceinline__ void warp_sync() {
+#if defined(LITHOS_HIP)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
 // Lane `source`'s v, to every lane of the warp.
 __device__ __forceinline__ int shfl_from(int v, int source) {
 #if defined(LITHOS_HIP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -21,10 +22,11 @@ from lithos.custom_calls import build
 from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
 from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, Schedule, build_schedule
-from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, ModelShape
+from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, WARPS_PER_BLOCK, ModelShape
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
-from lithos.quant import QuantizedArray
+from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, tiles_fit, to_tiles
+from lithos.quant.tiles import TILE_ROWS
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
 CPU_WORKERS = 64  # the interpreter's schedule where no GPU sizes it
@@ -35,24 +37,28 @@ ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wo")
 MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 MATRICES = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS, "lm_head")
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragment tiles (csrc kTileUnits)
 
 
 class WeightFormats(NamedTuple):
-    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names)."""
+    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names), and whether the MLP's
+    gate and up matrices are MXFP4 in fragment tiles (lithos.quant.tiles: csrc/mk_gate_up_tiles.h)."""
 
     attention: str = "bfloat16"
     mlp: str = "bfloat16"
     head: str = "bfloat16"
+    gate_up_tiles: bool = False
 
     def variant(self) -> build.Variant:
         """The build that reads these formats: the plain one for bf16 weights."""
         if self == WeightFormats():  # bf16 throughout
             return build.PLAIN
-        groups = zip(("ATTENTION", "MLP", "HEAD"), self, strict=True)
-        return build.Variant(
-            defines=tuple(f"LITHOS_MK_{group}_FORMAT={FORMAT_CODES[name]}" for group, name in groups),
-            suffix="_".join(self),
-        )
+        groups = zip(("ATTENTION", "MLP", "HEAD"), self[:3], strict=True)
+        defines = tuple(f"LITHOS_MK_{group}_FORMAT={FORMAT_CODES[name]}" for group, name in groups)
+        suffix = "_".join(self[:3])
+        if self.gate_up_tiles:
+            defines, suffix = (*defines, "LITHOS_MK_GATE_UP_TILES=1"), f"{suffix}_tiles"
+        return build.Variant(defines=defines, suffix=suffix)
 
 
 BF16 = WeightFormats()
@@ -62,14 +68,24 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
     """The formats of `weights`; an error when the matrices of one group (attention, MLP) differ."""
 
     def format_of(w) -> str:  # a dense array's dtype is checked with the activations'
-        return FORMAT_NAMES[format_code(w)] if isinstance(w, QuantizedArray) else "bfloat16"
+        if isinstance(w, QuantizedArray):
+            return "mxfp4_tiles" if w.format == MXFP4_TILES else FORMAT_NAMES[format_code(w)]
+        return "bfloat16"
 
     def group_format(group: str, names: tuple[str, ...]) -> str:
         found = {name: format_of(getattr(weights, name)) for name in names}
+        # Gate and up may be MXFP4 in fragment tiles, down in rows: one format, two layouts.
+        if group == "MLP" and found["w_gate"] == found["w_up"] == "mxfp4_tiles":
+            found["w_gate"] = found["w_up"] = "mxfp4"
         if len(set(found.values())) > 1:
             raise LithosError(
                 f"megakernel: the {group} matrices must share one format, got {found}; quantize the group alike "
                 "(lithos quantize --groups) or use kernels='fused'"
+            )
+        if "mxfp4_tiles" in found.values():
+            raise LithosError(
+                f"megakernel: {group} weights in fragment tiles ({found}): only the MLP's gate and up matrices are "
+                "read so; lay out only those (lithos.custom_calls.megakernel.weights_for_megakernel)"
             )
         return found[names[0]]
 
@@ -77,7 +93,29 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
         group_format("attention", ATTENTION_WEIGHTS),
         group_format("MLP", MLP_WEIGHTS),
         format_of(weights.lm_head),
+        isinstance(weights.w_gate, QuantizedArray) and weights.w_gate.format == MXFP4_TILES,
     )
+
+
+def tiles_wanted(platform: str | None) -> bool:
+    """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: only when asked for
+    (LITHOS_GATE_UP_TILES=1), and only on CUDA, where tensor cores take them at one token. Off by default: on the
+    H200 the tiled task is still slower than the rows it replaces (lithos/custom_calls/NOTES.md, runs 100-103)."""
+    return platform == "cuda" and os.environ.get("LITHOS_GATE_UP_TILES", "0") == "1"
+
+
+def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
+    """(w_gate, w_up) as this GPU's megakernel is asked to read them: MXFP4 `[layers, ffn, hidden]` in fragment
+    tiles where `tiles_wanted` (lithos.quant.tiles), anything else unchanged; also unchanged where the tiles do not
+    fit (a shape, or a scale above 2^65, that the tiled kernel does not take)."""
+    platform = _gpu_platform() if platform is None else platform
+    packed = [isinstance(w, QuantizedArray) and w.format == MXFP4 for w in (w_gate, w_up)]
+    if not (all(packed) and tiles_wanted(platform)) or tiles_fit(w_gate.shape) or tiles_fit(w_up.shape):
+        return w_gate, w_up
+    try:
+        return to_tiles(w_gate), to_tiles(w_up)
+    except LithosError:  # a scale outside the tiled kernel's range: rows read the same values
+        return w_gate, w_up
 
 
 @functools.cache
@@ -101,14 +139,16 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
     """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
-    an MXFP4 block of 32 through the lane ring (CUDA, one token), 16 of other packed rows (packed.h's chunk)."""
+    an MXFP4 block of 32 through the lane ring (CUDA, one token), 16 of other packed rows (packed.h's chunk); and
+    the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the warps that share them."""
 
     def step(name: str) -> int:
         if name == "bfloat16":
             return BF16_LANE_STEP
         return 32 if name == "mxfp4" and tokens == 1 and platform == "cuda" else 16
 
-    return LaneSteps(*(step(name) for name in formats))
+    units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
+    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team)
 
 
 def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:

@@ -35,6 +35,11 @@ class LaneSteps:
     attention: int = BF16_LANE_STEP
     mlp: int = BF16_LANE_STEP
     head: int = BF16_LANE_STEP
+    # Gate/up row groups a task takes together: 8 over MXFP4 fragment tiles (a gate tile and an up tile of 16
+    # rows, csrc/mk_gate_up_tiles.h), with `gate_up_team` warps sharing each: the block's 8 at one token, each a
+    # range of every tile's inputs; at more tokens a warp takes whole tiles.
+    gate_up_units: int = 1
+    gate_up_team: int = 1
 
     def of(self, op: Op) -> int:
         """The lane step of the rows task kind `op` reads."""
@@ -144,9 +149,13 @@ def build_schedule(
 
     def matvec_stage(op: Op, layer: int, after: tuple[int, int], name: str) -> tuple[int, int]:
         units = shape.units(op)
-        k = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op))
         done = counter(name)
-        ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+        if op == Op.GATE_UP and lane_steps.gate_up_units > 1:
+            k = lane_steps.gate_up_team
+            ranges = split_units(units, lane_steps.gate_up_units * (WARPS_PER_BLOCK // k), workers)
+        else:
+            k = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op))
+            ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
         for first, count in ranges:
             tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)

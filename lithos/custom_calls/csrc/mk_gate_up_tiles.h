@@ -1,0 +1,466 @@
+// Megakernel task kind 4 over MXFP4 gate and up matrices in fragment tiles (a build with
+// LITHOS_MK_GATE_UP_TILES=1; the layout: lithos/quant/tiles.py). A tile is 16 rows x 64 inputs, 512 bytes
+// of codes and 32 of scales; a row group of the task is a tile of the gate matrix and the same rows' tile of
+// the up matrix: 16 outputs (kTileUnits of tasks.py's 2-output row groups). The task's warps form teams of
+// k_split; a team takes one output tile a round, each member a contiguous range of its 64-input steps, and
+// adds its sums through shared memory as stream_row_groups' teams do.
+//
+// The dot products (CUDA, one token): each step's A fragments are the lane's 16 bytes of a tile, every pair
+// of codes a bf16x2 of value * 2^-126 after one to three integer operations; B is x * norm_w * 2^64 as three
+// bf16 parts (hi, mid, lo: their sum is the f32 product exactly) in columns 0-2, staged once per task in
+// fragment order. A block's two mma start from zero and its scale, 2^(c - 65), multiplies their sum in f32.
+// Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32
+// and multiplies them with the activations (a dot product's order of inputs is free).
+#pragma once
+
+
+#include "mk_common.h"
+#include "mk_gate_up.h"
+#include "mk_lane_ring.h"
+
+// Tensor cores read B from the lane ring's staging area: CUDA builds with the ring.
+#if !defined(LITHOS_HIP) && LITHOS_MK_LANE_RING
+#define LITHOS_MK_TILE_MMA 1
+#else
+#define LITHOS_MK_TILE_MMA 0
+#endif
+
+namespace lithos {
+namespace mk {
+
+constexpr int kTileRows = 16, kTileInputs = 64, kTileBytes = 512, kTileScaleBytes = 32;
+constexpr int kTileUnits = kTileRows / 2;  // 2-output row groups (tasks.py) in a 16-output tile pair
+// Steps of each member's range in flight in registers: 4 KB a warp at one token, the 8 tiles of the probe's
+// fastest form (NOTES.md run 94d); the decode-to-float path keeps fewer for its accumulators.
+template <int TMAX>
+constexpr int kTileDepth = TMAX == 1 ? 4 : 2;
+// A tile's 32 lanes; a 64-lane wavefront takes two of a tile's 64-input steps at once.
+constexpr int kTileHalves = WARP_SIZE / 32;
+
+constexpr uint32_t kPairMask = 0x81C081C0u;  // a bf16x2 of value * 2^-126: bits 6..8 and 15 of each half
+
+// Pair P of a codes word as a bf16x2 of value * 2^-126 (lithos/quant/tiles.py PAIR_BITS): pair 0 in place,
+// pairs 1 and 2 three and six places lower, pair 3 in the bits left over.
+template <int P>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
+  if constexpr (P == 0) return w & kPairMask;
+  if constexpr (P == 1) return (w << 3) & kPairMask;
+  if constexpr (P == 2) return (w << 6) & kPairMask;
+  return ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
+}
+
+// One step of a tile, as a lane holds it: its 16 bytes of codes and its lane group's scale word.
+struct TileChunk {
+  uint32_t codes[4];
+  uint32_t scales;
+};
+
+// The lane's chunk of step `kt` of output tile `tile` of `w` at `layer`.
+__device__ __forceinline__ TileChunk load_tile_chunk(const PackedWeight& w, int layer, int tile, int kt, int lane32) {
+  const int64_t at = static_cast<int64_t>(tile) * (w.n_in / kTileInputs) + kt;
+  const uint8_t* codes = w.data + layer * w.data_outer + at * kTileBytes + lane32 * 16;
+  const Bf16Vec<8> v = load_streaming<8>(reinterpret_cast<const bf16_t*>(codes));
+  const uint8_t* scales = w.scales + layer * w.scale_outer + at * kTileScaleBytes + (lane32 / 4) * 4;
+  return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scales)};
+}
+
+// Scale byte I of a lane group's word, as the f32 2^(c - 127 + 126): the factor for values decoded as
+// value * 2^-126 (exact for every code, 2^-1 .. 2^191 would overflow past c = 192, which the layout refuses).
+template <int I>
+__device__ __forceinline__ float decoded_scale(uint32_t word) {
+  const uint32_t c = (word >> (8 * I)) & 0xFFu;
+  return __uint_as_float((c + 126u) << 23);
+}
+
+#if LITHOS_MK_TILE_MMA
+// Where a task stages B: k-step s's part g for lanes (g, t) at [12 s + 4 g + t], 96 bytes a step of 16 inputs.
+__device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
+constexpr int kTileOperandBytesPerInput = 6;
+// A tile's sums from one warp, beside B: [warp][lane group][gate g, gate g + 8, up g, up g + 8].
+constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
+
+// B for one token: x * norm_w * 2^64 as hi, mid and lo bf16 parts (exact: each part takes the rest of the
+// last). Every thread calls it; a barrier ends it.
+__device__ inline void stage_tile_operand(const TokenRows& in) {
+  uint2* bs = tile_operand();
+  for (int i = static_cast<int>(threadIdx.x); i < in.n_in / 4; i += kMatvecThreads) {
+    const int s = i / 4, t = i % 4, k = 16 * s + 2 * t;
+    uint32_t half[3][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // inputs k, k + 1 (h = 0) and k + 8, k + 9 (h = 1): one 32-bit load each
+      const uint32_t x2 = *reinterpret_cast<const uint32_t*>(in.x + k + 8 * h);  // coherent: after the wait
+      const uint32_t n2 = in.norm_w != nullptr ? *reinterpret_cast<const uint32_t*>(in.norm_w + k + 8 * h)
+                                               : 0x3F803F80u;  // 1.0, 1.0
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)  // * 2^64, exact
+        v[e] = bf16_pair_at(x2, e) * bf16_pair_at(n2, e) * 18446744073709551616.0f;
+#pragma unroll
+      for (int g = 0; g < 3; ++g) {
+        const bf16_t b0 = float_to_bf16(v[0]), b1 = float_to_bf16(v[1]);
+        half[g][h] = b0 | static_cast<uint32_t>(b1) << 16;
+        v[0] -= bf16_to_float(b0);  // exact: the rest, for the next part
+        v[1] -= bf16_to_float(b1);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < 3; ++g) bs[12 * s + 4 * g + t] = make_uint2(half[g][0], half[g][1]);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint2 b,
+                                         bool zero) {
+  if (zero) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.0f));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
+  }
+}
+
+// Scale byte I as the f32 2^(c - 127 + 62): 2^-126 (A) times 2^64 (B) undone; exact for c <= 192.
+template <int I>
+__device__ __forceinline__ float mma_scale(uint32_t word) {
+  return __uint_as_float(__byte_perm(word, 0u, 0x4440u + I) * (1u << 23) + (62u << 23));
+}
+
+// acc += one step of a tile on tensor cores: acc[0..1] row g (columns 2t, 2t + 1), acc[2..3] row g + 8.
+__device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&b)[4], float (&acc)[4]) {
+#pragma unroll
+  for (int blk = 0; blk < 2; ++blk) {
+    float d[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t w = c.codes[2 * blk + j];
+      mma_bf16(d, decode_pair<0>(w), decode_pair<1>(w), decode_pair<2>(w), decode_pair<3>(w), b[2 * blk + j], j == 0);
+    }
+    const float sg = blk == 0 ? mma_scale<0>(c.scales) : mma_scale<1>(c.scales);
+    const float sg8 = blk == 0 ? mma_scale<2>(c.scales) : mma_scale<3>(c.scales);
+    acc[0] = fmaf(d[0], sg, acc[0]);
+    acc[1] = fmaf(d[1], sg, acc[1]);
+    acc[2] = fmaf(d[2], sg8, acc[2]);
+    acc[3] = fmaf(d[3], sg8, acc[3]);
+  }
+}
+#endif
+
+// acc[rh][t] += one step of a tile decoded to f32 on the CUDA cores: rows g (rh = 0) and g + 8 (rh = 1) of the
+// lane's inputs 64 kt + 16 j + 2 t' + {0, 1, 8, 9} (t' = lane % 4) with token t.
+template <int TMAX>
+__device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const TokenRows& in, int kt, int lane32,
+                                                  float (&acc)[2][TMAX]) {
+  constexpr float kUndo = 85070591730234615865843651857942052864.0f;  // 2^126: value * 2^-126 -> value
+#pragma unroll
+  for (int blk = 0; blk < 2; ++blk) {
+    float part[2][TMAX];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+      for (int t = 0; t < TMAX; ++t) part[rh][t] = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * blk + jj;
+      const uint32_t w = c.codes[j];
+      const uint32_t pairs[4] = {decode_pair<0>(w), decode_pair<1>(w), decode_pair<2>(w), decode_pair<3>(w)};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int k = kt * kTileInputs + 16 * j + 2 * (lane32 % 4) + 8 * (p >> 1);
+        const float v0 = __uint_as_float(pairs[p] << 16) * kUndo, v1 = __uint_as_float(pairs[p] & 0xFFFF0000u) * kUndo;
+        const float n0 = in.norm_w != nullptr ? bf16_to_float(in.norm_w[k]) : 1.0f;
+        const float n1 = in.norm_w != nullptr ? bf16_to_float(in.norm_w[k + 1]) : 1.0f;
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < in.tokens) {
+            const bf16_t* x = in.x + static_cast<size_t>(t) * in.n_in + k;
+            const float x0 = load_activation<1, true>(x)[0] * n0, x1 = load_activation<1, true>(x + 1)[0] * n1;
+            part[p & 1][t] = fmaf(v0, x0, fmaf(v1, x1, part[p & 1][t]));
+          }
+        }
+      }
+    }
+    const float s0 = blk == 0 ? decoded_scale<0>(c.scales) : decoded_scale<1>(c.scales);
+    const float s8 = blk == 0 ? decoded_scale<2>(c.scales) : decoded_scale<3>(c.scales);
+#pragma unroll
+    for (int t = 0; t < TMAX; ++t) {
+      acc[0][t] = fmaf(part[0][t], s0 * (1.0f / kUndo), acc[0][t]);
+      acc[1][t] = fmaf(part[1][t], s8 * (1.0f / kUndo), acc[1][t]);
+    }
+  }
+}
+
+// The chunks a warp has in flight: D steps, in slots used round robin. The loops run D steps an iteration, step
+// i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks, which landed long ago,
+// and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step instead, as run 101
+// did, waits for each to land: a register copy waits for its load.) `Walk` gives the steps in order
+// (next(tile, kt)); the first D are asked for before the task's wait (the weights do not depend on the step).
+template <int D>
+struct TilePipeline {
+  TileChunk gate[D], up[D];
+
+  template <class Walk>
+  __device__ __forceinline__ void fill(const Args& a, int layer, int lane32, int steps, Walk& walk) {
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+      if (d < steps) load(a, layer, lane32, walk, gate[d], up[d]);
+  }
+  // Step i's chunks, from slot d = i % D, which then asks for step i + D.
+  template <class Walk>
+  __device__ __forceinline__ void take(const Args& a, int layer, int lane32, int d, int i, int steps, Walk& walk,
+                                       TileChunk& g, TileChunk& u) {
+    g = gate[d];
+    u = up[d];
+    if (i + D < steps) load(a, layer, lane32, walk, gate[d], up[d]);
+  }
+
+ private:
+  template <class Walk>
+  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk& g,
+                                              TileChunk& u) {
+    int tile, kt;
+    walk.next(tile, kt);
+    g = load_tile_chunk(a.w_gate, layer, tile, kt, lane32);
+    u = load_tile_chunk(a.w_up, layer, tile, kt, lane32);
+  }
+};
+
+// A warp's flat range of the block's (tile, step) pairs, tile-major.
+struct FlatWalk {
+  int tile, kt, k_tiles;
+  __device__ __forceinline__ void next(int& t, int& k) {
+    t = tile;
+    k = kt;
+    if (++kt == k_tiles) {
+      kt = 0;
+      ++tile;
+    }
+  }
+};
+
+// A team member's steps: in round r, tile `first + min(r * slots + slot, tiles - 1)` (a surplus member redoes the
+// last, unused), k tiles kt0 + s * kTileHalves + half for s < span.
+struct RoundWalk {
+  int first, tiles, slots, slot, kt0, span, half, k_tiles, round = 0, step = 0;
+  __device__ __forceinline__ int tile_of(int r) const { return first + min(r * slots + slot, tiles - 1); }
+  __device__ __forceinline__ void next(int& t, int& k) {
+    t = tile_of(round);
+    k = min(kt0 + step * kTileHalves + half, k_tiles - 1);
+    if (++step == span) {
+      step = 0;
+      ++round;
+    }
+  }
+};
+
+// 16 outputs of the gated activation from one token's sums of a tile pair, by lane group g (lanes t = 0):
+// sums = (gate g, gate g + 8, up g, up g + 8), before the RMSNorm factor.
+__device__ __forceinline__ void store_gated(const Args& a, int t, int tile, int g, const float (&sums)[4], float rms) {
+  const int f = tile * kTileRows + g;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float gate = sums[rh] * rms, up = sums[2 + rh] * rms;
+    a.gated[static_cast<size_t>(t) * a.ffn + f + 8 * rh] = float_to_bf16(silu(gate) * up);
+  }
+}
+
+template <int TMAX>
+__device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
+  __shared__ float rms_scale[TMAX];
+  const int layer = task.layer;
+  const int lane32 = lane_id() % 32, g = lane32 / 4;
+  const int first_tile = task.first / kTileUnits, tiles = task.count / kTileUnits;
+  const int k_tiles = a.hidden / kTileInputs;
+  constexpr int D = kTileDepth<TMAX>;
+  TilePipeline<D> pipe;
+  const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  auto wait_and_norm = [&]() {
+    if (!block_wait(a, task, index)) return false;
+    block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
+    return true;
+  };
+
+#if LITHOS_MK_TILE_MMA
+  // One token on tensor cores: the block's (tile, step) pairs cut in 8 flat ranges, one a warp, its loads running
+  // on across tiles (the probe's fastest form, NOTES.md run 94d), B staged once. Each warp writes its sums of
+  // every tile its range touches beside B; one barrier, then each tile's pieces are added in warp order.
+  const int operand_bytes = (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16;
+  if (TMAX == 1 && kRingSmemBytes<TMAX> > 0 && operand_bytes + tiles * kTilePieceBytes <= kRingInputBytes) {
+    const int all = tiles * k_tiles;
+    const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
+    FlatWalk walk{first_tile + q0 / k_tiles, q0 % k_tiles, k_tiles};
+    pipe.fill(a, layer, lane32, steps, walk);
+    if (!wait_and_norm()) return false;
+    stage_tile_operand(in);
+    trace_phase(a, index, 0);
+    float(*pieces)[kMatvecWarps][8][4] =
+        reinterpret_cast<float(*)[kMatvecWarps][8][4]>(ring_memory() + operand_bytes);  // [tile][warp][g][q]
+    const uint2* bs = tile_operand();
+    float acc[2][4] = {};
+    int tile = q0 / k_tiles, kt = q0 % k_tiles;
+    for (int i0 = 0; i0 < steps; i0 += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int i = i0 + d;
+        if (i >= steps) break;
+        TileChunk gate, up;
+        pipe.take(a, layer, lane32, d, i, steps, walk, gate, up);
+        uint2 b[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = lane32 < 12 ? bs[(kt * 4 + j) * 12 + lane32] : make_uint2(0u, 0u);
+        tile_step_mma(gate, b, acc[0]);
+        tile_step_mma(up, b, acc[1]);
+        if (++kt < k_tiles && i + 1 < steps) continue;
+        // The tile's last step in this range: its piece out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1) are the
+        // hi, mid and lo parts.
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const float row_g = acc[m][0] + acc[m][1], row_g8 = acc[m][2] + acc[m][3];
+          const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
+          if (lane32 % 4 == 0) {
+            pieces[tile][warp_id()][g][2 * m] = sum_g;
+            pieces[tile][warp_id()][g][2 * m + 1] = sum_g8;
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+        }
+        if (kt == k_tiles) {
+          kt = 0;
+          ++tile;
+        }
+      }
+    }
+    trace_phase(a, index, 1);
+    __syncthreads();
+    for (int j = warp_id(); j < tiles; j += kMatvecWarps) {
+      if (lane32 % 4 != 0) continue;
+      float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int w = j * k_tiles * kMatvecWarps / all; w < kMatvecWarps; ++w) {  // the warps whose ranges touch it
+        const int w_begin = all * w / kMatvecWarps, w_end = all * (w + 1) / kMatvecWarps;
+        if (w_begin >= (j + 1) * k_tiles) break;
+        if (w_end <= j * k_tiles) continue;  // an empty range
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][g][q];
+      }
+      store_gated(a, 0, first_tile + j, g, sums, rms_scale[0]);
+    }
+    trace_phase(a, index, 2);
+    block_release(a, task.signal_counter);
+    return true;
+  }
+#endif
+
+  // The codes decoded to f32 on the CUDA cores (more tokens, HIP, or B too long to stage): teams of k_split warps,
+  // a tile pair a round, each member a contiguous range of its steps; sums through shared memory, one buffer (HIP
+  // compiles every bucket's shared memory into one kernel): a member writes round n's sums after its team has
+  // reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to share).
+  __shared__ float partial[kMatvecWarps][8][4];  // per warp: gate g, gate g + 8, up g, up g + 8, one token
+  __shared__ int arrivals[kMatvecWarps];
+  __shared__ int reduced[kMatvecWarps];
+  if (TMAX > 1 && task.k_split != 1) {
+    if (threadIdx.x == 0) abort_step(a, index);
+    return false;
+  }
+  const int k_split = task.k_split, slots = kMatvecWarps / k_split;
+  const int slot = warp_id() / k_split, part = warp_id() % k_split, half = lane_id() / 32;
+  const int rounds = (tiles + slots - 1) / slots;
+  const int kt0 = k_tiles * part / k_split, kt1 = k_tiles * (part + 1) / k_split;
+  const int span = (kt1 - kt0 + kTileHalves - 1) / kTileHalves, steps = rounds * span;
+  RoundWalk walk{first_tile, tiles, slots, slot, kt0, span, half, k_tiles};
+  if (threadIdx.x < kMatvecWarps) arrivals[threadIdx.x] = reduced[threadIdx.x] = 0;
+  pipe.fill(a, layer, lane32, steps, walk);
+  if (!wait_and_norm()) return false;
+  trace_phase(a, index, 0);
+  float acc[2][2][TMAX];  // [gate, up][row g, g + 8][token]
+  auto clear = [&]() {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) acc[m][rh][t] = 0.0f;
+  };
+  clear();
+  int step = 0, round = 0;
+  for (int i0 = 0; i0 < steps; i0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int i = i0 + d;
+      if (i >= steps) break;
+      TileChunk gate, up;
+      pipe.take(a, layer, lane32, d, i, steps, walk, gate, up);
+      const int kt = kt0 + step * kTileHalves + half;
+      if (kt < kt1) {
+        tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
+        tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
+      }
+      if (++step < span) continue;
+      step = 0;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+          for (int t = 0; t < TMAX; ++t) {
+            float v = acc[m][rh][t];
+            v += shfl_xor(v, 1);
+            v += shfl_xor(v, 2);
+            if constexpr (kTileHalves > 1) v += shfl_xor(v, 32);
+            acc[m][rh][t] = v;
+          }
+      bool mine = part == 0;  // the member that stores the round's outputs
+      if (TMAX == 1 && k_split > 1) {
+        int order = 0;
+        if (lane_id() == 0)
+          while (*static_cast<volatile int*>(&reduced[slot]) < round) {
+          }
+        warp_sync();
+        if (lane_id() < 32 && lane32 % 4 == 0) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) partial[warp_id()][g][q] = acc[q / 2][q % 2][0];
+        }
+        __threadfence_block();
+        warp_sync();
+        if (lane_id() == 0) order = atomicAdd(&arrivals[slot], 1);
+        mine = shfl_from(order, 0) == (round + 1) * k_split - 1;  // the last of this round's team
+        if (mine) {
+          __threadfence_block();
+          float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int p = 0; p < k_split; ++p) {
+            const volatile float* member = partial[slot * k_split + p][g];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) sums[q] += member[q];
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[q / 2][q % 2][0] = sums[q];
+          __threadfence_block();  // the reads are done before the buffer is released
+          warp_sync();
+          if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
+        }
+      }
+      if (mine && round * slots + slot < tiles && lane_id() < 32 && lane32 % 4 == 0) {
+#pragma unroll
+        for (int t = 0; t < TMAX; ++t) {
+          if (t < a.tokens) {
+            const float sums[4] = {acc[0][0][t], acc[0][1][t], acc[1][0][t], acc[1][1][t]};
+            store_gated(a, t, walk.tile_of(round), g, sums, rms_scale[t]);
+          }
+        }
+      }
+      ++round;
+      clear();
+    }
+  }
+  trace_phase(a, index, 2);
+  block_release(a, task.signal_counter);
+  return true;
+}
+
+}  // namespace mk
+}  // namespace lithos

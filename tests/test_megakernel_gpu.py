@@ -98,15 +98,27 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
         ("smollm2-like", 1),  # 576 inputs: 9 steps a tile over 8 warps (one member takes 2)
         ("smollm2-like", 4),  # the decode to f32, a warp a tile
         ("llama-3.2-1b", 16),
+        ("smollm2-like", -1),  # one token, scales spread 2^-12 .. 2^12 around the quantizer's
+        ("smollm2-like", -4),
     ],
 )
 def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     """MXFP4 gate and up in fragment tiles (lithos.quant.tiles), in the build that reads them: on tensor
-    cores at one token, decoded to f32 at more."""
+    cores at one token, decoded to f32 at more. A negative count: as many tokens, with every 7th block's scale
+    2^12 larger and every 11th 2^12 smaller (each path's conversion of scales far from 2^0)."""
     monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    spread, tokens = tokens < 0, abs(tokens)
     shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
     weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
     weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    if spread:
+
+        def spread_scales(w):
+            codes = w.scales.astype(jnp.int32)
+            codes = codes.at[..., ::7].add(12).at[..., 3::11].add(-12)
+            return w.replace(scales=jnp.clip(codes, 0, 192).astype(jnp.uint8))
+
+        weights = weights._replace(w_gate=spread_scales(weights.w_gate), w_up=spread_scales(weights.w_up))
     w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
     assert w_gate.format == w_up.format == quant.MXFP4_TILES
     check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up), *rest), 1000)

@@ -25,29 +25,23 @@
 #define main mxfp4_matvec_main
 #include "mxfp4_matvec.cu"
 #undef main
+#include "../../lithos/custom_calls/csrc/mxfp4_tiles.h"
 
 namespace frag {
 
-constexpr int kTileRows = 16, kTileK = 64, kTileBytes = 512;
-constexpr uint32_t kPairMask = 0x81C081C0u;  // a bf16x2 of v * 2^-126: bits 6..8 and 15 of each half
-constexpr uint32_t kScaleBias = 62;          // 2^-126 (A) * 2^64 (B) = 2^-62
+using lithos::tiles::decode_pair;
+using lithos::tiles::kTileBytes;
+using lithos::tiles::kTileRows;
+constexpr int kTileK = lithos::tiles::kTileInputs;
+constexpr uint32_t kScaleBias = 62;  // 2^-126 (A) * 2^64 (B) = 2^-62
 
-// Where pair p's bits sit in a word: bit b of the decoded pair (a position of kPairMask) comes from
-// word bit kPairBits[p][i] for the i-th set bit of kPairMask in ascending order (6, 7, 8, 15, 22, 23, 24, 31).
-// Pair 0 as is, pairs 1 and 2 three and six places lower, pair 3 the eight bits left over.
+// Where pair p's bits sit in a word (lithos/quant/tiles.py PAIR_BITS): bit b of the decoded pair (a position of
+// kPairMask) comes from word bit kPairBits[p][i] for the i-th set bit of kPairMask in ascending order (6, 7, 8,
+// 15, 22, 23, 24, 31). Pair 0 as is, pairs 1 and 2 three and six places lower, pair 3 the eight bits left over.
 constexpr int kPairBits[4][8] = {{6, 7, 8, 15, 22, 23, 24, 31},
                                  {3, 4, 5, 12, 19, 20, 21, 28},
                                  {0, 1, 2, 9, 16, 17, 18, 25},
                                  {10, 11, 13, 14, 26, 27, 29, 30}};
-
-template <int P>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
-  if constexpr (P == 0) return w & kPairMask;
-  if constexpr (P == 1) return (w << 3) & kPairMask;
-  if constexpr (P == 2) return (w << 6) & kPairMask;
-  // 10, 11 -> 6, 7; 13 -> 8; 14 -> 15 (and the same 16 higher)
-  return ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
-}
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint2 b,
                                     bool zero) {

@@ -1,22 +1,25 @@
 // Megakernel task kind 4 over MXFP4 gate and up matrices in fragment tiles (a build with
-// LITHOS_MK_GATE_UP_TILES=1; the layout: lithos/quant/tiles.py). A tile is 16 rows x 64 inputs, 512 bytes
-// of codes and 32 of scales; a row group of the task is a tile of the gate matrix and the same rows' tile of
-// the up matrix: 16 outputs (kTileUnits of tasks.py's 2-output row groups). The task's warps form teams of
-// k_split; a team takes one output tile a round, each member a contiguous range of its 64-input steps, and
-// adds its sums through shared memory as stream_row_groups' teams do.
+// LITHOS_MK_GATE_UP_TILES=1; the layout: lithos/quant/tiles.py, mxfp4_tiles.h). A tile is 16 rows x 64 inputs,
+// 512 bytes of codes and 32 of scales; the task's unit is a tile of the gate matrix and the same rows' tile of
+// the up matrix: 16 outputs (kTileUnits of tasks.py's 2-output row groups), whose lane group g holds both
+// halves of outputs g and g + 8.
 //
-// The dot products (CUDA, one token): each step's A fragments are the lane's 16 bytes of a tile, every pair
-// of codes a bf16x2 of value * 2^-126 after one to three integer operations; B is x * norm_w * 2^64 as three
-// bf16 parts (hi, mid, lo: their sum is the f32 product exactly) in columns 0-2, staged once per task in
-// fragment order. A block's two mma start from zero and its scale, 2^(c - 65), multiplies their sum in f32.
-// Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32
-// and multiplies them with the activations (a dot product's order of inputs is free).
+// One token, CUDA: the block's (tile, step) pairs are cut in one flat range a warp; each step's A fragments are
+// the lane's 16 bytes of a tile, every pair of codes a bf16x2 of value * 2^-126 after one to three integer
+// operations; B is x * norm_w * 2^64 as three bf16 parts (hi, mid, lo: their sum is the f32 product exactly) in
+// columns 0-2, staged once per task in fragment order. A block's two mma start from zero and its scale,
+// 2^(c - 65), multiplies their sum in f32. Each warp's sums of a tile go beside B; after one barrier a tile's
+// pieces are added in warp order.
+// Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32 and
+// multiplies them with the activations (a dot product's order of inputs is free), in teams of k_split warps
+// that add their sums through shared memory as stream_row_groups' teams do.
+// Off by default: on the H200 this task is still slower than the rows it replaces (NOTES.md, runs 100-103).
 #pragma once
-
 
 #include "mk_common.h"
 #include "mk_gate_up.h"
 #include "mk_lane_ring.h"
+#include "mxfp4_tiles.h"
 
 // Tensor cores read B from the lane ring's staging area: CUDA builds with the ring.
 #if !defined(LITHOS_HIP) && LITHOS_MK_LANE_RING
@@ -28,7 +31,11 @@
 namespace lithos {
 namespace mk {
 
-constexpr int kTileRows = 16, kTileInputs = 64, kTileBytes = 512, kTileScaleBytes = 32;
+using tiles::decode_pair;
+using tiles::kTileBytes;
+using tiles::kTileInputs;
+using tiles::kTileRows;
+using tiles::kTileScaleBytes;
 constexpr int kTileUnits = kTileRows / 2;  // 2-output row groups (tasks.py) in a 16-output tile pair
 // Steps of each member's range in flight in registers: 4 KB a warp at one token, the 8 tiles of the probe's
 // fastest form (NOTES.md run 94d); the decode-to-float path keeps fewer for its accumulators.
@@ -36,18 +43,6 @@ template <int TMAX>
 constexpr int kTileDepth = TMAX == 1 ? 4 : 2;
 // A tile's 32 lanes; a 64-lane wavefront takes two of a tile's 64-input steps at once.
 constexpr int kTileHalves = WARP_SIZE / 32;
-
-constexpr uint32_t kPairMask = 0x81C081C0u;  // a bf16x2 of value * 2^-126: bits 6..8 and 15 of each half
-
-// Pair P of a codes word as a bf16x2 of value * 2^-126 (lithos/quant/tiles.py PAIR_BITS): pair 0 in place,
-// pairs 1 and 2 three and six places lower, pair 3 in the bits left over.
-template <int P>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
-  if constexpr (P == 0) return w & kPairMask;
-  if constexpr (P == 1) return (w << 3) & kPairMask;
-  if constexpr (P == 2) return (w << 6) & kPairMask;
-  return ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
-}
 
 // One step of a tile, as a lane holds it: its 16 bytes of codes and its lane group's scale word.
 struct TileChunk {
@@ -64,12 +59,12 @@ __device__ __forceinline__ TileChunk load_tile_chunk(const PackedWeight& w, int 
   return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scales)};
 }
 
-// Scale byte I of a lane group's word, as the f32 2^(c - 127 + 126): the factor for values decoded as
-// value * 2^-126 (exact for every code, 2^-1 .. 2^191 would overflow past c = 192, which the layout refuses).
+// Scale byte I of a lane group's word as the f32 2^(c - 127): its exponent bits, or for c = 0 the subnormal
+// 2^-127 (no build flushes subnormals).
 template <int I>
-__device__ __forceinline__ float decoded_scale(uint32_t word) {
+__device__ __forceinline__ float mx_scale(uint32_t word) {
   const uint32_t c = (word >> (8 * I)) & 0xFFu;
-  return __uint_as_float((c + 126u) << 23);
+  return __uint_as_float(c == 0 ? 0x00400000u : c << 23);
 }
 
 #if LITHOS_MK_TILE_MMA
@@ -109,23 +104,6 @@ __device__ inline void stage_tile_operand(const TokenRows& in) {
   __syncthreads();
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint2 b,
-                                         bool zero) {
-  if (zero) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
-  }
-}
-
 // Scale byte I as the f32 2^(c - 127 + 62): 2^-126 (A) times 2^64 (B) undone; exact for c <= 192.
 template <int I>
 __device__ __forceinline__ float mma_scale(uint32_t word) {
@@ -136,11 +114,12 @@ __device__ __forceinline__ float mma_scale(uint32_t word) {
 __device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&b)[4], float (&acc)[4]) {
 #pragma unroll
   for (int blk = 0; blk < 2; ++blk) {
-    float d[4];
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's own sum, scaled once below
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const uint32_t w = c.codes[2 * blk + j];
-      mma_bf16(d, decode_pair<0>(w), decode_pair<1>(w), decode_pair<2>(w), decode_pair<3>(w), b[2 * blk + j], j == 0);
+      mma_m16n8k16(d, decode_pair<0>(w), decode_pair<1>(w), decode_pair<2>(w), decode_pair<3>(w), b[2 * blk + j].x,
+                   b[2 * blk + j].y);
     }
     const float sg = blk == 0 ? mma_scale<0>(c.scales) : mma_scale<1>(c.scales);
     const float sg8 = blk == 0 ? mma_scale<2>(c.scales) : mma_scale<3>(c.scales);
@@ -186,12 +165,12 @@ __device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const Toke
         }
       }
     }
-    const float s0 = blk == 0 ? decoded_scale<0>(c.scales) : decoded_scale<1>(c.scales);
-    const float s8 = blk == 0 ? decoded_scale<2>(c.scales) : decoded_scale<3>(c.scales);
+    const float s0 = blk == 0 ? mx_scale<0>(c.scales) : mx_scale<1>(c.scales);
+    const float s8 = blk == 0 ? mx_scale<2>(c.scales) : mx_scale<3>(c.scales);
 #pragma unroll
     for (int t = 0; t < TMAX; ++t) {
-      acc[0][t] = fmaf(part[0][t], s0 * (1.0f / kUndo), acc[0][t]);
-      acc[1][t] = fmaf(part[1][t], s8 * (1.0f / kUndo), acc[1][t]);
+      acc[0][t] = fmaf(part[0][t], s0, acc[0][t]);
+      acc[1][t] = fmaf(part[1][t], s8, acc[1][t]);
     }
   }
 }
@@ -211,13 +190,21 @@ struct TilePipeline {
     for (int d = 0; d < D; ++d)
       if (d < steps) load(a, layer, lane32, walk, gate[d], up[d]);
   }
-  // Step i's chunks, from slot d = i % D, which then asks for step i + D.
-  template <class Walk>
-  __device__ __forceinline__ void take(const Args& a, int layer, int lane32, int d, int i, int steps, Walk& walk,
-                                       TileChunk& g, TileChunk& u) {
-    g = gate[d];
-    u = up[d];
-    if (i + D < steps) load(a, layer, lane32, walk, gate[d], up[d]);
+  // body(i, gate, up) for steps i = 0 .. steps - 1 in order: step i from slot i % D (a constant once the loop is
+  // unrolled by D), which then asks for step i + D.
+  template <class Walk, class Body>
+  __device__ __forceinline__ void for_each_step(const Args& a, int layer, int lane32, int steps, Walk& walk,
+                                                Body body) {
+    for (int i0 = 0; i0 < steps; i0 += D) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int i = i0 + d;
+        if (i >= steps) break;
+        const TileChunk g = gate[d], u = up[d];
+        if (i + D < steps) load(a, layer, lane32, walk, gate[d], up[d]);
+        body(i, g, u);
+      }
+    }
   }
 
  private:
@@ -304,38 +291,31 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     const uint2* bs = tile_operand();
     float acc[2][4] = {};
     int tile = q0 / k_tiles, kt = q0 % k_tiles;
-    for (int i0 = 0; i0 < steps; i0 += D) {
+    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk& gate, const TileChunk& up) {
+      uint2 b[4];
 #pragma unroll
-      for (int d = 0; d < D; ++d) {
-        const int i = i0 + d;
-        if (i >= steps) break;
-        TileChunk gate, up;
-        pipe.take(a, layer, lane32, d, i, steps, walk, gate, up);
-        uint2 b[4];
+      for (int j = 0; j < 4; ++j) b[j] = lane32 < 12 ? bs[(kt * 4 + j) * 12 + lane32] : make_uint2(0u, 0u);
+      tile_step_mma(gate, b, acc[0]);
+      tile_step_mma(up, b, acc[1]);
+      if (++kt < k_tiles && i + 1 < steps) return;
+      // The tile's last step in this range: its piece out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1) are the
+      // hi, mid and lo parts.
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[j] = lane32 < 12 ? bs[(kt * 4 + j) * 12 + lane32] : make_uint2(0u, 0u);
-        tile_step_mma(gate, b, acc[0]);
-        tile_step_mma(up, b, acc[1]);
-        if (++kt < k_tiles && i + 1 < steps) continue;
-        // The tile's last step in this range: its piece out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1) are the
-        // hi, mid and lo parts.
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const float row_g = acc[m][0] + acc[m][1], row_g8 = acc[m][2] + acc[m][3];
-          const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
-          if (lane32 % 4 == 0) {
-            pieces[tile][warp_id()][g][2 * m] = sum_g;
-            pieces[tile][warp_id()][g][2 * m + 1] = sum_g8;
-          }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+      for (int m = 0; m < 2; ++m) {
+        const float row_g = acc[m][0] + acc[m][1], row_g8 = acc[m][2] + acc[m][3];
+        const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
+        if (lane32 % 4 == 0) {
+          pieces[tile][warp_id()][g][2 * m] = sum_g;
+          pieces[tile][warp_id()][g][2 * m + 1] = sum_g8;
         }
-        if (kt == k_tiles) {
-          kt = 0;
-          ++tile;
-        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
       }
-    }
+      if (kt == k_tiles) {
+        kt = 0;
+        ++tile;
+      }
+    });
     trace_phase(a, index, 1);
     __syncthreads();
     for (int j = warp_id(); j < tiles; j += kMatvecWarps) {
@@ -388,75 +368,68 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   };
   clear();
   int step = 0, round = 0;
-  for (int i0 = 0; i0 < steps; i0 += D) {
+  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk& gate, const TileChunk& up) {
+    const int kt = kt0 + step * kTileHalves + half;
+    if (kt < kt1) {
+      tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
+      tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
+    }
+    if (++step < span) return;
+    step = 0;
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-      const int i = i0 + d;
-      if (i >= steps) break;
-      TileChunk gate, up;
-      pipe.take(a, layer, lane32, d, i, steps, walk, gate, up);
-      const int kt = kt0 + step * kTileHalves + half;
-      if (kt < kt1) {
-        tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
-        tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
-      }
-      if (++step < span) continue;
-      step = 0;
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-          for (int t = 0; t < TMAX; ++t) {
-            float v = acc[m][rh][t];
-            v += shfl_xor(v, 1);
-            v += shfl_xor(v, 2);
-            if constexpr (kTileHalves > 1) v += shfl_xor(v, 32);
-            acc[m][rh][t] = v;
-          }
-      bool mine = part == 0;  // the member that stores the round's outputs
-      if (TMAX == 1 && k_split > 1) {
-        int order = 0;
-        if (lane_id() == 0)
-          while (*static_cast<volatile int*>(&reduced[slot]) < round) {
-          }
-        warp_sync();
-        if (lane_id() < 32 && lane32 % 4 == 0) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) partial[warp_id()][g][q] = acc[q / 2][q % 2][0];
-        }
-        __threadfence_block();
-        warp_sync();
-        if (lane_id() == 0) order = atomicAdd(&arrivals[slot], 1);
-        mine = shfl_from(order, 0) == (round + 1) * k_split - 1;  // the last of this round's team
-        if (mine) {
-          __threadfence_block();
-          float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          for (int p = 0; p < k_split; ++p) {
-            const volatile float* member = partial[slot * k_split + p][g];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) sums[q] += member[q];
-          }
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[q / 2][q % 2][0] = sums[q];
-          __threadfence_block();  // the reads are done before the buffer is released
-          warp_sync();
-          if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
-        }
-      }
-      if (mine && round * slots + slot < tiles && lane_id() < 32 && lane32 % 4 == 0) {
+      for (int rh = 0; rh < 2; ++rh)
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens) {
-            const float sums[4] = {acc[0][0][t], acc[0][1][t], acc[1][0][t], acc[1][1][t]};
-            store_gated(a, t, walk.tile_of(round), g, sums, rms_scale[t]);
-          }
+          float v = acc[m][rh][t];
+          v += shfl_xor(v, 1);
+          v += shfl_xor(v, 2);
+          if constexpr (kTileHalves > 1) v += shfl_xor(v, 32);
+          acc[m][rh][t] = v;
+        }
+    bool mine = part == 0;  // the member that stores the round's outputs
+    if (TMAX == 1 && k_split > 1) {
+      int order = 0;
+      if (lane_id() == 0)
+        while (*static_cast<volatile int*>(&reduced[slot]) < round) {
+        }
+      warp_sync();
+      if (lane_id() < 32 && lane32 % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) partial[warp_id()][g][q] = acc[q / 2][q % 2][0];
+      }
+      __threadfence_block();
+      warp_sync();
+      if (lane_id() == 0) order = atomicAdd(&arrivals[slot], 1);
+      mine = shfl_from(order, 0) == (round + 1) * k_split - 1;  // the last of this round's team
+      if (mine) {
+        __threadfence_block();
+        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int p = 0; p < k_split; ++p) {
+          const volatile float* member = partial[slot * k_split + p][g];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) sums[q] += member[q];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[q / 2][q % 2][0] = sums[q];
+        __threadfence_block();  // the reads are done before the buffer is released
+        warp_sync();
+        if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
+      }
+    }
+    if (mine && round * slots + slot < tiles && lane_id() < 32 && lane32 % 4 == 0) {
+#pragma unroll
+      for (int t = 0; t < TMAX; ++t) {
+        if (t < a.tokens) {
+          const float sums[4] = {acc[0][0][t], acc[0][1][t], acc[1][0][t], acc[1][1][t]};
+          store_gated(a, t, walk.tile_of(round), g, sums, rms_scale[t]);
         }
       }
-      ++round;
-      clear();
     }
-  }
+    ++round;
+    clear();
+  });
   trace_phase(a, index, 2);
   block_release(a, task.signal_counter);
   return true;

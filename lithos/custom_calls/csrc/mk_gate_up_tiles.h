@@ -276,9 +276,15 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
 #if LITHOS_MK_TILE_MMA
   // One token on tensor cores: the block's (tile, step) pairs cut in 8 flat ranges, one a warp, its loads running
   // on across tiles (the probe's fastest form, NOTES.md run 94d), B staged once. Each warp writes its sums of
-  // every tile its range touches beside B; one barrier, then each tile's pieces are added in warp order.
-  const int operand_bytes = (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16;
-  if (TMAX == 1 && kRingSmemBytes<TMAX> > 0 && operand_bytes + tiles * kTilePieceBytes <= kRingInputBytes) {
+  // every tile its range touches beside B; one barrier, then each tile's pieces are added in warp order. The only
+  // form the one-token kernel has: the decode to f32 below stays out of its code (kernel.py checks that B and the
+  // pieces fit before it launches).
+  if constexpr (TMAX == 1 && kRingSmemBytes<TMAX> > 0) {
+    const int operand_bytes = (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16;
+    if (operand_bytes + tiles * kTilePieceBytes > kRingInputBytes) {
+      if (threadIdx.x == 0) abort_step(a, index);
+      return false;
+    }
     const int all = tiles * k_tiles;
     const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
     FlatWalk walk{first_tile + q0 / k_tiles, q0 % k_tiles, k_tiles};
@@ -333,106 +339,108 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     trace_phase(a, index, 2);
     block_release(a, task.signal_counter);
     return true;
-  }
+  } else
 #endif
-
-  // The codes decoded to f32 on the CUDA cores (more tokens, HIP, or B too long to stage): teams of k_split warps,
-  // a tile pair a round, each member a contiguous range of its steps; sums through shared memory, one buffer (HIP
-  // compiles every bucket's shared memory into one kernel): a member writes round n's sums after its team has
-  // reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to share).
-  __shared__ float partial[kMatvecWarps][8][4];  // per warp: gate g, gate g + 8, up g, up g + 8, one token
-  __shared__ int arrivals[kMatvecWarps];
-  __shared__ int reduced[kMatvecWarps];
-  if (TMAX > 1 && task.k_split != 1) {
-    if (threadIdx.x == 0) abort_step(a, index);
-    return false;
-  }
-  const int k_split = task.k_split, slots = kMatvecWarps / k_split;
-  const int slot = warp_id() / k_split, part = warp_id() % k_split, half = lane_id() / 32;
-  const int rounds = (tiles + slots - 1) / slots;
-  const int kt0 = k_tiles * part / k_split, kt1 = k_tiles * (part + 1) / k_split;
-  const int span = (kt1 - kt0 + kTileHalves - 1) / kTileHalves, steps = rounds * span;
-  RoundWalk walk{first_tile, tiles, slots, slot, kt0, span, half, k_tiles};
-  if (threadIdx.x < kMatvecWarps) arrivals[threadIdx.x] = reduced[threadIdx.x] = 0;
-  pipe.fill(a, layer, lane32, steps, walk);
-  if (!wait_and_norm()) return false;
-  trace_phase(a, index, 0);
-  float acc[2][2][TMAX];  // [gate, up][row g, g + 8][token]
-  auto clear = [&]() {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-        for (int t = 0; t < TMAX; ++t) acc[m][rh][t] = 0.0f;
-  };
-  clear();
-  int step = 0, round = 0;
-  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk& gate, const TileChunk& up) {
-    const int kt = kt0 + step * kTileHalves + half;
-    if (kt < kt1) {
-      tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
-      tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
+  {
+    // The codes decoded to f32 on the CUDA cores (more tokens, HIP, a build without the lane ring): teams of
+    // k_split warps, a tile pair a round, each member a contiguous range of its steps; sums through shared memory,
+    // one buffer (HIP compiles every bucket's shared memory into one kernel): a member writes round n's sums after
+    // its team has reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to
+    // share).
+    __shared__ float partial[kMatvecWarps][8][4];  // per warp: gate g, gate g + 8, up g, up g + 8, one token
+    __shared__ int arrivals[kMatvecWarps];
+    __shared__ int reduced[kMatvecWarps];
+    if (TMAX > 1 && task.k_split != 1) {
+      if (threadIdx.x == 0) abort_step(a, index);
+      return false;
     }
-    if (++step < span) return;
-    step = 0;
+    const int k_split = task.k_split, slots = kMatvecWarps / k_split;
+    const int slot = warp_id() / k_split, part = warp_id() % k_split, half = lane_id() / 32;
+    const int rounds = (tiles + slots - 1) / slots;
+    const int kt0 = k_tiles * part / k_split, kt1 = k_tiles * (part + 1) / k_split;
+    const int span = (kt1 - kt0 + kTileHalves - 1) / kTileHalves, steps = rounds * span;
+    RoundWalk walk{first_tile, tiles, slots, slot, kt0, span, half, k_tiles};
+    if (threadIdx.x < kMatvecWarps) arrivals[threadIdx.x] = reduced[threadIdx.x] = 0;
+    pipe.fill(a, layer, lane32, steps, walk);
+    if (!wait_and_norm()) return false;
+    trace_phase(a, index, 0);
+    float acc[2][2][TMAX];  // [gate, up][row g, g + 8][token]
+    auto clear = [&]() {
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh)
+        for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+          for (int t = 0; t < TMAX; ++t) acc[m][rh][t] = 0.0f;
+    };
+    clear();
+    int step = 0, round = 0;
+    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk& gate, const TileChunk& up) {
+      const int kt = kt0 + step * kTileHalves + half;
+      if (kt < kt1) {
+        tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
+        tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
+      }
+      if (++step < span) return;
+      step = 0;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+          for (int t = 0; t < TMAX; ++t) {
+            float v = acc[m][rh][t];
+            v += shfl_xor(v, 1);
+            v += shfl_xor(v, 2);
+            if constexpr (kTileHalves > 1) v += shfl_xor(v, 32);
+            acc[m][rh][t] = v;
+          }
+      bool mine = part == 0;  // the member that stores the round's outputs
+      if (TMAX == 1 && k_split > 1) {
+        int order = 0;
+        if (lane_id() == 0)
+          while (*static_cast<volatile int*>(&reduced[slot]) < round) {
+          }
+        warp_sync();
+        if (lane_id() < 32 && lane32 % 4 == 0) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) partial[warp_id()][g][q] = acc[q / 2][q % 2][0];
+        }
+        __threadfence_block();
+        warp_sync();
+        if (lane_id() == 0) order = atomicAdd(&arrivals[slot], 1);
+        mine = shfl_from(order, 0) == (round + 1) * k_split - 1;  // the last of this round's team
+        if (mine) {
+          __threadfence_block();
+          float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          for (int p = 0; p < k_split; ++p) {
+            const volatile float* member = partial[slot * k_split + p][g];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) sums[q] += member[q];
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[q / 2][q % 2][0] = sums[q];
+          __threadfence_block();  // the reads are done before the buffer is released
+          warp_sync();
+          if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
+        }
+      }
+      if (mine && round * slots + slot < tiles && lane_id() < 32 && lane32 % 4 == 0) {
 #pragma unroll
         for (int t = 0; t < TMAX; ++t) {
-          float v = acc[m][rh][t];
-          v += shfl_xor(v, 1);
-          v += shfl_xor(v, 2);
-          if constexpr (kTileHalves > 1) v += shfl_xor(v, 32);
-          acc[m][rh][t] = v;
-        }
-    bool mine = part == 0;  // the member that stores the round's outputs
-    if (TMAX == 1 && k_split > 1) {
-      int order = 0;
-      if (lane_id() == 0)
-        while (*static_cast<volatile int*>(&reduced[slot]) < round) {
-        }
-      warp_sync();
-      if (lane_id() < 32 && lane32 % 4 == 0) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) partial[warp_id()][g][q] = acc[q / 2][q % 2][0];
-      }
-      __threadfence_block();
-      warp_sync();
-      if (lane_id() == 0) order = atomicAdd(&arrivals[slot], 1);
-      mine = shfl_from(order, 0) == (round + 1) * k_split - 1;  // the last of this round's team
-      if (mine) {
-        __threadfence_block();
-        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int p = 0; p < k_split; ++p) {
-          const volatile float* member = partial[slot * k_split + p][g];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) sums[q] += member[q];
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q / 2][q % 2][0] = sums[q];
-        __threadfence_block();  // the reads are done before the buffer is released
-        warp_sync();
-        if (lane_id() == 0) *static_cast<volatile int*>(&reduced[slot]) = round + 1;
-      }
-    }
-    if (mine && round * slots + slot < tiles && lane_id() < 32 && lane32 % 4 == 0) {
-#pragma unroll
-      for (int t = 0; t < TMAX; ++t) {
-        if (t < a.tokens) {
-          const float sums[4] = {acc[0][0][t], acc[0][1][t], acc[1][0][t], acc[1][1][t]};
-          store_gated(a, t, walk.tile_of(round), g, sums, rms_scale[t]);
+          if (t < a.tokens) {
+            const float sums[4] = {acc[0][0][t], acc[0][1][t], acc[1][0][t], acc[1][1][t]};
+            store_gated(a, t, walk.tile_of(round), g, sums, rms_scale[t]);
+          }
         }
       }
-    }
-    ++round;
-    clear();
-  });
-  trace_phase(a, index, 2);
-  block_release(a, task.signal_counter);
-  return true;
+      ++round;
+      clear();
+    });
+    trace_phase(a, index, 2);
+    block_release(a, task.signal_counter);
+    return true;
+  }
 }
 
 }  // namespace mk

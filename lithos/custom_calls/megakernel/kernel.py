@@ -22,7 +22,7 @@ from lithos.custom_calls import build
 from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
 from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, Schedule, build_schedule
-from lithos.custom_calls.megakernel.tasks import STATUS_WORDS, WARPS_PER_BLOCK, ModelShape
+from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
 from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, tiles_fit, to_tiles
@@ -112,10 +112,34 @@ def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
     packed = [isinstance(w, QuantizedArray) and w.format == MXFP4 for w in (w_gate, w_up)]
     if not (all(packed) and tiles_wanted(platform)) or tiles_fit(w_gate.shape) or tiles_fit(w_up.shape):
         return w_gate, w_up
+    if w_gate.shape[-1] * TILE_OPERAND_BYTES_PER_INPUT > TILE_STAGING_BYTES * 3 // 4:  # room left for the sums
+        return w_gate, w_up
     try:
         return to_tiles(w_gate), to_tiles(w_up)
     except LithosError:  # a scale outside the tiled kernel's range: rows read the same values
         return w_gate, w_up
+
+
+# csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (6 bytes
+# an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h.
+TILE_STAGING_BYTES = 64 * 1024
+TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 6, 1024
+
+
+def check_tile_staging(schedule: Schedule) -> None:
+    """The one-token tiled gate/up task stages B and its sums in the lane ring's input area: an error naming the
+    fix where a task's would not fit (the kernel would abort the step)."""
+    s = schedule.shape
+    table = schedule.tasks
+    counts = table[table[:, FIELDS.index("op")] == Op.GATE_UP, FIELDS.index("count")]
+    tiles = int(counts.max()) // TILE_UNITS if counts.size else 0
+    need = -(-s.hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16 + tiles * TILE_PIECE_BYTES
+    if need > TILE_STAGING_BYTES:
+        raise LithosError(
+            f"megakernel: gate/up in fragment tiles needs {need} bytes of staging a task (hidden {s.hidden}, {tiles} "
+            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; keep them in rows (unset "
+            "LITHOS_GATE_UP_TILES)"
+        )
 
 
 @functools.cache
@@ -300,6 +324,8 @@ def decode_step(
 
     def check():
         check_tokens("megakernel", h0.shape[0])
+        if formats.gate_up_tiles and h0.shape[0] == 1:
+            check_tile_staging(schedule)
         dense = {name: w for name, w in weights._asdict().items() if not isinstance(w, QuantizedArray)}
         require_bf16("megakernel", h0=h0, k_cache=k_cache, **dense)
         if batch != 1:

@@ -13,13 +13,13 @@ major order, tile `(T, kt)` at index `T * (in / 64) + kt`:
   little-endian words, word `j` for inputs `64 kt + 16 j .. + 15`. Its pair `p` (0..3) is the two codes
   (row `16 T + g + 8 (p & 1)`, input `64 kt + 16 j + 2 t + 8 (p >> 1)` and the next), and bit `b` of the
   pair's code `h` (0, 1) sits at word bit `PAIR_BITS[p][4 h + b]`: where a bf16x2 of `value * 2^-126`
-  has that code's mantissa, exponent and sign bits (csrc/mk_gate_up_tiles.h decodes it).
+  has that code's mantissa, exponent and sign bits (csrc/mxfp4_tiles.h decodes it).
 - scales: 32 bytes a tile, the word of lane group `g` (bytes `4 g .. 4 g + 3`) holding the E8M0 codes of
   (row `g`, block `2 kt`), (row `g`, block `2 kt + 1`), (row `g + 8`, block `2 kt`), (row `g + 8`,
   block `2 kt + 1`).
 
-The kernel turns a scale into `2^(c - 65)` by integer arithmetic, exact for codes up to 192 (2^65): a
-tensor with a larger or a NaN scale stays in rows (`tiles_fit` says why).
+The kernel turns a scale into `2^(c - 65)` by integer arithmetic, exact for codes up to 192 (2^65): `to_tiles`
+refuses a tensor with a larger or a NaN scale (the megakernel then keeps its rows).
 """
 
 from __future__ import annotations

@@ -64,6 +64,9 @@ def test_tiles_follow_their_definition_and_keep_every_value():
         np.testing.assert_array_equal(np.asarray(tiled.scales[layer]), scales)
     exact = np.asarray(quant.dequantize(w, jnp.float32))
     np.testing.assert_array_equal(np.asarray(quant.dequantize(tiled, jnp.float32)), exact)
+    # Rows of one matrix picked by index (an embedding's lookup) read the same values from either layout.
+    matrix, rows = random_mxfp4((32, 128), seed=1), jnp.array([3, 17, 30])
+    np.testing.assert_array_equal(np.asarray(quant.to_tiles(matrix)[rows]), np.asarray(matrix[rows]))
     back = quant.from_tiles(tiled)
     assert back.format == quant.MXFP4
     np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))

@@ -185,6 +185,8 @@ class QuantizedArray:
         """
         if self.ndim < 2:
             raise LithosError(f"indexing a packed {self.format.name} array needs 2 or more axes, has {self.ndim}")
+        if self.format.tile is not None and self.ndim == 2:  # a tile's bytes hold 16 rows: no row stands alone
+            return dequantize(self)[index]
         if self.format.block[0] == 1 or self.ndim > 2:  # the leading axis does not share scales
             picked = jax.tree_util.tree_map(lambda p: p[index], self)
             return dequantize(picked, self.dtype)

@@ -103,8 +103,8 @@ def map_planes(fn, w):
     """Apply `fn` to every plane of a packed array (or to a dense array): for row permutations, which
     move each row's codes and scales together (valid for formats whose blocks are one row)."""
     if isinstance(w, QuantizedArray):
-        if w.format.block[0] != 1:
-            raise CheckpointError(f"rows of a {w.format.name} tensor share scales in tiles: they cannot be permuted")
+        if w.format.block[0] != 1 or w.format.tile is not None:
+            raise CheckpointError(f"rows of a {w.format.name} tensor share tiles: they cannot be permuted")
         return w.replace(**{name: fn(plane) for name, plane in w.planes().items()})
     return fn(w)
 

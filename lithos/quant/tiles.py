@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lithos.errors import LithosError
+from lithos.quant.formats import MXFP4, MXFP4_TILES, unpack_nibbles
 
 TILE_ROWS, TILE_INPUTS = 16, 64
 MAX_SCALE_CODE = 192  # 2^65: the largest scale the kernel's integer conversion takes exactly
@@ -75,11 +76,6 @@ def _row_axes(c: jax.Array) -> jax.Array:
     return rows.reshape(*lead, T * 16, KT * 64)
 
 
-def _unpack(data: jax.Array) -> jax.Array:
-    codes = (data.astype(jnp.uint32)[..., None] >> jnp.array([0, 4], jnp.uint32)) & 0x0F
-    return codes.reshape(*data.shape[:-1], 2 * data.shape[-1])
-
-
 def _pack(codes: jax.Array) -> jax.Array:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
 
@@ -97,7 +93,7 @@ def _bytes_to_words(data: jax.Array, lead: tuple[int, ...]) -> jax.Array:
 
 @jax.jit
 def _codes_to_tiles(data: jax.Array) -> jax.Array:
-    c = _tile_axes(_unpack(data))  # [..., T, kt, g, t, j, rh, kh, h]
+    c = _tile_axes(unpack_nibbles(data).astype(jnp.uint32))  # [..., T, kt, g, t, j, rh, kh, h]
     bits = jnp.asarray(_BITS, jnp.uint32)
     word = jnp.zeros(c.shape[:-3], jnp.uint32)
     for b in range(4):
@@ -132,8 +128,6 @@ def _scales_from_tiles(scales: jax.Array) -> jax.Array:
 def to_tiles(w):
     """An MXFP4 QuantizedArray `[..., out, in]` in fragment tiles (format mxfp4_tiles): the same values.
     Raises when it does not fit (`tiles_fit`) or a scale is NaN or above 2^65."""
-    from lithos.quant.formats import MXFP4, MXFP4_TILES
-
     if w.format != MXFP4:
         raise LithosError(f"fragment tiles are made from mxfp4 weights, not {w.format.name}")
     why = tiles_fit(w.shape)
@@ -146,6 +140,4 @@ def to_tiles(w):
 
 def from_tiles(w):
     """The inverse of `to_tiles`: MXFP4 rows as stored."""
-    from lithos.quant.formats import MXFP4
-
     return w.replace(data=_codes_from_tiles(w.data), scales=_scales_from_tiles(w.scales), format=MXFP4)

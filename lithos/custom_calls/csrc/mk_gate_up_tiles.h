@@ -59,12 +59,10 @@ __device__ __forceinline__ TileChunk load_tile_chunk(const PackedWeight& w, int 
   return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scales)};
 }
 
-// Scale byte I of a lane group's word as the f32 2^(c - 127): its exponent bits, or for c = 0 the subnormal
-// 2^-127 (no build flushes subnormals).
+// Scale byte I of a lane group's word, 2^(c - 127) (packed.h's E8M0 decode).
 template <int I>
 __device__ __forceinline__ float mx_scale(uint32_t word) {
-  const uint32_t c = (word >> (8 * I)) & 0xFFu;
-  return __uint_as_float(c == 0 ? 0x00400000u : c << 23);
+  return e8m0_to_float((word >> (8 * I)) & 0xFFu);
 }
 
 #if LITHOS_MK_TILE_MMA

@@ -61,6 +61,16 @@ def shape_model(name: str, dtype) -> tuple[Any, Any]:
     return cfg, family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
 
 
+def shape_model_as_asked(name: str, dtype, args) -> tuple[str, Any, Any]:
+    """(label, config, params) of a `--shape` run: `shape_model`, quantized to `--weight-format` (for
+    `--quantize-groups`) when one is given, the format then in the label."""
+    cfg, params = shape_model(name, dtype)
+    if args.weight_format:
+        params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
+        name = f"{name}-{args.weight_format}"
+    return name, cfg, params
+
+
 def hardware_profile(name: str | None) -> dict[str, Any]:
     """The profile named, or the one whose `match` strings appear in this device's kind."""
     profiles = {p.stem: json.loads(p.read_text()) for p in (configs_dir() / "hardware").glob("*.json")}
@@ -473,10 +483,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     rows: list[dict[str, Any]] = []
     generation = None
     for shape in args.shape or []:
-        cfg, params = shape_model(shape, dtype)
-        if args.weight_format:
-            params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
-            shape = f"{shape}-{args.weight_format}"
+        shape, cfg, params = shape_model_as_asked(shape, dtype, args)
         placement = None
         if args.tp > 1:
             from lithos.placement import make_placement

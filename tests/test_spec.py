@@ -7,6 +7,8 @@ prompts, budgets, stop ids, the oracle drafter's corruption rate and seed."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -292,3 +294,26 @@ def test_round_timing_starts_every_loop_from_the_same_prefill(tiny):
     assert 1 <= seen["tokens_per_round"] <= 4
     per_round, seen = time_rounds(tiny.params, tiny.cfg, speculator, 16, "reference", rounds=4, runs=2, loops=3)
     assert len(per_round) == 2 and sum(seen["histogram"]) == 12
+
+
+def test_round_timing_of_a_shape_reads_the_weight_format_asked_for(tmp_path, monkeypatch):
+    """`lithos bench --spec --shape S --weight-format mxfp4` times rounds over MXFP4 weights, as `lithos bench`
+    does for steps (the rounds once read the shape's bf16 weights whatever the flag said)."""
+    from lithos import bench, cli
+    from lithos.spec import bench as spec_bench
+
+    configs = Path(bench.configs_dir())
+    shape = json.loads((configs / "models" / "llama-3.2-1b.json").read_text())
+    shape |= dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, head_dim=32, vocab_size=512)
+    (tmp_path / "configs" / "models").mkdir(parents=True)
+    (tmp_path / "configs" / "hardware").mkdir()
+    (tmp_path / "configs" / "models" / "llama-small.json").write_text(json.dumps(shape))
+    monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
+    argv = ["bench", "--spec", "ngram", "--draft-tokens", "3", "--no-acceptance", "--shape", "llama-small",
+            "--weight-format", "mxfp4", "--kernels", "reference", "--context", "16", "--steps", "16", "--loops", "8", "--runs", "1",
+            "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path / "out")]  # fmt: skip
+    result = spec_bench.run(cli.build_parser().parse_args(argv), argv[1:])
+    [row] = result["rounds"]
+    assert row["model"] == "llama-small-mxfp4"
+    assert row["weight_formats"]["mxfp4"] > 0 and row["round_ms"] > 0

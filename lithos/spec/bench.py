@@ -36,7 +36,8 @@ import numpy as np
 from lithos import bench
 from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
-from lithos.models import family_for_architecture, init_model_cache
+from lithos.models import family_for_architecture, init_model_cache, params_for_kernels
+from lithos.quant import bytes_by_format
 from lithos.sampling import SamplingParams
 from lithos.spec import replay
 from lithos.spec.engine import SPEC_KINDS, SpecReport, Speculator, make_speculator
@@ -308,13 +309,14 @@ def bench_rounds(
     timed = (args.steps, args.runs, args.loops)  # rounds per loop, timed runs, loops per run
     for context in contexts:
         for kernels in kernel_paths:
+            laid_out = params_for_kernels(params, cfg, kernels)  # as `lithos bench` and the engine read them
             step_ms = statistics.median(
-                bench.time_decode_steps(params, cfg, context, kernels, args.steps, args.runs, loops=args.loops)
+                bench.time_decode_steps(laid_out, cfg, context, kernels, args.steps, args.runs, loops=args.loops)
             )
             floor_ms = (wbytes + bench.kv_bytes_read(cfg, context, params.embed.dtype.itemsize)) / bandwidth * 1e3
             for label, speculator in speculators:
                 k = speculator.draft_tokens
-                per_round, seen = time_rounds(params, cfg, speculator, context, kernels, *timed)
+                per_round, seen = time_rounds(laid_out, cfg, speculator, context, kernels, *timed)
                 round_ms = statistics.median(per_round)
                 measured = acceptance.get((label, k)) if acceptance else None
                 measured_tpr = measured["tokens_per_round"] if measured else seen["tokens_per_round"]
@@ -325,6 +327,7 @@ def bench_rounds(
                         "model": name,
                         "weights": "random" if random_weights else "checkpoint",
                         "dtype": str(params.embed.dtype),
+                        "weight_formats": bytes_by_format(laid_out),
                         "drafter": label,
                         "drafter_detail": speculator.describe(),
                         "draft_tokens": k,
@@ -480,7 +483,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         return result
 
     for shape in args.shape or []:
-        cfg, params = bench.shape_model(shape, dtype)
+        shape, cfg, params = bench.shape_model_as_asked(shape, dtype, args)
         model = _ShapeModel(cfg, params, max(contexts) + 1024)
         speculators = speculators_for(args, model, cfg, params, shape_run=True)
         if not args.no_timing:

@@ -37,10 +37,24 @@ using tiles::kTileInputs;
 using tiles::kTileRows;
 using tiles::kTileScaleBytes;
 constexpr int kTileUnits = kTileRows / 2;  // 2-output row groups (tasks.py) in a 16-output tile pair
-// Steps of each member's range in flight in registers: 4 KB a warp at one token, the 8 tiles of the probe's
-// fastest form (NOTES.md run 94d); the decode-to-float path keeps fewer for its accumulators.
+// At one token a warp's step is R tile pairs at one k tile (R gate tiles and the same rows' up tiles: the
+// probe's R8 shares a step's B reads, addresses and loop over 8 tiles, NOTES.md run 94d), D steps in flight in
+// registers. A build may ask for others (LITHOS_KERNEL_DEFINES="LITHOS_MK_TILE_PAIRS=2 LITHOS_MK_TILE_DEPTH=2").
+#ifndef LITHOS_MK_TILE_PAIRS
+#define LITHOS_MK_TILE_PAIRS 4
+#endif
+#ifndef LITHOS_MK_TILE_DEPTH
+#define LITHOS_MK_TILE_DEPTH 1
+#endif
+static_assert(LITHOS_MK_TILE_PAIRS >= 1 && LITHOS_MK_TILE_DEPTH >= 1, "tile pairs a step and steps in flight: 1 or more");
+// One token on tensor cores where B can be staged in the ring's input area; the decode-to-float path takes one
+// pair a step, 2 in flight (its accumulators hold 16 tokens).
 template <int TMAX>
-constexpr int kTileDepth = TMAX == 1 ? 4 : 2;
+constexpr bool kTileMmaFor = LITHOS_MK_TILE_MMA && TMAX == 1 && kRingSmemBytes<TMAX> > 0;
+template <int TMAX>
+constexpr int kTilePairs = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1;
+template <int TMAX>
+constexpr int kTileDepth = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_DEPTH : 2;
 // A tile's 32 lanes; a 64-lane wavefront takes two of a tile's 64-input steps at once.
 constexpr int kTileHalves = WARP_SIZE / 32;
 
@@ -73,32 +87,45 @@ constexpr int kTileOperandBytesPerInput = 6;
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
 // B for one token: x * norm_w * 2^64 as hi, mid and lo bf16 parts (exact: each part takes the rest of the
-// last). Every thread calls it; a barrier ends it.
-__device__ inline void stage_tile_operand(const TokenRows& in) {
+// last). A thread forms a k-step of 16 inputs from four 16-byte loads issued together (one memory round trip);
+// the same loads give each warp's sum of x^2 for the RMSNorm factor (`squares[warp]`), so the factor costs no
+// pass of its own. Every thread calls it; a barrier ends it.
+__device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
   uint2* bs = tile_operand();
-  for (int i = static_cast<int>(threadIdx.x); i < in.n_in / 4; i += kMatvecThreads) {
-    const int s = i / 4, t = i % 4, k = 16 * s + 2 * t;
-    uint32_t half[3][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // inputs k, k + 1 (h = 0) and k + 8, k + 9 (h = 1): one 32-bit load each
-      const uint32_t x2 = *reinterpret_cast<const uint32_t*>(in.x + k + 8 * h);  // coherent: after the wait
-      const uint32_t n2 = in.norm_w != nullptr ? *reinterpret_cast<const uint32_t*>(in.norm_w + k + 8 * h)
-                                               : 0x3F803F80u;  // 1.0, 1.0
-      float v[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)  // * 2^64, exact
-        v[e] = bf16_pair_at(x2, e) * bf16_pair_at(n2, e) * 18446744073709551616.0f;
-#pragma unroll
-      for (int g = 0; g < 3; ++g) {
-        const bf16_t b0 = float_to_bf16(v[0]), b1 = float_to_bf16(v[1]);
-        half[g][h] = b0 | static_cast<uint32_t>(b1) << 16;
-        v[0] -= bf16_to_float(b0);  // exact: the rest, for the next part
-        v[1] -= bf16_to_float(b1);
-      }
+  float sq = 0.0f;
+  for (int s = static_cast<int>(threadIdx.x); s < in.n_in / 16; s += kMatvecThreads) {
+    const int k = 16 * s;
+    const Bf16Vec<8> x[2] = {load_activation<8, true>(in.x + k), load_activation<8, true>(in.x + k + 8)};
+    Bf16Vec<8> n[2];
+    if (in.norm_w != nullptr) {
+      n[0] = load_cached<8>(in.norm_w + k);
+      n[1] = load_cached<8>(in.norm_w + k + 8);
     }
+    float v[16];
 #pragma unroll
-    for (int g = 0; g < 3; ++g) bs[12 * s + 4 * g + t] = make_uint2(half[g][0], half[g][1]);
+    for (int e = 0; e < 16; ++e) {
+      sq = fmaf(x[e / 8][e % 8], x[e / 8][e % 8], sq);
+      // * 2^64, exact
+      v[e] = (in.norm_w != nullptr ? x[e / 8][e % 8] * n[e / 8][e % 8] : x[e / 8][e % 8]) * 18446744073709551616.0f;
+    }
+    uint32_t part[3][8];  // [hi, mid, lo][input pair]
+#pragma unroll
+    for (int g = 0; g < 3; ++g)
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const bf16_t b0 = float_to_bf16(v[e]), b1 = float_to_bf16(v[e + 1]);
+        part[g][e / 2] = b0 | static_cast<uint32_t>(b1) << 16;
+        v[e] -= bf16_to_float(b0);  // exact: the rest, for the next part
+        v[e + 1] -= bf16_to_float(b1);
+      }
+    // Lane t of the mma reads inputs 2t, 2t + 1 (x) and 2t + 8, 2t + 9 (y).
+#pragma unroll
+    for (int g = 0; g < 3; ++g)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) bs[12 * s + 4 * g + t] = make_uint2(part[g][t], part[g][t + 4]);
   }
+  sq = warp_sum(sq);
+  if (lane_id() == 0) squares[warp_id()] = sq;
   __syncthreads();
 }
 
@@ -173,14 +200,15 @@ __device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const Toke
   }
 }
 
-// The chunks a warp has in flight: D steps, in slots used round robin. The loops run D steps an iteration, step
-// i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks, which landed long ago,
-// and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step instead, as run 101
-// did, waits for each to land: a register copy waits for its load.) `Walk` gives the steps in order
-// (next(tile, kt)); the first D are asked for before the task's wait (the weights do not depend on the step).
-template <int D>
+// The chunks a warp has in flight: D steps of R tile pairs, in slots used round robin. The loops run D steps an
+// iteration, step i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks, which
+// landed long ago, and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step
+// instead, as run 101 did, waits for each to land: a register copy waits for its load.) `Walk` gives the steps
+// in order (next(tile, kt, count): tiles tile .. tile + count - 1 at k tile kt; a step's other pairs are zeros);
+// the first D are asked for before the task's wait (the weights do not depend on the step).
+template <int D, int R>
 struct TilePipeline {
-  TileChunk gate[D], up[D];
+  TileChunk gate[D][R], up[D][R];
 
   template <class Walk>
   __device__ __forceinline__ void fill(const Args& a, int layer, int lane32, int steps, Walk& walk) {
@@ -198,7 +226,12 @@ struct TilePipeline {
       for (int d = 0; d < D; ++d) {
         const int i = i0 + d;
         if (i >= steps) break;
-        const TileChunk g = gate[d], u = up[d];
+        TileChunk g[R], u[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          g[r] = gate[d][r];
+          u[r] = up[d][r];
+        }
         if (i + D < steps) load(a, layer, lane32, walk, gate[d], up[d]);
         body(i, g, u);
       }
@@ -207,24 +240,34 @@ struct TilePipeline {
 
  private:
   template <class Walk>
-  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk& g,
-                                              TileChunk& u) {
-    int tile, kt;
-    walk.next(tile, kt);
-    g = load_tile_chunk(a.w_gate, layer, tile, kt, lane32);
-    u = load_tile_chunk(a.w_up, layer, tile, kt, lane32);
+  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk (&g)[R],
+                                              TileChunk (&u)[R]) {
+    int tile, kt, count;
+    walk.next(tile, kt, count);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < count) {
+        g[r] = load_tile_chunk(a.w_gate, layer, tile + r, kt, lane32);
+        u[r] = load_tile_chunk(a.w_up, layer, tile + r, kt, lane32);
+      } else {
+        g[r] = u[r] = TileChunk{};
+      }
+    }
   }
 };
 
-// A warp's flat range of the block's (tile, step) pairs, tile-major.
+// A warp's flat range of the block's (group, k tile) pairs, group-major: group j is tiles first + R j .. first +
+// min(R (j + 1), tiles) - 1.
+template <int R>
 struct FlatWalk {
-  int tile, kt, k_tiles;
-  __device__ __forceinline__ void next(int& t, int& k) {
-    t = tile;
+  int first, tiles, group, kt, k_tiles;
+  __device__ __forceinline__ void next(int& t, int& k, int& count) {
+    t = first + R * group;
     k = kt;
+    count = min(R, tiles - R * group);
     if (++kt == k_tiles) {
       kt = 0;
-      ++tile;
+      ++group;
     }
   }
 };
@@ -234,9 +277,10 @@ struct FlatWalk {
 struct RoundWalk {
   int first, tiles, slots, slot, kt0, span, half, k_tiles, round = 0, step = 0;
   __device__ __forceinline__ int tile_of(int r) const { return first + min(r * slots + slot, tiles - 1); }
-  __device__ __forceinline__ void next(int& t, int& k) {
+  __device__ __forceinline__ void next(int& t, int& k, int& count) {
     t = tile_of(round);
     k = min(kt0 + step * kTileHalves + half, k_tiles - 1);
+    count = 1;
     if (++step == span) {
       step = 0;
       ++round;
@@ -257,82 +301,91 @@ __device__ __forceinline__ void store_gated(const Args& a, int t, int tile, int 
 
 template <int TMAX>
 __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
-  __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
   const int lane32 = lane_id() % 32, g = lane32 / 4;
   const int first_tile = task.first / kTileUnits, tiles = task.count / kTileUnits;
   const int k_tiles = a.hidden / kTileInputs;
-  constexpr int D = kTileDepth<TMAX>;
-  TilePipeline<D> pipe;
+  constexpr int D = kTileDepth<TMAX>, R = kTilePairs<TMAX>;
+  TilePipeline<D, R> pipe;
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
-  auto wait_and_norm = [&]() {
-    if (!block_wait(a, task, index)) return false;
-    block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
-    return true;
-  };
 
 #if LITHOS_MK_TILE_MMA
-  // One token on tensor cores: the block's (tile, step) pairs cut in 8 flat ranges, one a warp, its loads running
-  // on across tiles (the probe's fastest form, NOTES.md run 94d), B staged once. Each warp writes its sums of
-  // every tile its range touches beside B; one barrier, then each tile's pieces are added in warp order. The only
-  // form the one-token kernel has: the decode to f32 below stays out of its code (kernel.py checks that B and the
-  // pieces fit before it launches).
-  if constexpr (TMAX == 1 && kRingSmemBytes<TMAX> > 0) {
+  // One token on tensor cores: the block's tiles in groups of R, the (group, k tile) pairs cut in 8 flat ranges,
+  // one a warp, its loads running on across groups (the probe's fastest form, NOTES.md run 94d), B staged once.
+  // Each warp writes its sums of every tile its range touches beside B; one barrier, then each tile's pieces are
+  // added in warp order. The only form the one-token kernel has: the decode to f32 below stays out of its code
+  // (kernel.py checks that B and the pieces fit before it launches).
+  if constexpr (kTileMmaFor<TMAX>) {
     const int operand_bytes = (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16;
     if (operand_bytes + tiles * kTilePieceBytes > kRingInputBytes) {
       if (threadIdx.x == 0) abort_step(a, index);
       return false;
     }
-    const int all = tiles * k_tiles;
+    const int all = (tiles + R - 1) / R * k_tiles;
     const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
-    FlatWalk walk{first_tile + q0 / k_tiles, q0 % k_tiles, k_tiles};
+    FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
     pipe.fill(a, layer, lane32, steps, walk);
-    if (!wait_and_norm()) return false;
-    stage_tile_operand(in);
+    if (!block_wait(a, task, index)) return false;
+    __shared__ float squares[kMatvecWarps];
+    stage_tile_operand(in, squares);
     trace_phase(a, index, 0);
     float(*pieces)[kMatvecWarps][8][4] =
         reinterpret_cast<float(*)[kMatvecWarps][8][4]>(ring_memory() + operand_bytes);  // [tile][warp][g][q]
     const uint2* bs = tile_operand();
-    float acc[2][4] = {};
-    int tile = q0 / k_tiles, kt = q0 % k_tiles;
-    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk& gate, const TileChunk& up) {
+    float acc[R][2][4] = {};
+    int group = q0 / k_tiles, kt = q0 % k_tiles;
+    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
+      const int count = min(R, tiles - R * group);  // the group's tiles; the step's other pairs are zeros
       uint2 b[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) b[j] = lane32 < 12 ? bs[(kt * 4 + j) * 12 + lane32] : make_uint2(0u, 0u);
-      tile_step_mma(gate, b, acc[0]);
-      tile_step_mma(up, b, acc[1]);
-      if (++kt < k_tiles && i + 1 < steps) return;
-      // The tile's last step in this range: its piece out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1) are the
-      // hi, mid and lo parts.
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const float row_g = acc[m][0] + acc[m][1], row_g8 = acc[m][2] + acc[m][3];
-        const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
-        if (lane32 % 4 == 0) {
-          pieces[tile][warp_id()][g][2 * m] = sum_g;
-          pieces[tile][warp_id()][g][2 * m + 1] = sum_g8;
+      for (int r = 0; r < R; ++r) {
+        if (r < count) {
+          tile_step_mma(gate[r], b, acc[r][0]);
+          tile_step_mma(up[r], b, acc[r][1]);
         }
+      }
+      if (++kt < k_tiles && i + 1 < steps) return;
+      // The group's last step in this range: its tiles' pieces out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1)
+      // are the hi, mid and lo parts.
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const float row_g = acc[r][m][0] + acc[r][m][1], row_g8 = acc[r][m][2] + acc[r][m][3];
+          const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
+          if (r < count && lane32 % 4 == 0) {
+            pieces[R * group + r][warp_id()][g][2 * m] = sum_g;
+            pieces[R * group + r][warp_id()][g][2 * m + 1] = sum_g8;
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][m][e] = 0.0f;
+        }
       }
       if (kt == k_tiles) {
         kt = 0;
-        ++tile;
+        ++group;
       }
     });
     trace_phase(a, index, 1);
     __syncthreads();
+    float all_squares = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMatvecWarps; ++w) all_squares += squares[w];
+    const float rms = rms_factor(all_squares, a.hidden, a.eps);
     for (int j = warp_id(); j < tiles; j += kMatvecWarps) {
       if (lane32 % 4 != 0) continue;
       float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int w = j * k_tiles * kMatvecWarps / all; w < kMatvecWarps; ++w) {  // the warps whose ranges touch it
+      const int j0 = j / R * k_tiles, j1 = j0 + k_tiles;  // its group's steps
+      for (int w = j0 * kMatvecWarps / all; w < kMatvecWarps; ++w) {  // the warps whose ranges touch them
         const int w_begin = all * w / kMatvecWarps, w_end = all * (w + 1) / kMatvecWarps;
-        if (w_begin >= (j + 1) * k_tiles) break;
-        if (w_end <= j * k_tiles) continue;  // an empty range
+        if (w_begin >= j1) break;
+        if (w_end <= j0) continue;  // an empty range
 #pragma unroll
         for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][g][q];
       }
-      store_gated(a, 0, first_tile + j, g, sums, rms_scale[0]);
+      store_gated(a, 0, first_tile + j, g, sums, rms);
     }
     trace_phase(a, index, 2);
     block_release(a, task.signal_counter);
@@ -345,6 +398,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     // one buffer (HIP compiles every bucket's shared memory into one kernel): a member writes round n's sums after
     // its team has reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to
     // share).
+    static_assert(R == 1, "the decode to f32 takes one tile pair a step");
     __shared__ float partial[kMatvecWarps][8][4];  // per warp: gate g, gate g + 8, up g, up g + 8, one token
     __shared__ int arrivals[kMatvecWarps];
     __shared__ int reduced[kMatvecWarps];
@@ -360,7 +414,9 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     RoundWalk walk{first_tile, tiles, slots, slot, kt0, span, half, k_tiles};
     if (threadIdx.x < kMatvecWarps) arrivals[threadIdx.x] = reduced[threadIdx.x] = 0;
     pipe.fill(a, layer, lane32, steps, walk);
-    if (!wait_and_norm()) return false;
+    if (!block_wait(a, task, index)) return false;
+    __shared__ float rms_scale[TMAX];
+    block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
     trace_phase(a, index, 0);
     float acc[2][2][TMAX];  // [gate, up][row g, g + 8][token]
     auto clear = [&]() {
@@ -373,11 +429,11 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     };
     clear();
     int step = 0, round = 0;
-    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk& gate, const TileChunk& up) {
+    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
       const int kt = kt0 + step * kTileHalves + half;
       if (kt < kt1) {
-        tile_step_decoded<TMAX>(gate, in, kt, lane32, acc[0]);
-        tile_step_decoded<TMAX>(up, in, kt, lane32, acc[1]);
+        tile_step_decoded<TMAX>(gate[0], in, kt, lane32, acc[0]);
+        tile_step_decoded<TMAX>(up[0], in, kt, lane32, acc[1]);
       }
       if (++step < span) return;
       step = 0;

@@ -185,6 +185,11 @@ __device__ __forceinline__ void block_team_sum(float (&acc)[kRowsPerWarp][TMAX],
   __syncthreads();
 }
 
+// RMSNorm's factor from the sum of a row's n squares.
+__device__ __forceinline__ float rms_factor(float squares, int n, float eps) {
+  return rsqrtf(squares / static_cast<float>(n) + eps);
+}
+
 // RMSNorm factor rsqrt(mean(x[t, :]^2) + eps) for t < tokens, computed by the whole block (every
 // thread must call it) into scale[t] in shared memory. The matvecs apply it after the dot product,
 // so the normalised activations never exist in memory.
@@ -214,7 +219,7 @@ __device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < block_warps(); ++w) total += partial[w][threadIdx.x];
-    scale[threadIdx.x] = rsqrtf(total / static_cast<float>(in.n_in) + eps);
+    scale[threadIdx.x] = rms_factor(total, in.n_in, eps);
   }
   __syncthreads();
 }

@@ -311,8 +311,9 @@ def test_round_timing_of_a_shape_reads_the_weight_format_asked_for(tmp_path, mon
     (tmp_path / "configs" / "models" / "llama-small.json").write_text(json.dumps(shape))
     monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
     argv = ["bench", "--spec", "ngram", "--draft-tokens", "3", "--no-acceptance", "--shape", "llama-small",
-            "--weight-format", "mxfp4", "--kernels", "reference", "--context", "16", "--steps", "16", "--loops", "8", "--runs", "1",
-            "--bandwidth-bytes", str(1 << 22), "--out", str(tmp_path / "out")]  # fmt: skip
+            "--weight-format", "mxfp4", "--kernels", "reference", "--context", "16", "--steps", "16",
+            "--loops", "8", "--runs", "1", "--bandwidth-bytes", str(1 << 22),
+            "--out", str(tmp_path / "out")]  # fmt: skip
     result = spec_bench.run(cli.build_parser().parse_args(argv), argv[1:])
     [row] = result["rounds"]
     assert row["model"] == "llama-small-mxfp4"

@@ -163,8 +163,8 @@ def test_tiled_gate_up_tasks_take_whole_tile_pairs():
         np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(Op.GATE_UP)))
         assert len(gate_up) <= workers
         check_tile_staging(schedule)
-    # B (6 bytes an input) and the tile pairs' sums must fit the kernel's staging area: a clear error where not.
-    too_wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1, hidden=10240)
+    # B (4 bytes an input) and the tile pairs' sums must fit the kernel's staging area: a clear error where not.
+    too_wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1, hidden=16384)
     with pytest.raises(lithos.LithosError, match="keep them in rows"):
         check_tile_staging(build_schedule(too_wide, 132, True, 32, lane_steps(tiled, 1, "cuda")))
 
@@ -473,8 +473,8 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     # A scale the tiled kernel cannot convert exactly keeps the rows.
     large = packed.w_gate.replace(scales=packed.w_gate.scales.at[0, 0, 0].set(200))
     assert unchanged(large, packed.w_up)
-    # rows of 8256 inputs would leave B too little room beside the sums
-    wide = quant.quantize(np.ones((1, 16, 8256), np.float32), "mxfp4")
+    # rows of 12352 inputs would leave B too little room beside the sums
+    wide = quant.quantize(np.ones((1, 16, 12352), np.float32), "mxfp4")
     assert unchanged(wide, wide)
     # rows of 96 inputs are not whole tiles of 64
     odd = dataclasses.replace(SHAPES["tiny"], hidden=96)

@@ -93,9 +93,9 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
 @pytest.mark.parametrize(
     "name, tokens",
     [
-        ("llama-3.2-1b", 1),  # tensor cores, teams of 8 warps over 4 tile pairs a block
-        ("llama-3.1-8b", 1),  # 7 tile pairs a block, 8 steps of 64 inputs a warp each
-        ("smollm2-like", 1),  # 576 inputs: 9 steps a tile over 8 warps (one member takes 2)
+        ("llama-3.2-1b", 1),  # tensor cores: 3-4 tile pairs a block, one group, 32 steps over 8 warps
+        ("llama-3.1-8b", 1),  # 6-7 tile pairs a block: a group of 4 and a partial one, 16 steps a warp
+        ("smollm2-like", 1),  # 576 inputs: 9 steps a group over 8 warps (one takes 2)
         ("smollm2-like", 4),  # the decode to f32, a warp a tile
         ("llama-3.2-1b", 16),
         ("smollm2-like", -1),  # one token, scales spread 2^-12 .. 2^12 around the quantizer's

@@ -6,8 +6,8 @@
 //
 // One token, CUDA: the block's (tile, step) pairs are cut in one flat range a warp; each step's A fragments are
 // the lane's 16 bytes of a tile, every pair of codes a bf16x2 of value * 2^-126 after one to three integer
-// operations; B is x * norm_w * 2^64 as three bf16 parts (hi, mid, lo: their sum is the f32 product exactly) in
-// columns 0-2, staged once per task in fragment order. A block's two mma start from zero and its scale,
+// operations; B is x * norm_w * 2^64 as two bf16 parts (hi, lo: their sum is the f32 product exactly) in
+// columns 0 and 1, staged once per task in fragment order. A block's two mma start from zero and its scale,
 // 2^(c - 65), multiplies their sum in f32. Each warp's sums of a tile go beside B; after one barrier a tile's
 // pieces are added in warp order.
 // Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32 and
@@ -80,14 +80,16 @@ __device__ __forceinline__ float mx_scale(uint32_t word) {
 }
 
 #if LITHOS_MK_TILE_MMA
-// Where a task stages B: k-step s's part g for lanes (g, t) at [12 s + 4 g + t], 96 bytes a step of 16 inputs.
+// Where a task stages B: k-step s's part g for lanes (g, t) at [8 s + 4 g + t], 64 bytes a step of 16 inputs.
 __device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
-constexpr int kTileOperandBytesPerInput = 6;
+constexpr int kTileOperandBytesPerInput = 4;
+constexpr int kTileOperandParts = 2;
 // A tile's sums from one warp, beside B: [warp][lane group][gate g, gate g + 8, up g, up g + 8].
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
-// B for one token: x * norm_w * 2^64 as hi, mid and lo bf16 parts (exact: each part takes the rest of the
-// last). A thread forms a k-step of 16 inputs from four 16-byte loads issued together (one memory round trip);
+// B for one token: x * norm_w * 2^64 as hi and lo bf16 parts, exact: a product of two bf16 values has at most
+// 16 significant bits, hi takes the top 8 (rounded to nearest) and the rest, at most 8 bits, is lo (checked over
+// every pair of significands). A thread forms a k-step of 16 inputs from four 16-byte loads issued together (one memory round trip);
 // the same loads give each warp's sum of x^2 for the RMSNorm factor (`squares[warp]`), so the factor costs no
 // pass of its own. Every thread calls it; a barrier ends it.
 __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
@@ -108,9 +110,9 @@ __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
       // * 2^64, exact
       v[e] = (in.norm_w != nullptr ? x[e / 8][e % 8] * n[e / 8][e % 8] : x[e / 8][e % 8]) * 18446744073709551616.0f;
     }
-    uint32_t part[3][8];  // [hi, mid, lo][input pair]
+    uint32_t part[kTileOperandParts][8];  // [hi, lo][input pair]
 #pragma unroll
-    for (int g = 0; g < 3; ++g)
+    for (int g = 0; g < kTileOperandParts; ++g)
 #pragma unroll
       for (int e = 0; e < 16; e += 2) {
         const bf16_t b0 = float_to_bf16(v[e]), b1 = float_to_bf16(v[e + 1]);
@@ -120,9 +122,9 @@ __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
       }
     // Lane t of the mma reads inputs 2t, 2t + 1 (x) and 2t + 8, 2t + 9 (y).
 #pragma unroll
-    for (int g = 0; g < 3; ++g)
+    for (int g = 0; g < kTileOperandParts; ++g)
 #pragma unroll
-      for (int t = 0; t < 4; ++t) bs[12 * s + 4 * g + t] = make_uint2(part[g][t], part[g][t + 4]);
+      for (int t = 0; t < 4; ++t) bs[4 * kTileOperandParts * s + 4 * g + t] = make_uint2(part[g][t], part[g][t + 4]);
   }
   sq = warp_sum(sq);
   if (lane_id() == 0) squares[warp_id()] = sq;
@@ -338,7 +340,10 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
       const int count = min(R, tiles - R * group);  // the group's tiles; the step's other pairs are zeros
       uint2 b[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) b[j] = lane32 < 12 ? bs[(kt * 4 + j) * 12 + lane32] : make_uint2(0u, 0u);
+      for (int j = 0; j < 4; ++j) {
+        constexpr int kLanes = 4 * kTileOperandParts;  // lane groups 0 .. parts - 1: B's columns
+        b[j] = lane32 < kLanes ? bs[(kt * 4 + j) * kLanes + lane32] : make_uint2(0u, 0u);
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r < count) {
@@ -347,14 +352,13 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
         }
       }
       if (++kt < k_tiles && i + 1 < steps) return;
-      // The group's last step in this range: its tiles' pieces out. Columns 0, 1 (lane t = 0) and 2 (lane t = 1)
-      // are the hi, mid and lo parts.
+      // The group's last step in this range: its tiles' pieces out. Columns 0 and 1 (lane t = 0) are the hi and
+      // lo parts; the other lanes' columns are zero.
 #pragma unroll
       for (int r = 0; r < R; ++r) {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          const float row_g = acc[r][m][0] + acc[r][m][1], row_g8 = acc[r][m][2] + acc[r][m][3];
-          const float sum_g = row_g + shfl_xor(row_g, 1), sum_g8 = row_g8 + shfl_xor(row_g8, 1);
+          const float sum_g = acc[r][m][0] + acc[r][m][1], sum_g8 = acc[r][m][2] + acc[r][m][3];
           if (r < count && lane32 % 4 == 0) {
             pieces[R * group + r][warp_id()][g][2 * m] = sum_g;
             pieces[R * group + r][warp_id()][g][2 * m + 1] = sum_g8;

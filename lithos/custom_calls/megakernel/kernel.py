@@ -120,10 +120,10 @@ def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
         return w_gate, w_up
 
 
-# csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (6 bytes
+# csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
 # an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h.
 TILE_STAGING_BYTES = 64 * 1024
-TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 6, 1024
+TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
 def check_tile_staging(schedule: Schedule) -> None:

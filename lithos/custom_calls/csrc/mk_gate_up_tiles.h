@@ -4,16 +4,17 @@
 // the up matrix: 16 outputs (kTileUnits of tasks.py's 2-output row groups), whose lane group g holds both
 // halves of outputs g and g + 8.
 //
-// One token, CUDA: the block's (tile, step) pairs are cut in one flat range a warp; each step's A fragments are
-// the lane's 16 bytes of a tile, every pair of codes a bf16x2 of value * 2^-126 after one to three integer
-// operations; B is x * norm_w * 2^64 as two bf16 parts (hi, lo: their sum is the f32 product exactly) in
+// One token, CUDA: the block's tiles in groups of 4 pairs, the (group, step) pairs cut in one flat range a warp;
+// each step's A fragments are the lane's 16 bytes of a tile, every pair of codes a bf16x2 of value * 2^-126 after
+// one to three integer operations; B is x * norm_w * 2^64 as two bf16 parts (hi, lo: their sum is the f32 product exactly) in
 // columns 0 and 1, staged once per task in fragment order. A block's two mma start from zero and its scale,
 // 2^(c - 65), multiplies their sum in f32. Each warp's sums of a tile go beside B; after one barrier a tile's
 // pieces are added in warp order.
 // Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32 and
 // multiplies them with the activations (a dot product's order of inputs is free), in teams of k_split warps
 // that add their sums through shared memory as stream_row_groups' teams do.
-// Off by default: on the H200 this task is still slower than the rows it replaces (NOTES.md, runs 100-103).
+// Off by default: on the H200 a one-token step is 4% faster than with the rows, but the decode to f32 makes an
+// 8-token verification round 52% slower (NOTES.md, runs 105-106).
 #pragma once
 
 #include "mk_common.h"

@@ -100,7 +100,8 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 def tiles_wanted(platform: str | None) -> bool:
     """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: only when asked for
     (LITHOS_GATE_UP_TILES=1), and only on CUDA, where tensor cores take them at one token. Off by default: on the
-    H200 the tiled task is still slower than the rows it replaces (lithos/custom_calls/NOTES.md, runs 100-103)."""
+    H200 a step is 4% faster with tiles but an 8-position verification round 52% slower, its 8-token task decoding
+    them on the CUDA cores (lithos/custom_calls/NOTES.md, runs 105-106)."""
     return platform == "cuda" and os.environ.get("LITHOS_GATE_UP_TILES", "0") == "1"
 
 

@@ -97,6 +97,7 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
         ("llama-3.1-8b", 1),  # 6-7 tile pairs a block: a group of 4 and a partial one, 16 steps a warp
         ("smollm2-like", 1),  # 576 inputs: 9 steps a group over 8 warps (one takes 2)
         ("smollm2-like", 4),  # the decode to f32, a warp a tile
+        ("llama-3.1-8b", 8),  # a verification round's 8 positions (with LITHOS_MK_TILE_MMA_TOKENS: B 128 KB)
         ("llama-3.2-1b", 16),
         ("smollm2-like", -1),  # one token, scales spread 2^-12 .. 2^12 around the quantizer's
         ("smollm2-like", -4),
@@ -104,8 +105,9 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
 )
 def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     """MXFP4 gate and up in fragment tiles (lithos.quant.tiles), in the build that reads them: on tensor
-    cores at one token, decoded to f32 at more. A negative count: as many tokens, with every 7th block's scale
-    2^12 larger and every 11th 2^12 smaller (each path's conversion of scales far from 2^0)."""
+    cores at one token, decoded to f32 at more (on tensor cores there too when the file runs with
+    LITHOS_KERNEL_DEFINES=LITHOS_MK_TILE_MMA_TOKENS=1, where B fits). A negative count: as many tokens, with every
+    7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of scales far from 2^0)."""
     monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
     spread, tokens = tokens < 0, abs(tokens)
     shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)

@@ -6,13 +6,14 @@
 //
 // One token, CUDA: the block's tiles in groups of 4 pairs, the (group, step) pairs cut in one flat range a warp;
 // each step's A fragments are the lane's 16 bytes of a tile, every pair of codes a bf16x2 of value * 2^-126 after
-// one to three integer operations; B is x * norm_w * 2^64 as two bf16 parts (hi, lo: their sum is the f32 product exactly) in
-// columns 0 and 1, staged once per task in fragment order. A block's two mma start from zero and its scale,
+// one to three integer operations; B is x * norm_w * 2^64 as two bf16 parts (hi, lo: their sum is the f32 product
+// exactly) in columns 0 and 1, staged once per task in fragment order. A block's two mma start from zero and its scale,
 // 2^(c - 65), multiplies their sum in f32. Each warp's sums of a tile go beside B; after one barrier a tile's
 // pieces are added in warp order.
 // Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32 and
 // multiplies them with the activations (a dot product's order of inputs is free), in teams of k_split warps
-// that add their sums through shared memory as stream_row_groups' teams do.
+// that add their sums through shared memory as stream_row_groups' teams do; a build with
+// LITHOS_MK_TILE_MMA_TOKENS=1 takes 2-16 tokens on tensor cores instead where B fits (not yet run on a GPU).
 // Off by default: on the H200 a one-token step is 4% faster than with the rows, but the decode to f32 makes an
 // 8-token verification round 52% slower (NOTES.md, runs 105-106).
 #pragma once
@@ -47,11 +48,16 @@ constexpr int kTileUnits = kTileRows / 2;  // 2-output row groups (tasks.py) in 
 #ifndef LITHOS_MK_TILE_DEPTH
 #define LITHOS_MK_TILE_DEPTH 1
 #endif
-static_assert(LITHOS_MK_TILE_PAIRS >= 1 && LITHOS_MK_TILE_DEPTH >= 1, "tile pairs a step and steps in flight: 1 or more");
+static_assert(LITHOS_MK_TILE_PAIRS >= 1 && LITHOS_MK_TILE_DEPTH >= 1,
+              "tile pairs a step and steps in flight: 1 or more");
 // One token on tensor cores where B can be staged in the ring's input area; the decode-to-float path takes one
 // pair a step, 2 in flight (its accumulators hold 16 tokens).
 template <int TMAX>
 constexpr bool kTileMmaFor = LITHOS_MK_TILE_MMA && TMAX == 1 && kRingSmemBytes<TMAX> > 0;
+// 2-16 tokens on tensor cores too, where asked for (LITHOS_MK_TILE_MMA_TOKENS) and B fits the ring's memory.
+template <int TMAX>
+constexpr bool kTileMmaTokensFor = LITHOS_MK_TILE_MMA && LITHOS_MK_TILE_MMA_TOKENS && TMAX > 1 &&
+                                   kRingSmemBytes<TMAX> > 0;
 template <int TMAX>
 constexpr int kTilePairs = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1;
 template <int TMAX>
@@ -81,47 +87,54 @@ __device__ __forceinline__ float mx_scale(uint32_t word) {
 }
 
 #if LITHOS_MK_TILE_MMA
-// Where a task stages B: k-step s's part g for lanes (g, t) at [8 s + 4 g + t], 64 bytes a step of 16 inputs.
+// Where a task stages B (one token: k-step s's part g for lanes (g, t) at [8 s + 4 g + t], 64 bytes a step of 16
+// inputs; more tokens: stage_tile_operand_tokens).
 __device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
 constexpr int kTileOperandBytesPerInput = 4;
 constexpr int kTileOperandParts = 2;
 // A tile's sums from one warp, beside B: [warp][lane group][gate g, gate g + 8, up g, up g + 8].
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
-// B for one token: x * norm_w * 2^64 as hi and lo bf16 parts, exact: a product of two bf16 values has at most
-// 16 significant bits, hi takes the top 8 (rounded to nearest) and the rest, at most 8 bits, is lo (checked over
-// every pair of significands). A thread forms a k-step of 16 inputs from four 16-byte loads issued together (one memory round trip);
-// the same loads give each warp's sum of x^2 for the RMSNorm factor (`squares[warp]`), so the factor costs no
-// pass of its own. Every thread calls it; a barrier ends it.
+// B's parts for inputs k .. k + 15 of one token's row `x`: x * norm_w * 2^64 as hi and lo bf16 parts, exact (a
+// product of two bf16 values has at most 16 significant bits; hi takes the top 8, rounded to nearest, and the
+// rest, at most 8 bits, is lo: checked over every pair of significands). part[g][p] holds inputs k + 2p and
+// k + 2p + 1 of part g; lane t of the mma reads pairs t (its x) and t + 4 (its y). Four 16-byte loads issued
+// together; the inputs' x^2 are added to `squares`.
+__device__ __forceinline__ void operand_parts(const bf16_t* x, const bf16_t* norm_w, int k,
+                                              uint32_t (&part)[kTileOperandParts][8], float& squares) {
+  const Bf16Vec<8> xv[2] = {load_activation<8, true>(x + k), load_activation<8, true>(x + k + 8)};
+  Bf16Vec<8> n[2];
+  if (norm_w != nullptr) {
+    n[0] = load_cached<8>(norm_w + k);
+    n[1] = load_cached<8>(norm_w + k + 8);
+  }
+  float v[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    squares = fmaf(xv[e / 8][e % 8], xv[e / 8][e % 8], squares);
+    // * 2^64, exact
+    v[e] = (norm_w != nullptr ? xv[e / 8][e % 8] * n[e / 8][e % 8] : xv[e / 8][e % 8]) * 18446744073709551616.0f;
+  }
+#pragma unroll
+  for (int g = 0; g < kTileOperandParts; ++g)
+#pragma unroll
+    for (int e = 0; e < 16; e += 2) {
+      const bf16_t b0 = float_to_bf16(v[e]), b1 = float_to_bf16(v[e + 1]);
+      part[g][e / 2] = b0 | static_cast<uint32_t>(b1) << 16;
+      v[e] -= bf16_to_float(b0);  // exact: the rest, for the next part
+      v[e + 1] -= bf16_to_float(b1);
+    }
+}
+
+// B for one token, a thread a k-step of 16 inputs (one memory round trip); the same loads give each warp's sum of
+// x^2 for the RMSNorm factor (`squares[warp]`), so the factor costs no pass of its own. Every thread calls it; a
+// barrier ends it.
 __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
   uint2* bs = tile_operand();
   float sq = 0.0f;
   for (int s = static_cast<int>(threadIdx.x); s < in.n_in / 16; s += kMatvecThreads) {
-    const int k = 16 * s;
-    const Bf16Vec<8> x[2] = {load_activation<8, true>(in.x + k), load_activation<8, true>(in.x + k + 8)};
-    Bf16Vec<8> n[2];
-    if (in.norm_w != nullptr) {
-      n[0] = load_cached<8>(in.norm_w + k);
-      n[1] = load_cached<8>(in.norm_w + k + 8);
-    }
-    float v[16];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      sq = fmaf(x[e / 8][e % 8], x[e / 8][e % 8], sq);
-      // * 2^64, exact
-      v[e] = (in.norm_w != nullptr ? x[e / 8][e % 8] * n[e / 8][e % 8] : x[e / 8][e % 8]) * 18446744073709551616.0f;
-    }
-    uint32_t part[kTileOperandParts][8];  // [hi, lo][input pair]
-#pragma unroll
-    for (int g = 0; g < kTileOperandParts; ++g)
-#pragma unroll
-      for (int e = 0; e < 16; e += 2) {
-        const bf16_t b0 = float_to_bf16(v[e]), b1 = float_to_bf16(v[e + 1]);
-        part[g][e / 2] = b0 | static_cast<uint32_t>(b1) << 16;
-        v[e] -= bf16_to_float(b0);  // exact: the rest, for the next part
-        v[e + 1] -= bf16_to_float(b1);
-      }
-    // Lane t of the mma reads inputs 2t, 2t + 1 (x) and 2t + 8, 2t + 9 (y).
+    uint32_t part[kTileOperandParts][8];
+    operand_parts(in.x, in.norm_w, 16 * s, part, sq);
 #pragma unroll
     for (int g = 0; g < kTileOperandParts; ++g)
 #pragma unroll
@@ -132,29 +145,66 @@ __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
   __syncthreads();
 }
 
+// n-blocks of the mma for TMAX tokens: columns 2 u' and 2 u' + 1 of n-block u / 4 are token u's two parts
+// (u' = u % 4), so lane (g, t)'s sums end up as rows g and g + 8 of token 4 nb + t.
+template <int TMAX>
+constexpr int kTileTokenBlocks = (TMAX + 3) / 4;
+// B for up to TMAX tokens: k-step s's n-block nb for lane (g, t) at [(s NB + nb) 32 + 4 g + t], 32 bytes an input
+// and n-block (16 at 2-4 tokens, 32 at 8, 64 at 16); tokens past in.tokens are zeros. Every thread calls it; a
+// barrier ends it.
+template <int TMAX>
+__device__ inline void stage_tile_operand_tokens(const TokenRows& in) {
+  constexpr int NB = kTileTokenBlocks<TMAX>;
+  uint2* bs = tile_operand();
+  float unused = 0.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < in.n_in / 16 * 4 * NB; i += kMatvecThreads) {
+    const int s = i / (4 * NB), u = i % (4 * NB), nb = u / 4, column = 2 * (u % 4);
+    uint32_t part[kTileOperandParts][8] = {};
+    if (u < in.tokens) operand_parts(in.x + static_cast<size_t>(u) * in.n_in, in.norm_w, 16 * s, part, unused);
+#pragma unroll
+    for (int g = 0; g < kTileOperandParts; ++g)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        bs[(s * NB + nb) * 32 + 4 * (column + g) + t] = make_uint2(part[g][t], part[g][t + 4]);
+  }
+  __syncthreads();
+}
+
 // Scale byte I as the f32 2^(c - 127 + 62): 2^-126 (A) times 2^64 (B) undone; exact for c <= 192.
 template <int I>
 __device__ __forceinline__ float mma_scale(uint32_t word) {
   return __uint_as_float(__byte_perm(word, 0u, 0x4440u + I) * (1u << 23) + (62u << 23));
 }
 
-// acc += one step of a tile on tensor cores: acc[0..1] row g (columns 2t, 2t + 1), acc[2..3] row g + 8.
-__device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&b)[4], float (&acc)[4]) {
+// acc[nb] += one step of a tile on tensor cores against n-block nb of B: acc[nb][0..1] row g (columns 2t, 2t + 1),
+// acc[nb][2..3] row g + 8. The codes are decoded once for every n-block.
+template <int NB>
+__device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&b)[4][NB], float (&acc)[NB][4]) {
 #pragma unroll
   for (int blk = 0; blk < 2; ++blk) {
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's own sum, scaled once below
+    uint32_t pairs[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const uint32_t w = c.codes[2 * blk + j];
-      mma_m16n8k16(d, decode_pair<0>(w), decode_pair<1>(w), decode_pair<2>(w), decode_pair<3>(w), b[2 * blk + j].x,
-                   b[2 * blk + j].y);
+      pairs[j][0] = decode_pair<0>(w);
+      pairs[j][1] = decode_pair<1>(w);
+      pairs[j][2] = decode_pair<2>(w);
+      pairs[j][3] = decode_pair<3>(w);
     }
     const float sg = blk == 0 ? mma_scale<0>(c.scales) : mma_scale<1>(c.scales);
     const float sg8 = blk == 0 ? mma_scale<2>(c.scales) : mma_scale<3>(c.scales);
-    acc[0] = fmaf(d[0], sg, acc[0]);
-    acc[1] = fmaf(d[1], sg, acc[1]);
-    acc[2] = fmaf(d[2], sg8, acc[2]);
-    acc[3] = fmaf(d[3], sg8, acc[3]);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's own sum, scaled once below
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        mma_m16n8k16(d, pairs[j][0], pairs[j][1], pairs[j][2], pairs[j][3], b[2 * blk + j][nb].x,
+                     b[2 * blk + j][nb].y);
+      acc[nb][0] = fmaf(d[0], sg, acc[nb][0]);
+      acc[nb][1] = fmaf(d[1], sg, acc[nb][1]);
+      acc[nb][2] = fmaf(d[2], sg8, acc[nb][2]);
+      acc[nb][3] = fmaf(d[3], sg8, acc[nb][3]);
+    }
   }
 }
 #endif
@@ -302,6 +352,66 @@ __device__ __forceinline__ void store_gated(const Args& a, int t, int tile, int 
   }
 }
 
+#if LITHOS_MK_TILE_MMA
+// 2-16 tokens on tensor cores (LITHOS_MK_TILE_MMA_TOKENS): a warp a tile pair a round over all its k tiles (the
+// schedule's k_split 1 at more tokens), B for every token staged once (stage_tile_operand_tokens), each step's
+// codes decoded once for all of B's n-blocks; lane (g, t) ends a round with rows g and g + 8 of tokens t, t + 4,
+// ... and stores them itself: no sums to share.
+template <int TMAX>
+__device__ bool gate_up_tiles_mma_tokens(const Args& a, const Task& task, int index) {
+  constexpr int NB = kTileTokenBlocks<TMAX>, D = kTileDepth<TMAX>;
+  const int layer = task.layer, lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
+  const int first_tile = task.first / kTileUnits, tiles = task.count / kTileUnits;
+  const int k_tiles = a.hidden / kTileInputs;
+  if (task.k_split != 1) {
+    if (threadIdx.x == 0) abort_step(a, index);
+    return false;
+  }
+  const int slot = warp_id(), rounds = (tiles + kMatvecWarps - 1) / kMatvecWarps, steps = rounds * k_tiles;
+  RoundWalk walk{first_tile, tiles, kMatvecWarps, slot, 0, k_tiles, 0, k_tiles};
+  TilePipeline<D, 1> pipe;
+  pipe.fill(a, layer, lane32, steps, walk);
+  const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  if (!block_wait(a, task, index)) return false;
+  __shared__ float rms_scale[TMAX];
+  block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
+  stage_tile_operand_tokens<TMAX>(in);
+  trace_phase(a, index, 0);
+  const uint2* bs = tile_operand();
+  float acc[2][NB][4] = {};  // [gate, up][n-block][fragment]
+  int kt = 0, round = 0;
+  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk(&gate)[1], const TileChunk(&up)[1]) {
+    uint2 b[4][NB];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) b[j][nb] = bs[((kt * 4 + j) * NB + nb) * 32 + lane32];
+    tile_step_mma(gate[0], b, acc[0]);
+    tile_step_mma(up[0], b, acc[1]);
+    if (++kt < k_tiles) return;
+    kt = 0;
+    const int tile = round * kMatvecWarps + slot;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int u = 4 * nb + t;
+      if (tile < tiles && u < a.tokens) {
+        const float sums[4] = {acc[0][nb][0] + acc[0][nb][1], acc[0][nb][2] + acc[0][nb][3],
+                               acc[1][nb][0] + acc[1][nb][1], acc[1][nb][2] + acc[1][nb][3]};
+        store_gated(a, u, first_tile + tile, g, sums, rms_scale[u]);
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][nb][e] = 0.0f;
+    }
+    ++round;
+  });
+  trace_phase(a, index, 2);
+  block_release(a, task.signal_counter);
+  return true;
+}
+#endif
+
 template <int TMAX>
 __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   const int layer = task.layer;
@@ -335,15 +445,15 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     float(*pieces)[kMatvecWarps][8][4] =
         reinterpret_cast<float(*)[kMatvecWarps][8][4]>(ring_memory() + operand_bytes);  // [tile][warp][g][q]
     const uint2* bs = tile_operand();
-    float acc[R][2][4] = {};
+    float acc[R][2][1][4] = {};  // [pair][gate, up][n-block][fragment]
     int group = q0 / k_tiles, kt = q0 % k_tiles;
     pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
       const int count = min(R, tiles - R * group);  // the group's tiles; the step's other pairs are zeros
-      uint2 b[4];
+      uint2 b[4][1];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         constexpr int kLanes = 4 * kTileOperandParts;  // lane groups 0 .. parts - 1: B's columns
-        b[j] = lane32 < kLanes ? bs[(kt * 4 + j) * kLanes + lane32] : make_uint2(0u, 0u);
+        b[j][0] = lane32 < kLanes ? bs[(kt * 4 + j) * kLanes + lane32] : make_uint2(0u, 0u);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -359,13 +469,14 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
       for (int r = 0; r < R; ++r) {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          const float sum_g = acc[r][m][0] + acc[r][m][1], sum_g8 = acc[r][m][2] + acc[r][m][3];
+          const float(&f)[4] = acc[r][m][0];
+          const float sum_g = f[0] + f[1], sum_g8 = f[2] + f[3];
           if (r < count && lane32 % 4 == 0) {
             pieces[R * group + r][warp_id()][g][2 * m] = sum_g;
             pieces[R * group + r][warp_id()][g][2 * m + 1] = sum_g8;
           }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][m][e] = 0.0f;
+          for (int e = 0; e < 4; ++e) acc[r][m][0][e] = 0.0f;
         }
       }
       if (kt == k_tiles) {
@@ -403,6 +514,12 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     // one buffer (HIP compiles every bucket's shared memory into one kernel): a member writes round n's sums after
     // its team has reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to
     // share).
+#if LITHOS_MK_TILE_MMA
+    if constexpr (kTileMmaTokensFor<TMAX>) {  // where B fits; elsewhere the decode to f32 below
+      if (a.hidden * 16 * kTileTokenBlocks<TMAX> <= kRingSmemBytes<TMAX>)
+        return gate_up_tiles_mma_tokens<TMAX>(a, task, index);
+    }
+#endif
     static_assert(R == 1, "the decode to f32 takes one tile pair a step");
     __shared__ float partial[kMatvecWarps][8][4];  // per warp: gate g, gate g + 8, up g, up g + 8, one token
     __shared__ int arrivals[kMatvecWarps];

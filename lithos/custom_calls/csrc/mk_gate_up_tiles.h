@@ -149,9 +149,9 @@ __device__ inline void stage_tile_operand(const TokenRows& in, float* squares) {
 // (u' = u % 4), so lane (g, t)'s sums end up as rows g and g + 8 of token 4 nb + t.
 template <int TMAX>
 constexpr int kTileTokenBlocks = (TMAX + 3) / 4;
-// B for up to TMAX tokens: k-step s's n-block nb for lane (g, t) at [(s NB + nb) 32 + 4 g + t], 32 bytes an input
-// and n-block (16 at 2-4 tokens, 32 at 8, 64 at 16); tokens past in.tokens are zeros. Every thread calls it; a
-// barrier ends it.
+// B for up to TMAX tokens: k-step s's n-block nb for lane (g, t) at [(s NB + nb) 32 + 4 g + t], 16 bytes an input
+// and n-block (64 KB at 4096 inputs and 2-4 tokens, 128 KB at 8, 256 KB at 16); tokens past in.tokens are zeros.
+// Every thread calls it; a barrier ends it.
 template <int TMAX>
 __device__ inline void stage_tile_operand_tokens(const TokenRows& in) {
   constexpr int NB = kTileTokenBlocks<TMAX>;

@@ -344,6 +344,8 @@ def environment() -> dict[str, Any]:
         "host": platform.machine(),
         # A build variant (lithos/custom_calls/build.py) is part of what was measured.
         "kernel_defines": os.environ.get("LITHOS_KERNEL_DEFINES", "").split(),
+        # So are the other knobs read from the environment (a weight layout, the tuning table, ...).
+        "lithos_environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LITHOS_")},
     }
 
 

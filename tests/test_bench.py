@@ -22,6 +22,16 @@ def test_the_record_names_the_kernel_build_variant(monkeypatch):
     assert bench.environment()["kernel_defines"] == []
 
 
+def test_the_record_names_the_knobs_set_in_the_environment(monkeypatch):
+    """Every LITHOS_* variable set when a bench ran (e.g. the megakernel's gate/up in tiles) is in its record."""
+    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    monkeypatch.setenv("NOT_LITHOS", "x")
+    env = bench.environment()["lithos_environment"]
+    assert env["LITHOS_GATE_UP_TILES"] == "1" and "NOT_LITHOS" not in env
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES")
+    assert "LITHOS_GATE_UP_TILES" not in bench.environment()["lithos_environment"]
+
+
 def test_unrolled_timing_loop_decodes_the_same_tokens():
     """Steps per loop iteration (`unroll`, benchmarks/probes/step_overhead.py) change how the timed loop
     is laid out, not what it computes: the same tokens, positions and cache as one step per iteration."""

@@ -111,18 +111,21 @@ def _codes_from_tiles(data: jax.Array) -> jax.Array:
     return _pack(_row_axes(c))
 
 
-def _scales_to_tiles(scales: jax.Array) -> jax.Array:
+def _swap_scale_axes(scales: jax.Array, first: int, second: int) -> jax.Array:
+    """`[..., out, blocks]` read as `[..., T, first, 8, second, 2]` with its axes 1 and 3 swapped: rows (rh, g)
+    and k tiles kt to tile order (first = 2) and back (second = 2). Its own inverse."""
     *lead, out, blocks = scales.shape
     n = len(lead)
-    s = scales.reshape(*lead, out // 16, 2, 8, blocks // 2, 2)  # [..., T, rh, g, kt, blk]
+    s = scales.reshape(*lead, out // 16, first, 8, second, 2)
     return s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4).reshape(scales.shape)
+
+
+def _scales_to_tiles(scales: jax.Array) -> jax.Array:
+    return _swap_scale_axes(scales, 2, scales.shape[-1] // 2)  # [..., T, rh, g, kt, blk] -> [T, kt, g, rh, blk]
 
 
 def _scales_from_tiles(scales: jax.Array) -> jax.Array:
-    *lead, out, blocks = scales.shape
-    n = len(lead)
-    s = scales.reshape(*lead, out // 16, blocks // 2, 8, 2, 2)  # [..., T, kt, g, rh, blk]
-    return s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4).reshape(scales.shape)
+    return _swap_scale_axes(scales, scales.shape[-1] // 2, 2)  # [..., T, kt, g, rh, blk] -> [T, rh, g, kt, blk]
 
 
 def to_tiles(w):

@@ -307,9 +307,11 @@ def bench_rounds(
     rows = []
     wbytes = bench.weight_bytes_read(params, cfg)
     timed = (args.steps, args.runs, args.loops)  # rounds per loop, timed runs, loops per run
+    # Each path's weights as it reads them, laid out once (as `lithos bench` and the engine do).
+    laid_out_for = {kernels: params_for_kernels(params, cfg, kernels) for kernels in kernel_paths}
     for context in contexts:
         for kernels in kernel_paths:
-            laid_out = params_for_kernels(params, cfg, kernels)  # as `lithos bench` and the engine read them
+            laid_out = laid_out_for[kernels]
             step_ms = statistics.median(
                 bench.time_decode_steps(laid_out, cfg, context, kernels, args.steps, args.runs, loops=args.loops)
             )

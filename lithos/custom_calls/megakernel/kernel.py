@@ -25,7 +25,7 @@ from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, S
 from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
-from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, tiles_fit, to_tiles
+from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, to_tiles
 from lithos.quant.tiles import TILE_ROWS
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
@@ -111,13 +111,13 @@ def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
     fit (a shape, or a scale above 2^65, that the tiled kernel does not take)."""
     platform = _gpu_platform() if platform is None else platform
     packed = [isinstance(w, QuantizedArray) and w.format == MXFP4 for w in (w_gate, w_up)]
-    if not (all(packed) and tiles_wanted(platform)) or tiles_fit(w_gate.shape) or tiles_fit(w_up.shape):
+    if not (all(packed) and tiles_wanted(platform)):
         return w_gate, w_up
     if w_gate.shape[-1] * TILE_OPERAND_BYTES_PER_INPUT > TILE_STAGING_BYTES * 3 // 4:  # room left for the sums
         return w_gate, w_up
     try:
         return to_tiles(w_gate), to_tiles(w_up)
-    except LithosError:  # a scale outside the tiled kernel's range: rows read the same values
+    except LithosError:  # a shape or a scale the tiles do not take (to_tiles says which): rows read the same values
         return w_gate, w_up
 
 

@@ -151,11 +151,10 @@ def build_schedule(
         units = shape.units(op)
         done = counter(name)
         if op == Op.GATE_UP and lane_steps.gate_up_units > 1:
-            k = lane_steps.gate_up_team
-            ranges = split_units(units, lane_steps.gate_up_units * (WARPS_PER_BLOCK // k), workers)
+            k, unit = lane_steps.gate_up_team, lane_steps.gate_up_units
         else:
-            k = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op))
-            ranges = split_units(units, WARPS_PER_BLOCK // k, workers)
+            k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
+        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), workers)
         for first, count in ranges:
             tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)

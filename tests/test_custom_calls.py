@@ -343,26 +343,20 @@ def test_build_variant_compiles(define, kernel):
 
 
 @pytest.mark.parametrize(
-    "formats, defines",
-    [
-        (("q4_1", "q4_1", "q8_0"), ()),
-        (("mxfp4", "mxfp4", "bfloat16"), ()),
-        (("mxfp4", "mxfp4", "bfloat16", True), ()),
-        (("mxfp4", "mxfp4", "bfloat16", True), ("LITHOS_MK_TILE_MMA_TOKENS=1",)),
-    ],
-    ids=["q4_1", "mxfp4", "mxfp4-tiles", "mxfp4-tiles-mma-tokens"],
+    "formats",
+    [("q4_1", "q4_1", "q8_0"), ("mxfp4", "mxfp4", "bfloat16"), ("mxfp4", "mxfp4", "bfloat16", True)],
+    ids=["q4_1", "mxfp4", "mxfp4-tiles"],
 )
-def test_packed_megakernel_compiles(toolchain, formats, defines):
+def test_packed_megakernel_compiles(toolchain, formats):
     """The megakernel over packed weights, for both vendors: in the build the default model needs (Q4_1
     layers, a Q8_0 head: the packed dot products with mins, and a second format in one kernel), in the
     benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token), and with its gate and up
-    in fragment tiles (tensor cores on CUDA at one token, and at more with LITHOS_MK_TILE_MMA_TOKENS; the decode
-    to f32 elsewhere). Every other format triple instantiates the register path's templates with decoders the
-    fused packed sources compile (test_kernel_source_compiles)."""
+    in fragment tiles (tensor cores on CUDA, the decode to f32 on HIP and where B does not fit). Every other
+    format triple instantiates the register path's templates with decoders the fused packed sources compile
+    (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
 
     variant = WeightFormats(*formats).variant()
-    variant = dataclasses.replace(variant, defines=(*variant.defines, *defines))
     library = build.build("megakernel", variant.toolchain(check_build(toolchain)))
     assert library != build.library_path("megakernel", check_build(toolchain))
     assert b"LithosMegakernel" in library.read_bytes()

@@ -442,9 +442,9 @@ def test_weight_formats_choose_the_build():
 
 
 def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
-    """MXFP4 gate and up laid out in tiles on CUDA when asked for (down stays in rows) take the tiles build;
-    by default, elsewhere, or where the tiles do not fit, the weights stay as they are; the interpreter reads
-    both layouts alike."""
+    """MXFP4 gate and up laid out in tiles on CUDA (down stays in rows) take the tiles build; where the rows are
+    asked for (LITHOS_GATE_UP_TILES=0), elsewhere, or where the tiles do not fit, the weights stay as they are;
+    the interpreter reads both layouts alike."""
     from lithos.custom_calls.megakernel import weights_for_megakernel
     from lithos.custom_calls.megakernel.kernel import ATTENTION_WEIGHTS as ATTENTION
 
@@ -454,8 +454,9 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     def unchanged(w_gate, w_up, platform="cuda") -> bool:
         return all(a is b for a, b in zip(weights_for_megakernel(w_gate, w_up, platform), (w_gate, w_up), strict=True))
 
-    assert unchanged(packed.w_gate, packed.w_up)  # off by default
-    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "0")
+    assert unchanged(packed.w_gate, packed.w_up)
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES")  # the default
     assert unchanged(packed.w_gate, packed.w_up, None) and unchanged(packed.w_gate, packed.w_up, "rocm")
     w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
     assert w_gate.format == w_up.format == quant.MXFP4_TILES

@@ -14,10 +14,12 @@ import pytest
 
 import lithos
 from lithos import quant
+from lithos.checkpoint import load_checkpoint
 from lithos.custom_calls.megakernel import decode_step, step_schedule, weights_for_megakernel
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op
+from lithos.engine import Model
 
 from .test_megakernel import SHAPES, packed_step_weights, random_step
 
@@ -96,19 +98,20 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
         ("llama-3.2-1b", 1),  # tensor cores: 3-4 tile pairs a block, one group, 32 steps over 8 warps
         ("llama-3.1-8b", 1),  # 6-7 tile pairs a block: a group of 4 and a partial one, 16 steps a warp
         ("smollm2-like", 1),  # 576 inputs: 9 steps a group over 8 warps (one takes 2)
-        ("smollm2-like", 4),  # the decode to f32, a warp a tile
-        ("llama-3.1-8b", 8),  # a verification round's 8 positions (with LITHOS_MK_TILE_MMA_TOKENS: B 128 KB)
-        ("llama-3.2-1b", 16),
+        ("smollm2-like", 4),  # more tokens on tensor cores: a warp a tile pair over all its k tiles
+        ("llama-3.1-8b", 8),  # a verification round's 8 positions: B 128 KB, all of the ring's memory
+        ("llama-3.2-1b", 16),  # 16 tokens of 2048 inputs: B 128 KB too
+        ("llama-3.1-8b", -16),  # B 256 KB does not fit: the decode to f32
         ("smollm2-like", -1),  # one token, scales spread 2^-12 .. 2^12 around the quantizer's
         ("smollm2-like", -4),
     ],
 )
 def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     """MXFP4 gate and up in fragment tiles (lithos.quant.tiles), in the build that reads them: on tensor
-    cores at one token, decoded to f32 at more (on tensor cores there too when the file runs with
-    LITHOS_KERNEL_DEFINES=LITHOS_MK_TILE_MMA_TOKENS=1, where B fits). A negative count: as many tokens, with every
-    7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of scales far from 2^0)."""
-    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    cores where B fits the lane ring's memory, decoded to f32 where it does not (and on HIP). A negative count: as
+    many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of
+    scales far from 2^0)."""
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)  # the default layout on CUDA
     spread, tokens = tokens < 0, abs(tokens)
     shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
     weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
@@ -177,6 +180,26 @@ def test_megakernel_greedy_generation_equals_reference(hf_checkpoint, arch):
         assert mega.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected
         spec = mega.generate(prompt, raw=True, max_new_tokens=24, spec="ngram", draft_tokens=4)
         assert spec.token_ids == expected
+
+
+def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint, monkeypatch):
+    """MXFP4 attention and MLP (gate and up in fragment tiles on CUDA, as the megakernel reads them there): the
+    jitted decode loop and speculative verification of k + 1 positions against the reference path over the same
+    packed values."""
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)
+    checkpoint = load_checkpoint(hf_checkpoint("llama_hd64", tied=False), dtype="bfloat16")
+    params = quant.quantize_params(checkpoint.params, "mxfp4", ["attention", "mlp"])
+    checkpoint = dataclasses.replace(checkpoint, params=params)
+    ref = Model(checkpoint, max_len=128)
+    mega = Model(checkpoint, max_len=128, kernels="megakernel")
+    if jax.default_backend() != "rocm":
+        assert mega.params.layers.w_gate.format == quant.MXFP4_TILES
+    for prompt in ("hello", "the quick brown fox jumps"):
+        expected = ref.generate(prompt, raw=True, max_new_tokens=24).token_ids
+        assert mega.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected
+        for k in (4, 7):  # 5 and 8 positions: a partial and a whole n-block pair of B
+            spec = mega.generate(prompt, raw=True, max_new_tokens=24, spec="ngram", draft_tokens=k)
+            assert spec.token_ids == expected
 
 
 def test_a_stuck_task_ends_in_an_error_not_a_hang(monkeypatch):

@@ -82,11 +82,6 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6
 #endif
 constexpr bool kGateUpTiles = LITHOS_MK_GATE_UP_TILES != 0;
 static_assert(!kGateUpTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 gate and up rows");
-// The tiles at 2-16 tokens on tensor cores too (CUDA; B staged in the lane ring's memory), where they are decoded
-// to f32 by default: an experiment, not yet run on a GPU (NOTES.md, "MXFP4 gate and up in fragment tiles").
-#ifndef LITHOS_MK_TILE_MMA_TOKENS
-#define LITHOS_MK_TILE_MMA_TOKENS 0
-#endif
 
 struct Args {
   const Task* tasks;

@@ -10,12 +10,13 @@
 // exactly) in columns 0 and 1, staged once per task in fragment order. A block's two mma start from zero and its scale,
 // 2^(c - 65), multiplies their sum in f32. Each warp's sums of a tile go beside B; after one barrier a tile's
 // pieces are added in warp order.
-// Elsewhere (more tokens, HIP, inputs that do not fit the staging area) each lane decodes its codes to f32 and
-// multiplies them with the activations (a dot product's order of inputs is free), in teams of k_split warps
-// that add their sums through shared memory as stream_row_groups' teams do; a build with
-// LITHOS_MK_TILE_MMA_TOKENS=1 takes 2-16 tokens on tensor cores instead where B fits (not yet run on a GPU).
-// Off by default: on the H200 a one-token step is 4% faster than with the rows, but the decode to f32 makes an
-// 8-token verification round 52% slower (NOTES.md, runs 105-106).
+// 2-16 tokens, CUDA, where B for every token fits the lane ring's memory (all of it at 2-8 tokens of 8B, at 2-16 of
+// 1B): tensor cores as well, a warp a tile pair over all its k tiles (gate_up_tiles_mma_tokens).
+// Elsewhere (HIP, B too large: 16 tokens of 8B) each lane decodes its codes to f32 and multiplies them with the
+// activations (a dot product's order of inputs is free), in teams of k_split warps that add their sums through
+// shared memory as stream_row_groups' teams do.
+// The megakernel's layout for MXFP4 gate and up on CUDA (kernel.py tiles_wanted): on the H200 an 8B step is 5%
+// faster than with the rows and an 8-position verification round 18% faster (NOTES.md, runs 106-108).
 #pragma once
 
 #include "mk_common.h"
@@ -54,10 +55,9 @@ static_assert(LITHOS_MK_TILE_PAIRS >= 1 && LITHOS_MK_TILE_DEPTH >= 1,
 // pair a step, 2 in flight (its accumulators hold 16 tokens).
 template <int TMAX>
 constexpr bool kTileMmaFor = LITHOS_MK_TILE_MMA && TMAX == 1 && kRingSmemBytes<TMAX> > 0;
-// 2-16 tokens on tensor cores too, where asked for (LITHOS_MK_TILE_MMA_TOKENS) and B fits the ring's memory.
+// 2-16 tokens on tensor cores too, where B fits the ring's memory (checked as the task starts).
 template <int TMAX>
-constexpr bool kTileMmaTokensFor = LITHOS_MK_TILE_MMA && LITHOS_MK_TILE_MMA_TOKENS && TMAX > 1 &&
-                                   kRingSmemBytes<TMAX> > 0;
+constexpr bool kTileMmaTokensFor = LITHOS_MK_TILE_MMA && TMAX > 1 && kRingSmemBytes<TMAX> > 0;
 template <int TMAX>
 constexpr int kTilePairs = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1;
 template <int TMAX>
@@ -353,7 +353,7 @@ __device__ __forceinline__ void store_gated(const Args& a, int t, int tile, int 
 }
 
 #if LITHOS_MK_TILE_MMA
-// 2-16 tokens on tensor cores (LITHOS_MK_TILE_MMA_TOKENS): a warp a tile pair a round over all its k tiles (the
+// 2-16 tokens on tensor cores: a warp a tile pair a round over all its k tiles (the
 // schedule's k_split 1 at more tokens), B for every token staged once (stage_tile_operand_tokens), each step's
 // codes decoded once for all of B's n-blocks; lane (g, t) ends a round with rows g and g + 8 of tokens t, t + 4,
 // ... and stores them itself: no sums to share.
@@ -509,7 +509,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   } else
 #endif
   {
-    // The codes decoded to f32 on the CUDA cores (more tokens, HIP, a build without the lane ring): teams of
+    // The codes decoded to f32 on the CUDA cores (HIP, B too large for the ring, a build without it): teams of
     // k_split warps, a tile pair a round, each member a contiguous range of its steps; sums through shared memory,
     // one buffer (HIP compiles every bucket's shared memory into one kernel): a member writes round n's sums after
     // its team has reduced round n - 1. At more tokens the schedule gives a warp whole tiles (k_split 1, no sums to

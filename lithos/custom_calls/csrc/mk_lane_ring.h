@@ -53,11 +53,11 @@ constexpr int kRingScaleStageBytes = kRowsPerWarp * 4 * kMatvecThreads;
 template <WeightFormat F, int TMAX>
 constexpr bool kRingFormat = kRingStages > 0 && ((F == WeightFormat::kBf16 && TMAX <= 2) ||
                                                  (F == WeightFormat::kMxfp4 && TMAX == 1));
-// The memory is also where the tiled gate/up task stages B for more tokens (LITHOS_MK_TILE_MMA_TOKENS).
+// The memory is also where the tiled gate/up task stages B for 2-16 tokens (mk_gate_up_tiles.h).
 template <int TMAX>
 constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kMlpFormat, TMAX> ||
                           kRingFormat<kHeadFormat, TMAX> ||
-                          (kRingStages > 0 && kGateUpTiles && LITHOS_MK_TILE_MMA_TOKENS && TMAX > 1);
+                          (kRingStages > 0 && kGateUpTiles && TMAX > 1);
 template <int TMAX>
 constexpr bool kRingScalesFor = kRingFormat<WeightFormat::kMxfp4, TMAX> &&
                                 (kAttentionFormat == WeightFormat::kMxfp4 || kMlpFormat == WeightFormat::kMxfp4 ||

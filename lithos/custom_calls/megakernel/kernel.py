@@ -98,11 +98,11 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 
 
 def tiles_wanted(platform: str | None) -> bool:
-    """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: only when asked for
-    (LITHOS_GATE_UP_TILES=1), and only on CUDA, where tensor cores take them at one token. Off by default: on the
-    H200 a step is 4% faster with tiles but an 8-position verification round 52% slower, its 8-token task decoding
-    them on the CUDA cores (lithos/custom_calls/NOTES.md, runs 105-106)."""
-    return platform == "cuda" and os.environ.get("LITHOS_GATE_UP_TILES", "0") == "1"
+    """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: on CUDA, where tensor cores take
+    them (on the H200 an 8B step is 5% faster than with the rows, an 8-position verification round 18% faster:
+    lithos/custom_calls/NOTES.md, run 108), unless LITHOS_GATE_UP_TILES=0 asks for the rows. HIP reads the rows:
+    its tiled task would decode them on the vector units."""
+    return platform == "cuda" and os.environ.get("LITHOS_GATE_UP_TILES", "1") != "0"
 
 
 def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
@@ -138,8 +138,8 @@ def check_tile_staging(schedule: Schedule) -> None:
     if need > TILE_STAGING_BYTES:
         raise LithosError(
             f"megakernel: gate/up in fragment tiles needs {need} bytes of staging a task (hidden {s.hidden}, {tiles} "
-            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; keep them in rows (unset "
-            "LITHOS_GATE_UP_TILES)"
+            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; keep them in rows "
+            "(LITHOS_GATE_UP_TILES=0)"
         )
 
 

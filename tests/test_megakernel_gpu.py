@@ -92,12 +92,18 @@ def test_packed_megakernel_equals_interpreter(name, groups, tokens):
     check_against_interpreter((packed_step_weights(weights, groups), *rest), 1000)
 
 
+# The tiny checkpoints' shape (tests/conftest.py llama_hd64): fewer steps of a tile group than warps.
+NARROW = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=96, vocab=1000)
+
+
 @pytest.mark.parametrize(
     "name, tokens",
     [
         ("llama-3.2-1b", 1),  # tensor cores: 3-4 tile pairs a block, one group, 32 steps over 8 warps
         ("llama-3.1-8b", 1),  # 6-7 tile pairs a block: a group of 4 and a partial one, 16 steps a warp
         ("smollm2-like", 1),  # 576 inputs: 9 steps a group over 8 warps (one takes 2)
+        ("narrow", 1),  # 128 inputs: a block's 2 steps over 8 warps, 6 of them with none
+        ("narrow", 4),
         ("smollm2-like", 4),  # more tokens on tensor cores: a warp a tile pair over all its k tiles
         ("llama-3.1-8b", 8),  # a verification round's 8 positions: B 128 KB, all of the ring's memory
         ("llama-3.2-1b", 16),  # 16 tokens of 2048 inputs: B 128 KB too
@@ -113,7 +119,8 @@ def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     scales far from 2^0)."""
     monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)  # the default layout on CUDA
     spread, tokens = tokens < 0, abs(tokens)
-    shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
+    shape = {"smollm2-like": SHAPES["smollm2-like"], "narrow": NARROW}.get(name)
+    shape = shape or dataclasses.replace(SHAPES[name], layers=4)
     weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
     weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
     if spread:

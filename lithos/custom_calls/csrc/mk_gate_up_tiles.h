@@ -497,7 +497,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
       for (int w = j0 * kMatvecWarps / all; w < kMatvecWarps; ++w) {  // the warps whose ranges touch them
         const int w_begin = all * w / kMatvecWarps, w_end = all * (w + 1) / kMatvecWarps;
         if (w_begin >= j1) break;
-        if (w_end <= j0) continue;  // an empty range
+        if (w_end <= j0 || w_end == w_begin) continue;  // a range before the group's, or an empty one (no pieces)
 #pragma unroll
         for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][g][q];
       }

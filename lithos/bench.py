@@ -258,7 +258,7 @@ def _bench_rows(
     variants = [(kernels, kernels, placement) for kernels in kernel_paths]
     if overlap and placement is not None and "fused" in kernel_paths:
         variants.append(("fused+overlap", "fused", dataclasses.replace(placement, overlap=True)))
-    # Each path's weights as it reads them (the same values; the megakernel's MXFP4 gate/up in tiles when asked).
+    # Each path's weights as it reads them (the same values; the megakernel's MXFP4 gate/up in tiles on CUDA).
     laid_out = {kernels: params_for_kernels(params, cfg, kernels) for kernels in kernel_paths}
     for context in contexts:
         for label, kernels, where in variants:

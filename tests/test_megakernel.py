@@ -456,6 +456,9 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
 
     monkeypatch.setenv("LITHOS_GATE_UP_TILES", "0")
     assert unchanged(packed.w_gate, packed.w_up)
+    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "off")
+    with pytest.raises(lithos.LithosError, match="set it to 1"):
+        weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
     monkeypatch.delenv("LITHOS_GATE_UP_TILES")  # the default
     assert unchanged(packed.w_gate, packed.w_up, None) and unchanged(packed.w_gate, packed.w_up, "rocm")
     w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")

@@ -100,9 +100,12 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 def tiles_wanted(platform: str | None) -> bool:
     """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: on CUDA, where tensor cores take
     them (on the H200 an 8B step is 5% faster than with the rows, an 8-position verification round 18% faster:
-    lithos/custom_calls/NOTES.md, run 108), unless LITHOS_GATE_UP_TILES=0 asks for the rows. HIP reads the rows:
+    lithos/custom_calls/NOTES.md, runs 108-109), unless LITHOS_GATE_UP_TILES=0 asks for the rows. HIP reads the rows:
     its tiled task would decode them on the vector units."""
-    return platform == "cuda" and os.environ.get("LITHOS_GATE_UP_TILES", "1") != "0"
+    asked = os.environ.get("LITHOS_GATE_UP_TILES", "1")
+    if asked not in ("0", "1"):
+        raise LithosError(f"LITHOS_GATE_UP_TILES={asked!r}: set it to 1 (tiles, the default on CUDA) or 0 (rows)")
+    return platform == "cuda" and asked == "1"
 
 
 def weights_for_megakernel(w_gate, w_up, platform: str | None = None):

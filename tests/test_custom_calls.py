@@ -344,14 +344,20 @@ def test_build_variant_compiles(define, kernel):
 
 @pytest.mark.parametrize(
     "formats",
-    [("q4_1", "q4_1", "q8_0"), ("mxfp4", "mxfp4", "bfloat16"), ("mxfp4", "mxfp4", "bfloat16", True)],
-    ids=["q4_1", "mxfp4", "mxfp4-tiles"],
+    [
+        ("q4_1", "q4_1", "q8_0"),
+        ("mxfp4", "mxfp4", "bfloat16"),
+        ("mxfp4", "mxfp4", "bfloat16", True),
+        ("mxfp4", "mxfp4", "bfloat16", True, True),
+    ],
+    ids=["q4_1", "mxfp4", "mxfp4-tiles", "mxfp4-tiles-down-tiles"],
 )
 def test_packed_megakernel_compiles(toolchain, formats):
     """The megakernel over packed weights, for both vendors: in the build the default model needs (Q4_1
     layers, a Q8_0 head: the packed dot products with mins, and a second format in one kernel), in the
     benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token), and with its gate and up
-    in fragment tiles (tensor cores on CUDA, the decode to f32 on HIP and where B does not fit). Every other
+    in fragment tiles (tensor cores on CUDA, the decode to f32 on HIP and where B does not fit), and with down in
+    tiles too (tensor cores on CUDA; HIP builds refuse it at the FFI). Every other
     format triple instantiates the register path's templates with decoders the fused packed sources compile
     (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats

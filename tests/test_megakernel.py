@@ -451,6 +451,7 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=160)
     weights, *rest = random_step(shape, 2, 40, jnp.float32)
     packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+
     def unchanged(w_gate, w_up, platform="cuda") -> bool:
         return all(a is b for a, b in zip(weights_for_megakernel(w_gate, w_up, platform), (w_gate, w_up), strict=True))
 
@@ -472,7 +473,7 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
     for a, b in zip(rows, tiles, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(lithos.LithosError, match="only the MLP's gate and up"):
+    with pytest.raises(lithos.LithosError, match="only the MLP's matrices"):
         weight_formats(tiled._replace(**{name: quant.to_tiles(getattr(packed, name)) for name in ATTENTION}))
     # A scale the tiled kernel cannot convert exactly keeps the rows.
     large = packed.w_gate.replace(scales=packed.w_gate.scales.at[0, 0, 0].set(200))
@@ -484,6 +485,55 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     odd = dataclasses.replace(SHAPES["tiny"], hidden=96)
     small = packed_step_weights(random_step(odd, 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
     assert unchanged(small.w_gate, small.w_up)
+
+
+def test_down_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
+    """An MXFP4 down matrix laid out in tiles on CUDA when asked for (LITHOS_DOWN_TILES=1) takes a build of its
+    own, beside gate and up in tiles or in rows; its tasks take whole 16-row tiles at every token count; the
+    interpreter reads both layouts alike; a task whose sums would not fit the kernel's staging is an error."""
+    from lithos.custom_calls.megakernel import down_for_megakernel, weights_for_megakernel
+    from lithos.custom_calls.megakernel.kernel import check_down_staging
+
+    shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=192)
+    weights, *rest = random_step(shape, 3, 40, jnp.float32)
+    packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    assert down_for_megakernel(packed.w_down, "cuda") is packed.w_down  # off by default
+    monkeypatch.setenv("LITHOS_DOWN_TILES", "1")
+    assert down_for_megakernel(packed.w_down, "rocm") is down_for_megakernel(packed.w_down, None) is packed.w_down
+    w_down = down_for_megakernel(packed.w_down, "cuda")
+    assert w_down.format == quant.MXFP4_TILES
+    w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
+    for tiled, gate_up_tiles in (
+        (packed._replace(w_down=w_down), False),
+        (packed._replace(w_gate=w_gate, w_up=w_up, w_down=w_down), True),
+    ):
+        formats = weight_formats(tiled)
+        assert formats == WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles, down_tiles=True)
+        assert formats.variant().defines[-1] == "LITHOS_MK_DOWN_TILES=1"
+        assert formats.variant().target("LithosMegakernel").endswith("_down_tiles")
+        for tokens in (1, 3):
+            schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, tokens, "cuda"))
+            down = [t for t in map(schedule.task, range(len(schedule))) if t.op == Op.DOWN and t.layer == 0]
+            assert all(t.first % 4 == 0 and t.count % 4 == 0 for t in down)
+            covered = np.concatenate([np.arange(t.first, t.first + t.count) for t in down])
+            np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(Op.DOWN)))
+            check_down_staging(schedule, tokens)
+        schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, 3, "cuda"))
+        rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
+        for a, b in zip(rows, tiles, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # gate in tiles but up in rows: two layouts of one pair, an error
+    with pytest.raises(lithos.LithosError, match="must share one format"):
+        weight_formats(packed._replace(w_gate=w_gate))
+    # 16 tokens over 8 blocks: 32 tiles a task of 8B's down, 256 KB of sums
+    wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1)
+    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True)
+    with pytest.raises(lithos.LithosError, match="keep it in rows"):
+        check_down_staging(build_schedule(wide, 8, True, 32, lane_steps(formats, 16, "cuda")), 16)
+    check_down_staging(build_schedule(wide, 132, True, 32, lane_steps(formats, 16, "cuda")), 16)
+    # ffn of 160 is not whole tiles of 64 inputs: rows kept
+    odd = packed_step_weights(random_step(dataclasses.replace(shape, ffn=160), 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
+    assert down_for_megakernel(odd.w_down, "cuda") is odd.w_down
 
 
 def test_megakernel_generation_equals_reference(hf_checkpoint):

@@ -15,7 +15,7 @@ import pytest
 import lithos
 from lithos import quant
 from lithos.checkpoint import load_checkpoint
-from lithos.custom_calls.megakernel import decode_step, step_schedule, weights_for_megakernel
+from lithos.custom_calls.megakernel import decode_step, down_for_megakernel, step_schedule, weights_for_megakernel
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op
@@ -124,16 +124,49 @@ def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
     weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
     if spread:
-
-        def spread_scales(w):
-            codes = w.scales.astype(jnp.int32)
-            codes = codes.at[..., ::7].add(12).at[..., 3::11].add(-12)
-            return w.replace(scales=jnp.clip(codes, 0, 192).astype(jnp.uint8))
-
         weights = weights._replace(w_gate=spread_scales(weights.w_gate), w_up=spread_scales(weights.w_up))
     w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
     assert w_gate.format == w_up.format == quant.MXFP4_TILES
     check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up), *rest), 1000)
+
+
+@pytest.mark.parametrize(
+    "name, tokens",
+    [
+        ("llama-3.2-1b", 1),  # 1 tile a block: 128 steps of a group over 8 warps
+        ("llama-3.1-8b", 1),  # 2 tiles a block, 14336 inputs
+        ("smollm2-like", 1),  # 576 rows: 36 tiles, fewer than the blocks
+        ("smollm2-like", 4),  # one n-block, half its columns tokens
+        ("llama-3.1-8b", 8),  # a verification round's 8 positions: the whole n-block
+        ("llama-3.2-1b", 16),  # two n-blocks
+        ("smollm2-like", -1),  # scales spread 2^-12 .. 2^12 around the quantizer's
+        ("smollm2-like", -16),
+    ],
+)
+def test_tiled_down_megakernel_equals_interpreter(name, tokens, monkeypatch):
+    """An MXFP4 down matrix in fragment tiles (LITHOS_DOWN_TILES=1), gate and up in tiles too, in the build that
+    reads them: tensor cores at every token count, B read straight from the gated activations. A negative count:
+    as many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller."""
+    monkeypatch.setenv("LITHOS_DOWN_TILES", "1")
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)
+    spread, tokens = tokens < 0, abs(tokens)
+    shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
+    weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 3)
+    weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    if spread:
+        weights = weights._replace(w_down=spread_scales(weights.w_down))
+    w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
+    w_down = down_for_megakernel(weights.w_down)
+    assert w_gate.format == w_down.format == quant.MXFP4_TILES
+    check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up, w_down=w_down), *rest), 1000)
+
+
+def spread_scales(w):
+    """`w` with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (within E8M0's 0 .. 192 the tiled
+    kernels convert exactly)."""
+    codes = w.scales.astype(jnp.int32)
+    codes = codes.at[..., ::7].add(12).at[..., 3::11].add(-12)
+    return w.replace(scales=jnp.clip(codes, 0, 192).astype(jnp.uint8))
 
 
 def check_against_interpreter(args, context: int):

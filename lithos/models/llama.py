@@ -409,10 +409,11 @@ def params_for_kernels(params: Params, kernels: str) -> Params:
     same; the reference path reads any layout."""
     if kernels != "megakernel":
         return params
-    from lithos.custom_calls.megakernel import weights_for_megakernel
+    from lithos.custom_calls.megakernel import down_for_megakernel, weights_for_megakernel
 
     w_gate, w_up = weights_for_megakernel(params.layers.w_gate, params.layers.w_up)
-    return params.replace(layers=params.layers.replace(w_gate=w_gate, w_up=w_up))
+    w_down = down_for_megakernel(params.layers.w_down)
+    return params.replace(layers=params.layers.replace(w_gate=w_gate, w_up=w_up, w_down=w_down))
 
 
 def rope_inv_freq(cfg: Config) -> np.ndarray:

@@ -11,7 +11,8 @@
 // argument); one header per task kind:
 //   mk_qkv.h        RMSNorm + Q/K/V rows of one KV group + RoPE + cache append
 //   mk_attention.h  one length split of one KV head; the last split combines
-//   mk_projection.h O projection + residual, down projection + residual
+//   mk_projection.h O projection + residual, down projection + residual (mk_down_tiles.h: over MXFP4
+//                   fragment tiles)
 //   mk_gate_up.h    RMSNorm + gate/up rows + SiLU (mk_gate_up_tiles.h: over MXFP4 fragment tiles)
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
 // and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task
@@ -27,6 +28,7 @@
 #include "ffi_util.h"
 #include "mk_attention.h"
 #include "mk_common.h"
+#include "mk_down_tiles.h"
 #include "mk_gate_up.h"
 #include "mk_gate_up_tiles.h"
 #include "mk_lm_head.h"
@@ -67,7 +69,15 @@ namespace {
 // in the kernel measured 1.7% slower on the 1B step with nothing else changed: NOTES.md.)
 template <int TMAX>
 __device__ __forceinline__ bool any_projection_task(const Args& a, const Task& task, int index) {
-  if constexpr (kAttentionFormat == kMlpFormat) {
+  if constexpr (kDownTiles) {
+    if (task.op == kOpOProj) return projection_task<kAttentionFormat, TMAX>(a, task, index);
+#if LITHOS_MK_TILE_MMA
+    return down_tiles_task<TMAX>(a, task, index);
+#else
+    if (threadIdx.x == 0) abort_step(a, index);  // no form without tensor cores: the FFI refuses such a launch
+    return false;
+#endif
+  } else if constexpr (kAttentionFormat == kMlpFormat) {
     return projection_task<kMlpFormat, TMAX>(a, task, index);
   } else {
     return task.op == kOpOProj ? projection_task<kAttentionFormat, TMAX>(a, task, index)
@@ -334,6 +344,9 @@ ffi::Error megakernel_impl(
   if (a.hidden % 8 != 0 || a.ffn % 8 != 0)
     return invalid("megakernel: hidden " + std::to_string(a.hidden) + " and ffn " + std::to_string(a.ffn) +
                    " must be multiples of 8 (16-byte rows); use kernels='fused'");
+  if (kDownTiles && (!LITHOS_MK_TILE_MMA || a.ffn % kTileInputs != 0 || a.hidden % kTileRows != 0))
+    return invalid("megakernel: down in fragment tiles needs CUDA tensor cores, ffn a multiple of 64 and hidden of "
+                   "16 (got " + std::to_string(a.ffn) + " and " + std::to_string(a.hidden) + "); keep it in rows");
   if (kGateUpTiles && (a.hidden % kTileInputs != 0 || a.ffn % kTileRows != 0))
     return invalid("megakernel: gate and up in fragment tiles need hidden a multiple of 64 and ffn of 16, got " +
                    std::to_string(a.hidden) + " and " + std::to_string(a.ffn) + "; keep them in rows");

@@ -82,6 +82,12 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6
 #endif
 constexpr bool kGateUpTiles = LITHOS_MK_GATE_UP_TILES != 0;
 static_assert(!kGateUpTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 gate and up rows");
+// The MLP's down matrix in MXFP4 fragment tiles too (mk_down_tiles.h; CUDA: tensor cores), a build of its own.
+#ifndef LITHOS_MK_DOWN_TILES
+#define LITHOS_MK_DOWN_TILES 0
+#endif
+constexpr bool kDownTiles = LITHOS_MK_DOWN_TILES != 0;
+static_assert(!kDownTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 down rows");
 
 struct Args {
   const Task* tasks;

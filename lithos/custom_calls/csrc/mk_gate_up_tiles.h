@@ -253,24 +253,39 @@ __device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const Toke
   }
 }
 
-// The chunks a warp has in flight: D steps of R tile pairs, in slots used round robin. The loops run D steps an
-// iteration, step i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks, which
-// landed long ago, and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step
-// instead, as run 101 did, waits for each to land: a register copy waits for its load.) `Walk` gives the steps
-// in order (next(tile, kt, count): tiles tile .. tile + count - 1 at k tile kt; a step's other pairs are zeros);
-// the first D are asked for before the task's wait (the weights do not depend on the step).
-template <int D, int R>
+// The matrices a tiled task reads at each step of a tile: gate and up (a tile pair), or down (mk_down_tiles.h).
+struct GateUpMatrices {
+  static constexpr int kCount = 2;
+  __device__ __forceinline__ static TileChunk load(const Args& a, int m, int layer, int tile, int kt, int lane32) {
+    return load_tile_chunk(m == 0 ? a.w_gate : a.w_up, layer, tile, kt, lane32);
+  }
+};
+struct DownMatrix {
+  static constexpr int kCount = 1;
+  __device__ __forceinline__ static TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) {
+    return load_tile_chunk(a.w_down, layer, tile, kt, lane32);
+  }
+};
+
+// The chunks a warp has in flight: D steps of R tiles of each matrix, in slots used round robin. The loops run D
+// steps an iteration, step i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks,
+// which landed long ago, and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step
+// instead, as run 101 did, waits for each to land: a register copy waits for its load.) `Walk` gives the steps in
+// order (next(tile, kt, count): tiles tile .. tile + count - 1 at k tile kt; a step's other tiles are zeros); the
+// first D are asked for before the task's wait (the weights do not depend on the step).
+template <int D, int R, class Matrices = GateUpMatrices>
 struct TilePipeline {
-  TileChunk gate[D][R], up[D][R];
+  static constexpr int M = Matrices::kCount;
+  TileChunk chunk[D][M][R];
 
   template <class Walk>
   __device__ __forceinline__ void fill(const Args& a, int layer, int lane32, int steps, Walk& walk) {
 #pragma unroll
     for (int d = 0; d < D; ++d)
-      if (d < steps) load(a, layer, lane32, walk, gate[d], up[d]);
+      if (d < steps) load(a, layer, lane32, walk, chunk[d]);
   }
-  // body(i, gate, up) for steps i = 0 .. steps - 1 in order: step i from slot i % D (a constant once the loop is
-  // unrolled by D), which then asks for step i + D.
+  // body(i, gate, up) (or body(i, down)) for steps i = 0 .. steps - 1 in order: step i from slot i % D (a
+  // constant once the loop is unrolled by D), which then asks for step i + D.
   template <class Walk, class Body>
   __device__ __forceinline__ void for_each_step(const Args& a, int layer, int lane32, int steps, Walk& walk,
                                                 Body body) {
@@ -279,31 +294,35 @@ struct TilePipeline {
       for (int d = 0; d < D; ++d) {
         const int i = i0 + d;
         if (i >= steps) break;
-        TileChunk g[R], u[R];
+        TileChunk c[M][R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          g[r] = gate[d][r];
-          u[r] = up[d][r];
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) c[m][r] = chunk[d][m][r];
+        if (i + D < steps) load(a, layer, lane32, walk, chunk[d]);
+        if constexpr (M == 2) {
+          body(i, c[0], c[1]);
+        } else {
+          body(i, c[0]);
         }
-        if (i + D < steps) load(a, layer, lane32, walk, gate[d], up[d]);
-        body(i, g, u);
       }
     }
   }
 
  private:
   template <class Walk>
-  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk (&g)[R],
-                                              TileChunk (&u)[R]) {
+  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk,
+                                              TileChunk (&c)[M][R]) {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < count) {
-        g[r] = load_tile_chunk(a.w_gate, layer, tile + r, kt, lane32);
-        u[r] = load_tile_chunk(a.w_up, layer, tile + r, kt, lane32);
+#pragma unroll
+        for (int m = 0; m < M; ++m) c[m][r] = Matrices::load(a, m, layer, tile + r, kt, lane32);
       } else {
-        g[r] = u[r] = TileChunk{};
+#pragma unroll
+        for (int m = 0; m < M; ++m) c[m][r] = TileChunk{};
       }
     }
   }
@@ -324,6 +343,17 @@ struct FlatWalk {
     }
   }
 };
+
+// f(w), in warp order, for each warp whose flat range (of `all` steps cut in kMatvecWarps, as FlatWalk's) holds
+// steps of [j0, j1): the warps whose pieces a tile of that group adds. An empty range wrote none.
+template <class F>
+__device__ __forceinline__ void for_each_warp_in(int all, int j0, int j1, F f) {
+  for (int w = j0 * kMatvecWarps / all; w < kMatvecWarps; ++w) {
+    const int w_begin = all * w / kMatvecWarps, w_end = all * (w + 1) / kMatvecWarps;
+    if (w_begin >= j1) break;
+    if (w_end > j0 && w_end > w_begin) f(w);
+  }
+}
 
 // A team member's steps: in round r, tile `first + min(r * slots + slot, tiles - 1)` (a surplus member redoes the
 // last, unused), k tiles kt0 + s * kTileHalves + half for s < span.
@@ -494,13 +524,10 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
       if (lane32 % 4 != 0) continue;
       float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int j0 = j / R * k_tiles, j1 = j0 + k_tiles;  // its group's steps
-      for (int w = j0 * kMatvecWarps / all; w < kMatvecWarps; ++w) {  // the warps whose ranges touch them
-        const int w_begin = all * w / kMatvecWarps, w_end = all * (w + 1) / kMatvecWarps;
-        if (w_begin >= j1) break;
-        if (w_end <= j0 || w_end == w_begin) continue;  // a range before the group's, or an empty one (no pieces)
+      for_each_warp_in(all, j0, j1, [&](int w) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][g][q];
-      }
+      });
       store_gated(a, 0, first_tile + j, g, sums, rms);
     }
     trace_phase(a, index, 2);

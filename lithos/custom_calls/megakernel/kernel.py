@@ -42,12 +42,14 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 
 class WeightFormats(NamedTuple):
     """The formats a megakernel build reads (lithos.custom_calls.packed_weights names), and whether the MLP's
-    gate and up matrices are MXFP4 in fragment tiles (lithos.quant.tiles: csrc/mk_gate_up_tiles.h)."""
+    gate and up matrices, and its down matrix, are MXFP4 in fragment tiles (lithos.quant.tiles:
+    csrc/mk_gate_up_tiles.h, csrc/mk_down_tiles.h)."""
 
     attention: str = "bfloat16"
     mlp: str = "bfloat16"
     head: str = "bfloat16"
     gate_up_tiles: bool = False
+    down_tiles: bool = False
 
     def variant(self) -> build.Variant:
         """The build that reads these formats: the plain one for bf16 weights."""
@@ -58,6 +60,8 @@ class WeightFormats(NamedTuple):
         suffix = "_".join(self[:3])
         if self.gate_up_tiles:
             defines, suffix = (*defines, "LITHOS_MK_GATE_UP_TILES=1"), f"{suffix}_tiles"
+        if self.down_tiles:
+            defines, suffix = (*defines, "LITHOS_MK_DOWN_TILES=1"), f"{suffix}_down_tiles"
         return build.Variant(defines=defines, suffix=suffix)
 
 
@@ -74,9 +78,9 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 
     def group_format(group: str, names: tuple[str, ...]) -> str:
         found = {name: format_of(getattr(weights, name)) for name in names}
-        # Gate and up may be MXFP4 in fragment tiles, down in rows: one format, two layouts.
-        if group == "MLP" and found["w_gate"] == found["w_up"] == "mxfp4_tiles":
-            found["w_gate"] = found["w_up"] = "mxfp4"
+        # Gate and up (both or neither) and down may be MXFP4 in fragment tiles: one format, two layouts.
+        if group == "MLP" and (found["w_gate"] == "mxfp4_tiles") == (found["w_up"] == "mxfp4_tiles"):
+            found = {name: "mxfp4" if f == "mxfp4_tiles" else f for name, f in found.items()}
         if len(set(found.values())) > 1:
             raise LithosError(
                 f"megakernel: the {group} matrices must share one format, got {found}; quantize the group alike "
@@ -84,8 +88,8 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
             )
         if "mxfp4_tiles" in found.values():
             raise LithosError(
-                f"megakernel: {group} weights in fragment tiles ({found}): only the MLP's gate and up matrices are "
-                "read so; lay out only those (lithos.custom_calls.megakernel.weights_for_megakernel)"
+                f"megakernel: {group} weights in fragment tiles ({found}): only the MLP's matrices are read so; lay "
+                "out only those (lithos.custom_calls.megakernel.weights_for_megakernel, down_for_megakernel)"
             )
         return found[names[0]]
 
@@ -93,7 +97,7 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
         group_format("attention", ATTENTION_WEIGHTS),
         group_format("MLP", MLP_WEIGHTS),
         format_of(weights.lm_head),
-        isinstance(weights.w_gate, QuantizedArray) and weights.w_gate.format == MXFP4_TILES,
+        *(isinstance(w, QuantizedArray) and w.format == MXFP4_TILES for w in (weights.w_gate, weights.w_down)),
     )
 
 
@@ -102,10 +106,20 @@ def tiles_wanted(platform: str | None) -> bool:
     them (on the H200 an 8B step is 5% faster than with the rows, an 8-position verification round 18% faster:
     lithos/custom_calls/NOTES.md, runs 108-109), unless LITHOS_GATE_UP_TILES=0 asks for the rows. HIP reads the rows:
     its tiled task would decode them on the vector units."""
-    asked = os.environ.get("LITHOS_GATE_UP_TILES", "1")
+    return platform == "cuda" and _tiles_asked("LITHOS_GATE_UP_TILES", default="1")
+
+
+def down_tiles_wanted(platform: str | None) -> bool:
+    """Whether the megakernel reads an MXFP4 down matrix in fragment tiles: only when asked for
+    (LITHOS_DOWN_TILES=1), and only on CUDA (tensor cores at every token count; HIP has no tiled form)."""
+    return platform == "cuda" and _tiles_asked("LITHOS_DOWN_TILES", default="0")
+
+
+def _tiles_asked(variable: str, default: str) -> bool:
+    asked = os.environ.get(variable, default)
     if asked not in ("0", "1"):
-        raise LithosError(f"LITHOS_GATE_UP_TILES={asked!r}: set it to 1 (tiles, the default on CUDA) or 0 (rows)")
-    return platform == "cuda" and asked == "1"
+        raise LithosError(f"{variable}={asked!r}: set it to 1 (fragment tiles) or 0 (rows)")
+    return asked == "1"
 
 
 def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
@@ -124,10 +138,43 @@ def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
         return w_gate, w_up
 
 
+def down_for_megakernel(w_down, platform: str | None = None):
+    """w_down as this GPU's megakernel is asked to read it: MXFP4 `[layers, hidden, ffn]` in fragment tiles where
+    `down_tiles_wanted`, anything else unchanged; also unchanged where the tiles do not fit (lithos.quant.to_tiles
+    says which shapes and scales they take)."""
+    platform = _gpu_platform() if platform is None else platform
+    if not (isinstance(w_down, QuantizedArray) and w_down.format == MXFP4 and down_tiles_wanted(platform)):
+        return w_down
+    try:
+        return to_tiles(w_down)
+    except LithosError:  # rows read the same values
+        return w_down
+
+
 # csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
 # an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h.
 TILE_STAGING_BYTES = 64 * 1024
 TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
+
+
+# csrc/mk_down_tiles.h: the tiled down task's sums of a tile from each warp, for each 8 tokens, in that area too.
+DOWN_TILE_UNITS = TILE_ROWS // 4  # 4-row units (tasks.py) in a 16-row tile
+DOWN_PIECE_BYTES = WARPS_PER_BLOCK * 32 * 4 * 4
+
+
+def check_down_staging(schedule: Schedule, tokens: int) -> None:
+    """The tiled down task keeps its warps' sums of its tiles in the lane ring's input area: an error naming the
+    fix where a task's would not fit (the kernel would abort the step)."""
+    table = schedule.tasks
+    counts = table[table[:, FIELDS.index("op")] == Op.DOWN, FIELDS.index("count")]
+    tiles = int(counts.max()) // DOWN_TILE_UNITS if counts.size else 0
+    need = tiles * -(-tokens // 8) * DOWN_PIECE_BYTES
+    if need > TILE_STAGING_BYTES:
+        raise LithosError(
+            f"megakernel: down in fragment tiles needs {need} bytes of sums a task ({tiles} tiles, {tokens} tokens), "
+            f"more than the {TILE_STAGING_BYTES} the kernel has; keep it in rows (LITHOS_DOWN_TILES=0) or run on a "
+            "GPU with more blocks"
+        )
 
 
 def check_tile_staging(schedule: Schedule) -> None:
@@ -176,7 +223,8 @@ def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> Lan
         return 32 if name == "mxfp4" and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
-    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team)
+    down_units = DOWN_TILE_UNITS if formats.down_tiles else 1
+    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, down_units)
 
 
 def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:
@@ -330,6 +378,8 @@ def decode_step(
         check_tokens("megakernel", h0.shape[0])
         if formats.gate_up_tiles and h0.shape[0] == 1:
             check_tile_staging(schedule)
+        if formats.down_tiles:
+            check_down_staging(schedule, h0.shape[0])
         dense = {name: w for name, w in weights._asdict().items() if not isinstance(w, QuantizedArray)}
         require_bf16("megakernel", h0=h0, k_cache=k_cache, **dense)
         if batch != 1:

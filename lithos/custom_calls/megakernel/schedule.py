@@ -40,6 +40,9 @@ class LaneSteps:
     # range of every tile's inputs; at more tokens a warp takes whole tiles.
     gate_up_units: int = 1
     gate_up_team: int = 1
+    # Down row groups a task takes together: 4 over an MXFP4 down matrix in fragment tiles (a 16-row tile,
+    # csrc/mk_down_tiles.h), shared by the block's 8 warps at every token count.
+    down_units: int = 1
 
     def of(self, op: Op) -> int:
         """The lane step of the rows task kind `op` reads."""
@@ -152,6 +155,8 @@ def build_schedule(
         done = counter(name)
         if op == Op.GATE_UP and lane_steps.gate_up_units > 1:
             k, unit = lane_steps.gate_up_team, lane_steps.gate_up_units
+        elif op == Op.DOWN and lane_steps.down_units > 1:
+            k, unit = WARPS_PER_BLOCK, lane_steps.down_units
         else:
             k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
         ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), workers)

@@ -6,7 +6,8 @@
 // column (8 tokens an n-block, two at 16). Staged it would not fit (8 tokens of 14336 inputs are 229 KB), so each
 // step's B fragments are read straight from the gated vector (lane (g, t): token g's inputs 2t, 2t + 1, 2t + 8,
 // 2t + 9 of each 16), times 2^64 so that the products with A's value * 2^-126 stay normal f32 (exact for
-// |x| < 2^64). Every (tile group, k tile) step is one warp's, so a block reads and scales B once a group.
+// |x| < 2^64). Every (tile group, k tile) step is one warp's, so a block reads and scales B once a group; a warp
+// asks for the next step's B as each step starts, as it does for the weights.
 // The block's tiles in groups of R, the (group, k tile) pairs cut in 8 flat ranges, one a warp (as the one-token
 // gate/up task); each warp writes its sums of every tile its range touches in the lane ring's input area, one
 // barrier, then each tile's pieces are added in warp order and the residual added to them.
@@ -64,19 +65,30 @@ __device__ bool down_tiles_task(const Args& a, const Task& task, int index) {
       reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory());  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};
   int group = q0 / k_tiles, kt = q0 % k_tiles;
+  // B of k tile `k` as loaded, [n-block][k16 step][pair]: the next step's asked for as the step starts, beside the
+  // pipeline's weights (B depends on the k tile only; the first after the wait, the activations being this layer's).
+  uint32_t next[NB][4][2];
+  auto load_operand = [&](int k) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int u = 8 * nb + g;
+      const bf16_t* x = a.gated + static_cast<size_t>(u) * a.ffn + k * kTileInputs + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        next[nb][j][0] = u < a.tokens ? load_gated_pair(x + 16 * j) : 0u;
+        next[nb][j][1] = u < a.tokens ? load_gated_pair(x + 16 * j + 8) : 0u;
+      }
+    }
+  };
+  if (steps > 0) load_operand(kt);
   pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&down)[R]) {
     const int count = min(R, tiles - R * group);  // the group's tiles; the step's others are zeros
     uint2 b[4][NB];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const int u = 8 * nb + g;
-      const bf16_t* x = a.gated + static_cast<size_t>(u) * a.ffn + kt * kTileInputs + 2 * t;
+    for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        b[j][nb] = u < a.tokens ? make_uint2(scaled_pair(load_gated_pair(x + 16 * j)),
-                                             scaled_pair(load_gated_pair(x + 16 * j + 8)))
-                                : make_uint2(0u, 0u);
-    }
+      for (int j = 0; j < 4; ++j) b[j][nb] = make_uint2(scaled_pair(next[nb][j][0]), scaled_pair(next[nb][j][1]));
+    if (i + 1 < steps) load_operand(kt + 1 == k_tiles ? 0 : kt + 1);
 #pragma unroll
     for (int r = 0; r < R; ++r)
       if (r < count) tile_step_mma(down[r], b, acc[r]);

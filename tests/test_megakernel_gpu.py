@@ -118,16 +118,10 @@ def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of
     scales far from 2^0)."""
     monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)  # the default layout on CUDA
-    spread, tokens = tokens < 0, abs(tokens)
-    shape = {"smollm2-like": SHAPES["smollm2-like"], "narrow": NARROW}.get(name)
-    shape = shape or dataclasses.replace(SHAPES[name], layers=4)
-    weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 1)
-    weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
-    if spread:
-        weights = weights._replace(w_gate=spread_scales(weights.w_gate), w_up=spread_scales(weights.w_up))
-    w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
-    assert w_gate.format == w_up.format == quant.MXFP4_TILES
-    check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up), *rest), 1000)
+    monkeypatch.delenv("LITHOS_DOWN_TILES", raising=False)
+    args = mxfp4_step_laid_out(name, tokens, ("w_gate", "w_up"), seed=abs(tokens) + 1)
+    assert args[0].w_gate.format == args[0].w_up.format == quant.MXFP4_TILES
+    check_against_interpreter(args, 1000)
 
 
 @pytest.mark.parametrize(
@@ -149,24 +143,30 @@ def test_tiled_down_megakernel_equals_interpreter(name, tokens, monkeypatch):
     as many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller."""
     monkeypatch.setenv("LITHOS_DOWN_TILES", "1")
     monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)
-    spread, tokens = tokens < 0, abs(tokens)
-    shape = SHAPES[name] if name == "smollm2-like" else dataclasses.replace(SHAPES[name], layers=4)
-    weights, *rest = random_step(shape, tokens, 1000, jnp.bfloat16, seed=tokens + 3)
+    args = mxfp4_step_laid_out(name, tokens, ("w_down",), seed=abs(tokens) + 3)
+    assert args[0].w_gate.format == args[0].w_down.format == quant.MXFP4_TILES
+    check_against_interpreter(args, 1000)
+
+
+def mxfp4_step_laid_out(name: str, tokens: int, spread: tuple[str, ...], seed: int):
+    """random_step's arguments for shape `name` (4 layers of a model shape), attention and MLP in MXFP4, laid out as
+    the megakernel reads them here (weights_for_megakernel, down_for_megakernel). A negative token count: as many
+    tokens, with every 7th block's scale of the `spread` matrices 2^12 larger and every 11th 2^12 smaller (within
+    E8M0's 0 .. 192, which the tiled kernels convert exactly)."""
+
+    def spread_scales(w):
+        codes = w.scales.astype(jnp.int32)
+        codes = codes.at[..., ::7].add(12).at[..., 3::11].add(-12)
+        return w.replace(scales=jnp.clip(codes, 0, 192).astype(jnp.uint8))
+
+    shape = {"smollm2-like": SHAPES["smollm2-like"], "narrow": NARROW}.get(name)
+    shape = shape or dataclasses.replace(SHAPES[name], layers=4)
+    weights, *rest = random_step(shape, abs(tokens), 1000, jnp.bfloat16, seed=seed)
     weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
-    if spread:
-        weights = weights._replace(w_down=spread_scales(weights.w_down))
+    if tokens < 0:
+        weights = weights._replace(**{m: spread_scales(getattr(weights, m)) for m in spread})
     w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
-    w_down = down_for_megakernel(weights.w_down)
-    assert w_gate.format == w_down.format == quant.MXFP4_TILES
-    check_against_interpreter((weights._replace(w_gate=w_gate, w_up=w_up, w_down=w_down), *rest), 1000)
-
-
-def spread_scales(w):
-    """`w` with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (within E8M0's 0 .. 192 the tiled
-    kernels convert exactly)."""
-    codes = w.scales.astype(jnp.int32)
-    codes = codes.at[..., ::7].add(12).at[..., 3::11].add(-12)
-    return w.replace(scales=jnp.clip(codes, 0, 192).astype(jnp.uint8))
+    return (weights._replace(w_gate=w_gate, w_up=w_up, w_down=down_for_megakernel(weights.w_down)), *rest)
 
 
 def check_against_interpreter(args, context: int):

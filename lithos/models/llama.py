@@ -405,8 +405,8 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
 
 def params_for_kernels(params: Params, kernels: str) -> Params:
     """`params` laid out as `kernels` is set to read them: for the megakernel, MXFP4 gate and up matrices in
-    fragment tiles on CUDA (lithos.custom_calls.megakernel.weights_for_megakernel). The values are the
-    same; the reference path reads any layout."""
+    fragment tiles on CUDA, and down where asked (lithos.custom_calls.megakernel.weights_for_megakernel,
+    down_for_megakernel). The values are the same; the reference path reads any layout."""
     if kernels != "megakernel":
         return params
     from lithos.custom_calls.megakernel import down_for_megakernel, weights_for_megakernel

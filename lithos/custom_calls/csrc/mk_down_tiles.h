@@ -29,11 +29,10 @@ constexpr int kDownTokenBlocks = (TMAX + 7) / 8;
 // 8 nb + 2t and 8 nb + 2t + 1.
 constexpr int kDownPieceBytes = 32 * 4 * 4;
 
-// Two bf16 activations as the mma's B takes them: each times 2^64, exact (an exponent moved; |x| < 2^64).
+// Two bf16 activations as the mma's B takes them: each times kTileOperandShift, exact for |x| < 2^64.
 __device__ __forceinline__ uint32_t scaled_pair(uint32_t bits) {
-  constexpr float kShift = 18446744073709551616.0f;  // 2^64
-  const bf16_t lo = float_to_bf16(__uint_as_float(bits << 16) * kShift);
-  const bf16_t hi = float_to_bf16(__uint_as_float(bits & 0xFFFF0000u) * kShift);
+  const bf16_t lo = float_to_bf16(__uint_as_float(bits << 16) * kTileOperandShift);
+  const bf16_t hi = float_to_bf16(__uint_as_float(bits & 0xFFFF0000u) * kTileOperandShift);
   return lo | static_cast<uint32_t>(hi) << 16;
 }
 

@@ -92,6 +92,9 @@ __device__ __forceinline__ float mx_scale(uint32_t word) {
 __device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
 constexpr int kTileOperandBytesPerInput = 4;
 constexpr int kTileOperandParts = 2;
+// B is the activations times 2^64 (exact: an exponent moved), so that its products with A's value * 2^-126 stay
+// normal f32; mma_scale undoes both.
+constexpr float kTileOperandShift = 18446744073709551616.0f;
 // A tile's sums from one warp, beside B: [warp][lane group][gate g, gate g + 8, up g, up g + 8].
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
@@ -112,8 +115,7 @@ __device__ __forceinline__ void operand_parts(const bf16_t* x, const bf16_t* nor
 #pragma unroll
   for (int e = 0; e < 16; ++e) {
     squares = fmaf(xv[e / 8][e % 8], xv[e / 8][e % 8], squares);
-    // * 2^64, exact
-    v[e] = (norm_w != nullptr ? xv[e / 8][e % 8] * n[e / 8][e % 8] : xv[e / 8][e % 8]) * 18446744073709551616.0f;
+    v[e] = (norm_w != nullptr ? xv[e / 8][e % 8] * n[e / 8][e % 8] : xv[e / 8][e % 8]) * kTileOperandShift;
   }
 #pragma unroll
   for (int g = 0; g < kTileOperandParts; ++g)

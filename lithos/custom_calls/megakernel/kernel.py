@@ -22,7 +22,7 @@ from lithos.custom_calls import build
 from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
 from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, Schedule, build_schedule
-from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
+from lithos.custom_calls.megakernel.tasks import FIELDS, ROWS_PER_UNIT, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
 from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, to_tiles
@@ -158,16 +158,21 @@ TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
 # csrc/mk_down_tiles.h: the tiled down task's sums of a tile from each warp, for each 8 tokens, in that area too.
-DOWN_TILE_UNITS = TILE_ROWS // 4  # 4-row units (tasks.py) in a 16-row tile
+DOWN_TILE_UNITS = TILE_ROWS // ROWS_PER_UNIT  # down's row groups in a 16-row tile
 DOWN_PIECE_BYTES = WARPS_PER_BLOCK * 32 * 4 * 4
+
+
+def largest_task(schedule: Schedule, op: Op) -> int:
+    """The most units a task of kind `op` takes in `schedule` (0 where there is none)."""
+    table = schedule.tasks
+    counts = table[table[:, FIELDS.index("op")] == op, FIELDS.index("count")]
+    return int(counts.max()) if counts.size else 0
 
 
 def check_down_staging(schedule: Schedule, tokens: int) -> None:
     """The tiled down task keeps its warps' sums of its tiles in the lane ring's input area: an error naming the
     fix where a task's would not fit (the kernel would abort the step)."""
-    table = schedule.tasks
-    counts = table[table[:, FIELDS.index("op")] == Op.DOWN, FIELDS.index("count")]
-    tiles = int(counts.max()) // DOWN_TILE_UNITS if counts.size else 0
+    tiles = largest_task(schedule, Op.DOWN) // DOWN_TILE_UNITS
     need = tiles * -(-tokens // 8) * DOWN_PIECE_BYTES
     if need > TILE_STAGING_BYTES:
         raise LithosError(
@@ -181,9 +186,7 @@ def check_tile_staging(schedule: Schedule) -> None:
     """The one-token tiled gate/up task stages B and its sums in the lane ring's input area: an error naming the
     fix where a task's would not fit (the kernel would abort the step)."""
     s = schedule.shape
-    table = schedule.tasks
-    counts = table[table[:, FIELDS.index("op")] == Op.GATE_UP, FIELDS.index("count")]
-    tiles = int(counts.max()) // TILE_UNITS if counts.size else 0
+    tiles = largest_task(schedule, Op.GATE_UP) // TILE_UNITS
     need = -(-s.hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16 + tiles * TILE_PIECE_BYTES
     if need > TILE_STAGING_BYTES:
         raise LithosError(

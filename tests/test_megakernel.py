@@ -165,7 +165,7 @@ def test_tiled_gate_up_tasks_take_whole_tile_pairs():
         check_tile_staging(schedule)
     # B (4 bytes an input) and the tile pairs' sums must fit the kernel's staging area: a clear error where not.
     too_wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1, hidden=16384)
-    with pytest.raises(lithos.LithosError, match="keep them in rows"):
+    with pytest.raises(lithos.LithosError, match="leave gate_up out of LITHOS_TILES"):
         check_tile_staging(build_schedule(too_wide, 132, True, 32, lane_steps(tiled, 1, "cuda")))
 
 
@@ -441,30 +441,43 @@ def test_weight_formats_choose_the_build():
         weight_formats(mixed)
 
 
-def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
-    """MXFP4 gate and up laid out in tiles on CUDA (down stays in rows) take the tiles build; where the rows are
-    asked for (LITHOS_GATE_UP_TILES=0), elsewhere, or where the tiles do not fit, the weights stay as they are;
-    the interpreter reads both layouts alike."""
-    from lithos.custom_calls.megakernel import weights_for_megakernel
-    from lithos.custom_calls.megakernel.kernel import ATTENTION_WEIGHTS as ATTENTION
+def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda") -> StepWeights:
+    """`weights` as the megakernel on `platform` is asked to read them (LITHOS_TILES)."""
+    from lithos.custom_calls.megakernel import tiles_for_megakernel
+    from lithos.custom_calls.megakernel.kernel import TILE_GROUPS
 
+    names = [name for group in TILE_GROUPS.values() for name in group]
+    return weights._replace(**tiles_for_megakernel({n: getattr(weights, n) for n in names}, head_dim, platform))
+
+
+def same_layout(a: StepWeights, b: StepWeights) -> bool:
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
+def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
+    """MXFP4 gate and up laid out in tiles on CUDA by default (the other groups stay in rows) take the tiles
+    build; where rows are asked for (LITHOS_TILES=none), elsewhere, or where the tiles do not fit, the weights stay
+    as they are; the interpreter reads both layouts alike; a bad LITHOS_TILES, or a variable it replaced, is an error
+    that names the fix."""
     shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=160)
     weights, *rest = random_step(shape, 2, 40, jnp.float32)
     packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
+    hd = shape.head_dim
 
-    def unchanged(w_gate, w_up, platform="cuda") -> bool:
-        return all(a is b for a, b in zip(weights_for_megakernel(w_gate, w_up, platform), (w_gate, w_up), strict=True))
-
+    monkeypatch.setenv("LITHOS_TILES", "none")
+    assert same_layout(laid_out(packed, hd), packed)
+    monkeypatch.setenv("LITHOS_TILES", "gate_up,mlp")
+    with pytest.raises(lithos.LithosError, match="from qkv, o, gate_up, down"):
+        laid_out(packed, hd)
+    monkeypatch.delenv("LITHOS_TILES")  # the default
     monkeypatch.setenv("LITHOS_GATE_UP_TILES", "0")
-    assert unchanged(packed.w_gate, packed.w_up)
-    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "off")
-    with pytest.raises(lithos.LithosError, match="set it to 1"):
-        weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
-    monkeypatch.delenv("LITHOS_GATE_UP_TILES")  # the default
-    assert unchanged(packed.w_gate, packed.w_up, None) and unchanged(packed.w_gate, packed.w_up, "rocm")
-    w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
-    assert w_gate.format == w_up.format == quant.MXFP4_TILES
-    tiled = packed._replace(w_gate=w_gate, w_up=w_up)
+    with pytest.raises(lithos.LithosError, match="replaced by LITHOS_TILES"):
+        laid_out(packed, hd)
+    monkeypatch.delenv("LITHOS_GATE_UP_TILES")
+    assert same_layout(laid_out(packed, hd, None), packed) and same_layout(laid_out(packed, hd, "rocm"), packed)
+    tiled = laid_out(packed, hd)
+    assert tiled.w_gate.format == tiled.w_up.format == quant.MXFP4_TILES
+    assert same_layout(tiled._replace(w_gate=packed.w_gate, w_up=packed.w_up), packed)
     formats = weight_formats(tiled)
     assert formats == WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles=True)
     assert formats.variant().defines[-1] == "LITHOS_MK_GATE_UP_TILES=1"
@@ -473,67 +486,95 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
     for a, b in zip(rows, tiles, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(lithos.LithosError, match="only the MLP's matrices"):
-        weight_formats(tiled._replace(**{name: quant.to_tiles(getattr(packed, name)) for name in ATTENTION}))
+    # Gate in tiles but up in rows: two layouts of one pair, an error.
+    with pytest.raises(lithos.LithosError, match="gate_up matrices laid out as"):
+        weight_formats(packed._replace(w_gate=tiled.w_gate))
     # A scale the tiled kernel cannot convert exactly keeps the rows.
-    large = packed.w_gate.replace(scales=packed.w_gate.scales.at[0, 0, 0].set(200))
-    assert unchanged(large, packed.w_up)
+    large = packed._replace(w_gate=packed.w_gate.replace(scales=packed.w_gate.scales.at[0, 0, 0].set(200)))
+    assert same_layout(laid_out(large, hd), large)
     # rows of 12352 inputs would leave B too little room beside the sums
     wide = quant.quantize(np.ones((1, 16, 12352), np.float32), "mxfp4")
-    assert unchanged(wide, wide)
+    assert same_layout(laid_out(packed._replace(w_gate=wide, w_up=wide), hd), packed._replace(w_gate=wide, w_up=wide))
     # rows of 96 inputs are not whole tiles of 64
     odd = dataclasses.replace(SHAPES["tiny"], hidden=96)
     small = packed_step_weights(random_step(odd, 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
-    assert unchanged(small.w_gate, small.w_up)
+    assert same_layout(laid_out(small, odd.head_dim), small)
 
 
-def test_down_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
-    """An MXFP4 down matrix laid out in tiles on CUDA when asked for (LITHOS_DOWN_TILES=1) takes a build of its
-    own, beside gate and up in tiles or in rows; its tasks take whole 16-row tiles at every token count; the
-    interpreter reads both layouts alike; a task whose sums would not fit the kernel's staging is an error."""
-    from lithos.custom_calls.megakernel import down_for_megakernel, weights_for_megakernel
-    from lithos.custom_calls.megakernel.kernel import check_down_staging
+@pytest.mark.parametrize("asked", ["gate_up,down", "down", "o", "qkv", "qkv,o,gate_up,down"])
+def test_single_matrix_groups_in_fragment_tiles_are_builds_of_their_own(monkeypatch, asked):
+    """Down, O and Q/K/V laid out in tiles on CUDA when LITHOS_TILES names them (Q/K/V in rotary tiles of the
+    model's heads) take builds of their own; their tasks take whole 16-row tiles at every token count (Q/K/V's
+    within one KV group); the interpreter reads every layout alike; a group laid out in two ways is an error."""
+    from lithos.custom_calls.megakernel.kernel import TILE_GROUPS, check_tiled_staging, tiled_ops
 
     shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=192)
     weights, *rest = random_step(shape, 3, 40, jnp.float32)
     packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
-    assert down_for_megakernel(packed.w_down, "cuda") is packed.w_down  # off by default
-    monkeypatch.setenv("LITHOS_DOWN_TILES", "1")
-    assert down_for_megakernel(packed.w_down, "rocm") is down_for_megakernel(packed.w_down, None) is packed.w_down
-    w_down = down_for_megakernel(packed.w_down, "cuda")
-    assert w_down.format == quant.MXFP4_TILES
-    w_gate, w_up = weights_for_megakernel(packed.w_gate, packed.w_up, "cuda")
-    for tiled, gate_up_tiles in (
-        (packed._replace(w_down=w_down), False),
-        (packed._replace(w_gate=w_gate, w_up=w_up, w_down=w_down), True),
-    ):
-        formats = weight_formats(tiled)
-        assert formats == WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles, down_tiles=True)
-        assert formats.variant().defines[-1] == "LITHOS_MK_DOWN_TILES=1"
-        assert formats.variant().target("LithosMegakernel").endswith("_down_tiles")
-        for tokens in (1, 3):
-            schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, tokens, "cuda"))
-            down = [t for t in map(schedule.task, range(len(schedule))) if t.op == Op.DOWN and t.layer == 0]
-            assert all(t.first % 4 == 0 and t.count % 4 == 0 for t in down)
-            covered = np.concatenate([np.arange(t.first, t.first + t.count) for t in down])
-            np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(Op.DOWN)))
-            check_down_staging(schedule, tokens)
-        schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, 3, "cuda"))
-        rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
-        for a, b in zip(rows, tiles, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # gate in tiles but up in rows: two layouts of one pair, an error
-    with pytest.raises(lithos.LithosError, match="must share one format"):
-        weight_formats(packed._replace(w_gate=w_gate))
-    # 16 tokens over 8 blocks: 32 tiles a task of 8B's down, 256 KB of sums
+    monkeypatch.setenv("LITHOS_TILES", asked)
+    groups = asked.split(",")
+    tiled = laid_out(packed, shape.head_dim)
+    for group, names in TILE_GROUPS.items():
+        for name in names:
+            fmt = getattr(tiled, name).format
+            assert fmt.tile is not None if group in groups else fmt == quant.MXFP4
+            assert fmt.rotary_head == (shape.head_dim if group == "qkv" and group in groups else 0)
+    formats = weight_formats(tiled)
+    flags = {g: g in groups for g in TILE_GROUPS}
+    assert formats == WeightFormats(
+        "mxfp4", "mxfp4", "bfloat16", flags["gate_up"], flags["down"], flags["qkv"], flags["o"]
+    )
+    defines = formats.variant().defines
+    for group, define in (("down", "DOWN_TILES"), ("qkv", "QKV_TILES"), ("o", "O_TILES")):
+        assert (f"LITHOS_MK_{define}=1" in defines) == (group in groups)
+        assert (f"_{group}_tiles" in formats.variant().suffix) == (group in groups)
+    ops = tiled_ops(formats)
+    for tokens in (1, 3):
+        schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, tokens, "cuda"))
+        for op in ops:
+            mine = [t for t in tasks_of(schedule) if t.op == op and t.layer == 0]
+            assert all(t.first % 4 == 0 and t.count % 4 == 0 and t.k_split == 8 for t in mine)
+            covered = np.concatenate([np.arange(t.first, t.first + t.count) for t in mine])
+            np.testing.assert_array_equal(np.sort(covered), np.arange(shape.units(op)))
+            if op == Op.QKV:  # a task's tiles within one KV group
+                per_group = shape.qkv_units_per_group
+                assert all(t.first // per_group == (t.first + t.count - 1) // per_group for t in mine)
+        check_tiled_staging(schedule, tokens, ops)
+    schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, 3, "cuda"))
+    rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
+    for a, b in zip(rows, tiles, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if "qkv" in groups:  # Q in rotary tiles, K and V in rows; or plain tiles where rotary ones are read
+        with pytest.raises(lithos.LithosError, match="qkv matrices laid out as"):
+            weight_formats(packed._replace(wq=tiled.wq))
+        with pytest.raises(lithos.LithosError, match="all in rotary tiles"):
+            weight_formats(packed._replace(**{n: quant.to_tiles(getattr(packed, n)) for n in TILE_GROUPS["qkv"]}))
+    if "o" in groups:
+        with pytest.raises(lithos.LithosError, match="o matrices laid out as"):
+            weight_formats(packed._replace(wo=quant.to_tiles(packed.wo, shape.head_dim)))
+
+
+def test_tiled_sums_that_do_not_fit_are_an_error_that_names_the_fix():
+    """A tiled task keeps its warps' sums of its tiles in 64 KB: 16 tokens of 8B's down over 8 blocks (32 tiles a
+    task) would need 256 KB; over 132 blocks they fit, and so do Q/K/V's (4 tokens an n-block)."""
+    from lithos.custom_calls.megakernel.kernel import check_tiled_staging, tiled_ops
+
     wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1)
-    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True)
-    with pytest.raises(lithos.LithosError, match="keep it in rows"):
-        check_down_staging(build_schedule(wide, 8, True, 32, lane_steps(formats, 16, "cuda")), 16)
-    check_down_staging(build_schedule(wide, 132, True, 32, lane_steps(formats, 16, "cuda")), 16)
-    # ffn of 160 is not whole tiles of 64 inputs: rows kept
-    odd = packed_step_weights(random_step(dataclasses.replace(shape, ffn=160), 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
-    assert down_for_megakernel(odd.w_down, "cuda") is odd.w_down
+    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True, True, True)
+    with pytest.raises(lithos.LithosError, match="leave down out of LITHOS_TILES"):
+        check_tiled_staging(build_schedule(wide, 8, True, 32, lane_steps(formats, 16, "cuda")), 16, (Op.DOWN,))
+    for tokens in (1, 8, 16):
+        check_tiled_staging(
+            build_schedule(wide, 132, True, 32, lane_steps(formats, tokens, "cuda")), tokens, tiled_ops(formats)
+        )
+
+
+def test_down_of_inputs_that_are_not_whole_tiles_stays_in_rows(monkeypatch):
+    """ffn of 160 is not whole tiles of 64 inputs: down keeps its rows where LITHOS_TILES names it."""
+    monkeypatch.setenv("LITHOS_TILES", "down")
+    shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=160)
+    odd = packed_step_weights(random_step(shape, 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
+    assert same_layout(laid_out(odd, shape.head_dim), odd)
 
 
 def test_megakernel_generation_equals_reference(hf_checkpoint):

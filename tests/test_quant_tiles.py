@@ -73,6 +73,39 @@ def test_tiles_follow_their_definition_and_keep_every_value():
     np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(w.scales))
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_tiles_pair_each_rotation_in_one_lane_group_and_keep_every_value(head_dim):
+    """Rotary tiles (Q/K/V): tile q of a head holds rows 8q + g of its first half as tile row g and the rows half
+    apart as tile row g + 8, laid out as plain tiles of those rows; the values are the matrix's, row for row."""
+    w = random_mxfp4((2, 2 * head_dim, 128), seed=2)
+    tiled = quant.to_tiles(w, head_dim)
+    assert tiled.format == quant.tiles.rotary_tiles_format(head_dim) and tiled.format.name == "mxfp4_rotary_tiles"
+    assert tiled.format.tile == quant.MXFP4_TILES.tile and tiled.nbytes == w.nbytes
+    half = head_dim // 2
+    for row in range(2 * head_dim):  # the definition, row by row
+        head, within = divmod(row, head_dim)
+        q, r = divmod(within, 16)
+        source = head * head_dim + (8 * q + r if r < 8 else half + 8 * q + r - 8)
+        assert quant.tiles.rotary_rows(2 * head_dim, head_dim)[row] == source
+    reordered = w.replace(
+        data=w.data[:, quant.tiles.rotary_rows(2 * head_dim, head_dim)],
+        scales=w.scales[:, quant.tiles.rotary_rows(2 * head_dim, head_dim)],
+    )
+    plain = quant.to_tiles(reordered)
+    np.testing.assert_array_equal(np.asarray(tiled.data), np.asarray(plain.data))
+    np.testing.assert_array_equal(np.asarray(tiled.scales), np.asarray(plain.scales))
+    np.testing.assert_array_equal(
+        np.asarray(quant.dequantize(tiled, jnp.float32)), np.asarray(quant.dequantize(w, jnp.float32))
+    )
+    back = quant.from_tiles(tiled)
+    assert back.format == quant.MXFP4
+    np.testing.assert_array_equal(np.asarray(back.data), np.asarray(w.data))
+    np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(w.scales))
+    if head_dim > 16:  # rows that split in tiles but not in heads
+        with pytest.raises(LithosError, match=f"heads of {head_dim}"):
+            quant.to_tiles(random_mxfp4((3 * head_dim // 2, 128)), head_dim)
+
+
 @pytest.mark.parametrize(
     "shape, top, message",
     [
@@ -91,6 +124,4 @@ def test_only_mxfp4_is_tiled_and_tiled_planes_are_checked():
     with pytest.raises(LithosError, match="made from mxfp4"):
         quant.to_tiles(quant.quantize(np.ones((32, 128), np.float32), "mxfp8"))
     with pytest.raises(LithosError, match="tiles of 16 rows x 64 inputs"):
-        quant.from_planes(
-            "mxfp4_tiles", {"data": np.zeros((24, 64), np.uint8), "scales": np.zeros((24, 4), np.uint8)}
-        )
+        quant.from_planes("mxfp4_tiles", {"data": np.zeros((24, 64), np.uint8), "scales": np.zeros((24, 4), np.uint8)})

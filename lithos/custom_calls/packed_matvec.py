@@ -54,7 +54,7 @@ def _check_packed(op: str, x: jax.Array, *weights: QuantizedArray, tokens_limit:
             f"{op}: the fused kernels take bfloat16 activations, got {x.dtype}; cast or use path='reference'"
         )
     names = {w.format.name for w in weights}
-    if "mxfp4_tiles" in names:
+    if any(w.format.tile is not None for w in weights):
         raise LithosError(
             f"{op}: these weights are MXFP4 in fragment tiles, the layout only the megakernel reads; use the "
             "model's own params (lithos.models.params_for_kernels lays them out for kernels='megakernel' only) or "

@@ -403,17 +403,19 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
             )
 
 
-def params_for_kernels(params: Params, kernels: str) -> Params:
-    """`params` laid out as `kernels` is set to read them: for the megakernel, MXFP4 gate and up matrices in
-    fragment tiles on CUDA, and down where asked (lithos.custom_calls.megakernel.weights_for_megakernel,
-    down_for_megakernel). The values are the same; the reference path reads any layout."""
+def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
+    """`params` laid out as `kernels` is set to read them: for the megakernel, the MXFP4 matrix groups it is asked
+    to read in fragment tiles on CUDA (gate and up by default: lithos.custom_calls.megakernel.tiles_for_megakernel).
+    The values are the same; the reference path reads any layout."""
     if kernels != "megakernel":
         return params
-    from lithos.custom_calls.megakernel import down_for_megakernel, weights_for_megakernel
+    from lithos.custom_calls.megakernel import tiles_for_megakernel
+    from lithos.custom_calls.megakernel.kernel import TILE_GROUPS
 
-    w_gate, w_up = weights_for_megakernel(params.layers.w_gate, params.layers.w_up)
-    w_down = down_for_megakernel(params.layers.w_down)
-    return params.replace(layers=params.layers.replace(w_gate=w_gate, w_up=w_up, w_down=w_down))
+    layers = params.layers
+    names = [name for group in TILE_GROUPS.values() for name in group]
+    laid_out = tiles_for_megakernel({name: getattr(layers, name) for name in names}, cfg.head_dim)
+    return params.replace(layers=layers.replace(**laid_out))
 
 
 def rope_inv_freq(cfg: Config) -> np.ndarray:

@@ -12,6 +12,7 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     format        data                       scales                                mins
     mxfp4         u8 [..., out, in/2]        u8  [..., out, in/32]  E8M0           -
     mxfp4_tiles   mxfp4's planes, their bytes in fragment tiles (lithos.quant.tiles)
+    mxfp4_rotary_tiles  the same, each head's rows paired by rotation first (lithos.quant.tiles)
     mxfp8         u8 [..., out, in]  E4M3    u8  [..., out, in/32]  E8M0           -
     fp8_block128  u8 [..., out, in]  E4M3    f32 [..., ceil(out/128), ceil(in/128)] (multiplier)
     q8_0          i8 [..., out, in]          f16 [..., out, in/32]                 -
@@ -72,6 +73,9 @@ class QuantFormat:
     has_min: bool = False
     origin: str = ""
     tile: tuple[int, int] | None = None  # (rows, inputs) a layout's tiles need (lithos.quant.tiles)
+    # Rows of each head of this many reordered so that a tile holds both halves of 8 rotary pairs (lithos.quant.tiles
+    # rotary tiles); 0: rows in order.
+    rotary_head: int = 0
 
     @property
     def elements_per_byte(self) -> int:
@@ -93,11 +97,14 @@ class QuantFormat:
                 f"{self.name} packs rows in blocks of {cols_block}, but the rows have {cols} elements: "
                 f"keep this tensor in bf16/f32 (its input size must be a multiple of {cols_block})"
             )
-        if self.tile is not None and (len(shape) < 2 or shape[-2] % self.tile[0] or cols % self.tile[1]):
-            raise LithosError(
-                f"{self.name} lays matrices out in tiles of {self.tile[0]} rows x {self.tile[1]} inputs; shape "
-                f"{shape} does not split in them"
-            )
+        if self.tile is not None:
+            rows_step = self.rotary_head or self.tile[0]
+            if len(shape) < 2 or shape[-2] % rows_step or cols % self.tile[1]:
+                heads = f" in heads of {self.rotary_head} rows" if self.rotary_head else ""
+                raise LithosError(
+                    f"{self.name} lays matrices out in tiles of {self.tile[0]} rows x {self.tile[1]} inputs{heads}; "
+                    f"shape {shape} does not split in them"
+                )
         data_dtype = np.dtype(np.int8) if self.element == "int8" else np.dtype(np.uint8)
         planes = {"data": ((*lead, cols // self.elements_per_byte), data_dtype)}
         scale_dtype = np.dtype({"e8m0": np.uint8, "f16": np.float16, "f32": np.float32}[self.scale])
@@ -284,7 +291,7 @@ def _unblock(x: jax.Array) -> jax.Array:
 
 
 def _dequantize_f32(w: QuantizedArray) -> jax.Array:
-    if w.format == MXFP4_TILES:
+    if w.format.tile is not None:
         from lithos.quant.tiles import from_tiles
 
         w = from_tiles(w)

@@ -20,16 +20,23 @@ major order, tile `(T, kt)` at index `T * (in / 64) + kt`:
 
 The kernel turns a scale into `2^(c - 65)` by integer arithmetic, exact for codes up to 192 (2^65): `to_tiles`
 refuses a tensor with a larger or a NaN scale (the megakernel then keeps its rows).
+
+Rotary tiles (`to_tiles(w, head_dim)`, format mxfp4_rotary_tiles: Q, K and V matrices): the rows of each head are
+first reordered so that tile `q` of the head holds rows `8q .. 8q + 7` of its first half as rows `g` and rows
+`head_dim/2 + 8q ..` of its second half as rows `g + 8`: a lane then ends a tile with both halves of its rotary
+pairs (the megakernel's Q/K/V task rotates them in registers). `from_tiles` puts the rows back.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lithos.errors import LithosError
-from lithos.quant.formats import MXFP4, MXFP4_TILES, unpack_nibbles
+from lithos.quant.formats import MXFP4, MXFP4_TILES, QuantFormat, unpack_nibbles
 
 TILE_ROWS, TILE_INPUTS = 16, 64
 MAX_SCALE_CODE = 192  # 2^65: the largest scale the kernel's integer conversion takes exactly
@@ -48,14 +55,36 @@ PAIR_BITS = np.array(
 _BITS = PAIR_BITS.reshape(2, 2, 2, 4).transpose(1, 0, 2, 3)
 
 
-def tiles_fit(shape: tuple[int, ...]) -> str | None:
-    """Why a logical `[..., out, in]` matrix cannot be laid out in tiles, or None."""
+def rotary_tiles_format(head_dim: int) -> QuantFormat:
+    """The format of Q, K or V rows of heads of `head_dim` in rotary tiles (module docstring)."""
+    return dataclasses.replace(MXFP4_TILES, name="mxfp4_rotary_tiles", rotary_head=head_dim)
+
+
+def tiles_fit(shape: tuple[int, ...], head_dim: int = 0) -> str | None:
+    """Why a logical `[..., out, in]` matrix cannot be laid out in tiles (rotary tiles of heads of `head_dim`), or
+    None."""
     if len(shape) < 2:
         return f"a tiled matrix needs [out, in] axes, got shape {shape}"
     out, n_in = shape[-2:]
     if out % TILE_ROWS or n_in % TILE_INPUTS:
         return f"[{out}, {n_in}] does not split in tiles of {TILE_ROWS} rows x {TILE_INPUTS} inputs"
+    if head_dim and (head_dim % TILE_ROWS or out % head_dim):
+        return f"{out} rows do not split in heads of {head_dim} in tiles of {TILE_ROWS} rows"
     return None
+
+
+def rotary_rows(out: int, head_dim: int) -> np.ndarray:
+    """The rotary tiles' row order: entry n is the row (of `out`) that row n of the reordered matrix holds."""
+    half = head_dim // 2
+    n = np.arange(out)
+    head, within = np.divmod(n, head_dim)
+    q, r = np.divmod(within, TILE_ROWS)
+    return head * head_dim + np.where(r < 8, 8 * q + r, half + 8 * q + r - 8)
+
+
+def _reorder_rows(w, order: np.ndarray):
+    """`w` (MXFP4 planes) with its rows in `order`."""
+    return w.replace(data=w.data[..., order, :], scales=w.scales[..., order, :])
 
 
 def _tile_axes(codes: jax.Array) -> jax.Array:
@@ -128,19 +157,26 @@ def _scales_from_tiles(scales: jax.Array) -> jax.Array:
     return _swap_scale_axes(scales, scales.shape[-1] // 2, 2)  # [..., T, kt, g, rh, blk] -> [T, rh, g, kt, blk]
 
 
-def to_tiles(w):
-    """An MXFP4 QuantizedArray `[..., out, in]` in fragment tiles (format mxfp4_tiles): the same values.
-    Raises when it does not fit (`tiles_fit`) or a scale is NaN or above 2^65."""
+def to_tiles(w, head_dim: int = 0):
+    """An MXFP4 QuantizedArray `[..., out, in]` in fragment tiles (format mxfp4_tiles), or in rotary tiles of heads
+    of `head_dim` rows (`rotary_tiles_format`): the same values. Raises when it does not fit (`tiles_fit`) or a
+    scale is NaN or above 2^65."""
     if w.format != MXFP4:
         raise LithosError(f"fragment tiles are made from mxfp4 weights, not {w.format.name}")
-    why = tiles_fit(w.shape)
+    why = tiles_fit(w.shape, head_dim)
     if why is None and bool(jnp.any(w.scales > MAX_SCALE_CODE)):
         why = f"a scale is NaN or above 2^{MAX_SCALE_CODE - 127} (the tiled kernel's exact range)"
     if why is not None:
         raise LithosError(f"mxfp4 {list(w.shape)} cannot be laid out in fragment tiles: {why}")
-    return w.replace(data=_codes_to_tiles(w.data), scales=_scales_to_tiles(w.scales), format=MXFP4_TILES)
+    fmt = MXFP4_TILES
+    if head_dim:
+        w, fmt = _reorder_rows(w, rotary_rows(w.shape[-2], head_dim)), rotary_tiles_format(head_dim)
+    return w.replace(data=_codes_to_tiles(w.data), scales=_scales_to_tiles(w.scales), format=fmt)
 
 
 def from_tiles(w):
     """The inverse of `to_tiles`: MXFP4 rows as stored."""
-    return w.replace(data=_codes_from_tiles(w.data), scales=_scales_from_tiles(w.scales), format=MXFP4)
+    rows = w.replace(data=_codes_from_tiles(w.data), scales=_scales_from_tiles(w.scales), format=MXFP4)
+    if w.format.rotary_head:
+        rows = _reorder_rows(rows, np.argsort(rotary_rows(w.shape[-2], w.format.rotary_head)))
+    return rows

@@ -5,9 +5,8 @@ from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights,
 from lithos.custom_calls.megakernel.kernel import (
     HEAD_DIMS,
     decode_step,
-    down_for_megakernel,
     step_schedule,
-    weights_for_megakernel,
+    tiles_for_megakernel,
 )
 from lithos.custom_calls.megakernel.schedule import Schedule, ScheduleError, build_schedule, describe_task
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op, Task
@@ -25,8 +24,7 @@ __all__ = [
     "build_schedule",
     "decode_step",
     "describe_task",
-    "down_for_megakernel",
     "interpret",
     "step_schedule",
-    "weights_for_megakernel",
+    "tiles_for_megakernel",
 ]

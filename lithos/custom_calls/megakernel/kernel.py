@@ -21,11 +21,17 @@ import numpy as np
 from lithos.custom_calls import build
 from lithos.custom_calls.dispatch import _gpu_platform, call_kernel, check_ring, check_tokens, dispatch, require_bf16
 from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights, interpret
-from lithos.custom_calls.megakernel.schedule import BF16_LANE_STEP, LaneSteps, Schedule, build_schedule
-from lithos.custom_calls.megakernel.tasks import FIELDS, ROWS_PER_UNIT, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
+from lithos.custom_calls.megakernel.schedule import (
+    BF16_LANE_STEP,
+    TILE_ROW_UNITS,
+    LaneSteps,
+    Schedule,
+    build_schedule,
+)
+from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
-from lithos.quant import MXFP4, MXFP4_TILES, QuantizedArray, to_tiles
+from lithos.quant import MXFP4, QuantizedArray, to_tiles
 from lithos.quant.tiles import TILE_ROWS
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
@@ -38,18 +44,24 @@ MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 MATRICES = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS, "lm_head")
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragment tiles (csrc kTileUnits)
+# The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
+# rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
+TILE_GROUPS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
+DEFAULT_TILES = "gate_up"
 
 
 class WeightFormats(NamedTuple):
-    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names), and whether the MLP's
-    gate and up matrices, and its down matrix, are MXFP4 in fragment tiles (lithos.quant.tiles:
-    csrc/mk_gate_up_tiles.h, csrc/mk_down_tiles.h)."""
+    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names), and which MXFP4 matrix
+    groups it reads in fragment tiles (lithos.quant.tiles: csrc/mk_gate_up_tiles.h for gate and up,
+    csrc/mk_tiled_matvec.h for down, O and Q/K/V)."""
 
     attention: str = "bfloat16"
     mlp: str = "bfloat16"
     head: str = "bfloat16"
     gate_up_tiles: bool = False
     down_tiles: bool = False
+    qkv_tiles: bool = False
+    o_tiles: bool = False
 
     def variant(self) -> build.Variant:
         """The build that reads these formats: the plain one for bf16 weights."""
@@ -58,97 +70,108 @@ class WeightFormats(NamedTuple):
         groups = zip(("ATTENTION", "MLP", "HEAD"), self[:3], strict=True)
         defines = tuple(f"LITHOS_MK_{group}_FORMAT={FORMAT_CODES[name]}" for group, name in groups)
         suffix = "_".join(self[:3])
-        if self.gate_up_tiles:
-            defines, suffix = (*defines, "LITHOS_MK_GATE_UP_TILES=1"), f"{suffix}_tiles"
-        if self.down_tiles:
-            defines, suffix = (*defines, "LITHOS_MK_DOWN_TILES=1"), f"{suffix}_down_tiles"
+        for flag, define, name in (
+            (self.gate_up_tiles, "GATE_UP_TILES", "tiles"),
+            (self.down_tiles, "DOWN_TILES", "down_tiles"),
+            (self.qkv_tiles, "QKV_TILES", "qkv_tiles"),
+            (self.o_tiles, "O_TILES", "o_tiles"),
+        ):
+            if flag:
+                defines, suffix = (*defines, f"LITHOS_MK_{define}=1"), f"{suffix}_{name}"
         return build.Variant(defines=defines, suffix=suffix)
 
 
 BF16 = WeightFormats()
 
 
+def _layout(w) -> str:
+    if isinstance(w, QuantizedArray) and w.format.tile is not None:
+        return "rotary tiles" if w.format.rotary_head else "tiles"
+    return "rows"
+
+
 def weight_formats(weights: StepWeights) -> WeightFormats:
-    """The formats of `weights`; an error when the matrices of one group (attention, MLP) differ."""
+    """The formats of `weights`; an error when the matrices of one group (attention, MLP) differ, or a group's
+    matrices are not laid out as the megakernel reads them."""
 
     def format_of(w) -> str:  # a dense array's dtype is checked with the activations'
         if isinstance(w, QuantizedArray):
-            return "mxfp4_tiles" if w.format == MXFP4_TILES else FORMAT_NAMES[format_code(w)]
+            return "mxfp4" if w.format.tile is not None else FORMAT_NAMES[format_code(w)]
         return "bfloat16"
 
     def group_format(group: str, names: tuple[str, ...]) -> str:
         found = {name: format_of(getattr(weights, name)) for name in names}
-        # Gate and up (both or neither) and down may be MXFP4 in fragment tiles: one format, two layouts.
-        if group == "MLP" and (found["w_gate"] == "mxfp4_tiles") == (found["w_up"] == "mxfp4_tiles"):
-            found = {name: "mxfp4" if f == "mxfp4_tiles" else f for name, f in found.items()}
         if len(set(found.values())) > 1:
             raise LithosError(
                 f"megakernel: the {group} matrices must share one format, got {found}; quantize the group alike "
                 "(lithos quantize --groups) or use kernels='fused'"
             )
-        if "mxfp4_tiles" in found.values():
-            raise LithosError(
-                f"megakernel: {group} weights in fragment tiles ({found}): only the MLP's matrices are read so; lay "
-                "out only those (lithos.custom_calls.megakernel.weights_for_megakernel, down_for_megakernel)"
-            )
         return found[names[0]]
 
+    def tiled(group: str) -> bool:
+        names = TILE_GROUPS[group]
+        layouts = {name: _layout(getattr(weights, name)) for name in names}
+        tiles = "rotary tiles" if group == "qkv" else "tiles"
+        if set(layouts.values()) in ({tiles}, {"rows"}):
+            return layouts[names[0]] == tiles
+        raise LithosError(
+            f"megakernel: {group} matrices laid out as {layouts}; it reads them all in rows or all in {tiles} "
+            "(lithos.custom_calls.megakernel.tiles_for_megakernel lays them out)"
+        )
+
+    if _layout(weights.lm_head) != "rows":
+        raise LithosError("megakernel: the LM head is in fragment tiles; it reads the head in rows (quant.from_tiles)")
     return WeightFormats(
         group_format("attention", ATTENTION_WEIGHTS),
         group_format("MLP", MLP_WEIGHTS),
         format_of(weights.lm_head),
-        *(isinstance(w, QuantizedArray) and w.format == MXFP4_TILES for w in (weights.w_gate, weights.w_down)),
+        tiled("gate_up"),
+        tiled("down"),
+        tiled("qkv"),
+        tiled("o"),
     )
 
 
-def tiles_wanted(platform: str | None) -> bool:
-    """Whether the megakernel reads MXFP4 gate and up matrices in fragment tiles: on CUDA, where tensor cores take
-    them (on the H200 an 8B step is 5% faster than with the rows, an 8-position verification round 18% faster:
-    lithos/custom_calls/NOTES.md, runs 108-109), unless LITHOS_GATE_UP_TILES=0 asks for the rows. HIP reads the rows:
-    its tiled task would decode them on the vector units."""
-    return platform == "cuda" and _tiles_asked("LITHOS_GATE_UP_TILES", default="1")
+def tiles_wanted(platform: str | None) -> frozenset[str]:
+    """The matrix groups (TILE_GROUPS) the megakernel reads in MXFP4 fragment tiles: those LITHOS_TILES names (a
+    comma list; "none" for rows throughout), by default gate and up (on the H200 an 8B step is 5% faster than with
+    their rows, an 8-position verification round 18% faster: lithos/custom_calls/NOTES.md, runs 108-109). Only on
+    CUDA: the tiled tasks run on tensor cores, and HIP reads rows."""
+    for old in ("LITHOS_GATE_UP_TILES", "LITHOS_DOWN_TILES"):
+        if old in os.environ:
+            raise LithosError(
+                f"{old} is replaced by LITHOS_TILES, a comma list of {', '.join(TILE_GROUPS)} (or none): e.g. "
+                "LITHOS_TILES=gate_up,down; unset it"
+            )
+    asked = os.environ.get("LITHOS_TILES", DEFAULT_TILES).strip()
+    groups = frozenset() if asked in ("", "none") else frozenset(g.strip() for g in asked.split(","))
+    if not groups <= TILE_GROUPS.keys():
+        raise LithosError(
+            f"LITHOS_TILES={asked!r}: name the matrix groups to read in fragment tiles from {', '.join(TILE_GROUPS)}, "
+            "comma separated, or none"
+        )
+    return groups if platform == "cuda" else frozenset()
 
 
-def down_tiles_wanted(platform: str | None) -> bool:
-    """Whether the megakernel reads an MXFP4 down matrix in fragment tiles: only when asked for
-    (LITHOS_DOWN_TILES=1), and only on CUDA (tensor cores at every token count; HIP has no tiled form)."""
-    return platform == "cuda" and _tiles_asked("LITHOS_DOWN_TILES", default="0")
-
-
-def _tiles_asked(variable: str, default: str) -> bool:
-    asked = os.environ.get(variable, default)
-    if asked not in ("0", "1"):
-        raise LithosError(f"{variable}={asked!r}: set it to 1 (fragment tiles) or 0 (rows)")
-    return asked == "1"
-
-
-def weights_for_megakernel(w_gate, w_up, platform: str | None = None):
-    """(w_gate, w_up) as this GPU's megakernel is asked to read them: MXFP4 `[layers, ffn, hidden]` in fragment
-    tiles where `tiles_wanted` (lithos.quant.tiles), anything else unchanged; also unchanged where the tiles do not
-    fit (a shape, or a scale above 2^65, that the tiled kernel does not take)."""
+def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None) -> dict:
+    """The layer matrices `matrices` (a dict of TILE_GROUPS' names: `[layers, out, in]`) as this GPU's megakernel
+    is asked to read them: each group `tiles_wanted` names whose matrices are all MXFP4 in fragment tiles (Q/K/V in
+    rotary tiles of heads of `head_dim`), anything else unchanged; also unchanged where the tiles do not fit (a
+    shape, or a scale above 2^65, that the tiled tasks do not take)."""
     platform = _gpu_platform() if platform is None else platform
-    packed = [isinstance(w, QuantizedArray) and w.format == MXFP4 for w in (w_gate, w_up)]
-    if not (all(packed) and tiles_wanted(platform)):
-        return w_gate, w_up
-    if w_gate.shape[-1] * TILE_OPERAND_BYTES_PER_INPUT > TILE_STAGING_BYTES * 3 // 4:  # room left for the sums
-        return w_gate, w_up
-    try:
-        return to_tiles(w_gate), to_tiles(w_up)
-    except LithosError:  # a shape or a scale the tiles do not take (to_tiles says which): rows read the same values
-        return w_gate, w_up
-
-
-def down_for_megakernel(w_down, platform: str | None = None):
-    """w_down as this GPU's megakernel is asked to read it: MXFP4 `[layers, hidden, ffn]` in fragment tiles where
-    `down_tiles_wanted`, anything else unchanged; also unchanged where the tiles do not fit (lithos.quant.to_tiles
-    says which shapes and scales they take)."""
-    platform = _gpu_platform() if platform is None else platform
-    if not (isinstance(w_down, QuantizedArray) and w_down.format == MXFP4 and down_tiles_wanted(platform)):
-        return w_down
-    try:
-        return to_tiles(w_down)
-    except LithosError:  # rows read the same values
-        return w_down
+    out = dict(matrices)
+    for group in tiles_wanted(platform):
+        names = TILE_GROUPS[group]
+        ws = [matrices[name] for name in names]
+        if not all(isinstance(w, QuantizedArray) and w.format == MXFP4 for w in ws):
+            continue
+        if group == "gate_up" and ws[0].shape[-1] * TILE_OPERAND_BYTES_PER_INPUT > TILE_STAGING_BYTES * 3 // 4:
+            continue  # B would leave no room for the sums
+        try:
+            out.update({name: to_tiles(w, head_dim if group == "qkv" else 0) for name, w in zip(names, ws)})
+        except LithosError:  # a shape or a scale the tiles do not take (to_tiles says which): rows read the same values
+            continue
+    return out
 
 
 # csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
@@ -157,9 +180,10 @@ TILE_STAGING_BYTES = 64 * 1024
 TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
-# csrc/mk_down_tiles.h: the tiled down task's sums of a tile from each warp, for each 8 tokens, in that area too.
-DOWN_TILE_UNITS = TILE_ROWS // ROWS_PER_UNIT  # down's row groups in a 16-row tile
-DOWN_PIECE_BYTES = WARPS_PER_BLOCK * 32 * 4 * 4
+# csrc/mk_tiled_matvec.h: a single-matrix tiled task's sums of a tile from each warp, for each n-block of tokens (8 a
+# block of activations, 4 of Q/K/V's two-part B), in that area too.
+TILE_PIECE_BLOCK_BYTES = WARPS_PER_BLOCK * 32 * 4 * 4
+TILED_OPS = {Op.QKV: "qkv", Op.O_PROJ: "o", Op.DOWN: "down"}
 
 
 def largest_task(schedule: Schedule, op: Op) -> int:
@@ -169,17 +193,24 @@ def largest_task(schedule: Schedule, op: Op) -> int:
     return int(counts.max()) if counts.size else 0
 
 
-def check_down_staging(schedule: Schedule, tokens: int) -> None:
-    """The tiled down task keeps its warps' sums of its tiles in the lane ring's input area: an error naming the
-    fix where a task's would not fit (the kernel would abort the step)."""
-    tiles = largest_task(schedule, Op.DOWN) // DOWN_TILE_UNITS
-    need = tiles * -(-tokens // 8) * DOWN_PIECE_BYTES
-    if need > TILE_STAGING_BYTES:
-        raise LithosError(
-            f"megakernel: down in fragment tiles needs {need} bytes of sums a task ({tiles} tiles, {tokens} tokens), "
-            f"more than the {TILE_STAGING_BYTES} the kernel has; keep it in rows (LITHOS_DOWN_TILES=0) or run on a "
-            "GPU with more blocks"
-        )
+def tiled_sums_bytes(op: Op, tiles: int, tokens: int) -> int:
+    """Bytes of the warps' sums a tiled task of kind `op` over `tiles` tiles keeps for `tokens` tokens."""
+    per_block = 4 if op == Op.QKV else 8
+    return tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
+
+
+def check_tiled_staging(schedule: Schedule, tokens: int, ops: tuple[Op, ...]) -> None:
+    """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles in the lane ring's input area:
+    an error naming the fix where a task's would not fit (the kernel would abort the step)."""
+    for op in ops:
+        tiles = largest_task(schedule, op) // TILE_ROW_UNITS
+        need = tiled_sums_bytes(op, tiles, tokens)
+        if need > TILE_STAGING_BYTES:
+            raise LithosError(
+                f"megakernel: {TILED_OPS[op]} in fragment tiles needs {need} bytes of sums a task ({tiles} tiles, "
+                f"{tokens} tokens), more than the {TILE_STAGING_BYTES} the kernel has; leave {TILED_OPS[op]} out of "
+                "LITHOS_TILES or run on a GPU with more blocks"
+            )
 
 
 def check_tile_staging(schedule: Schedule) -> None:
@@ -191,8 +222,7 @@ def check_tile_staging(schedule: Schedule) -> None:
     if need > TILE_STAGING_BYTES:
         raise LithosError(
             f"megakernel: gate/up in fragment tiles needs {need} bytes of staging a task (hidden {s.hidden}, {tiles} "
-            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; keep them in rows "
-            "(LITHOS_GATE_UP_TILES=0)"
+            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; leave gate_up out of LITHOS_TILES"
         )
 
 
@@ -226,8 +256,13 @@ def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> Lan
         return 32 if name == "mxfp4" and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
-    down_units = DOWN_TILE_UNITS if formats.down_tiles else 1
-    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, down_units)
+    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, tiled_ops(formats))
+
+
+def tiled_ops(formats: WeightFormats) -> tuple[Op, ...]:
+    """The task kinds that read a single matrix group in tiles (csrc/mk_tiled_matvec.h)."""
+    flags = {Op.QKV: formats.qkv_tiles, Op.O_PROJ: formats.o_tiles, Op.DOWN: formats.down_tiles}
+    return tuple(op for op, tiled in flags.items() if tiled)
 
 
 def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:
@@ -381,8 +416,12 @@ def decode_step(
         check_tokens("megakernel", h0.shape[0])
         if formats.gate_up_tiles and h0.shape[0] == 1:
             check_tile_staging(schedule)
-        if formats.down_tiles:
-            check_down_staging(schedule, h0.shape[0])
+        check_tiled_staging(schedule, h0.shape[0], tiled_ops(formats))
+        if formats.qkv_tiles and weights.wq.format.rotary_head != head_dim:
+            raise LithosError(
+                f"megakernel: Q/K/V in rotary tiles of heads of {weights.wq.format.rotary_head}, the cache's heads "
+                f"have {head_dim}; lay them out for this model (tiles_for_megakernel with its head_dim)"
+            )
         dense = {name: w for name, w in weights._asdict().items() if not isinstance(w, QuantizedArray)}
         require_bf16("megakernel", h0=h0, k_cache=k_cache, **dense)
         if batch != 1:

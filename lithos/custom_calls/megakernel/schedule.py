@@ -20,11 +20,21 @@ import functools
 
 import numpy as np
 
-from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, WARPS_PER_BLOCK, ModelShape, Op, Task
+from lithos.custom_calls.megakernel.tasks import (
+    FIELDS,
+    NO_COUNTER,
+    ROWS_PER_UNIT,
+    WARPS_PER_BLOCK,
+    ModelShape,
+    Op,
+    Task,
+)
 from lithos.errors import LithosError
+from lithos.quant.tiles import TILE_ROWS
 
 MAX_SPLITS = 64  # attention splits per KV head, at most
 BF16_LANE_STEP = 8  # inputs a lane reads per step of bf16 rows: 16 bytes
+TILE_ROW_UNITS = TILE_ROWS // ROWS_PER_UNIT  # row groups in a 16-row fragment tile (csrc kTileRowUnits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +50,9 @@ class LaneSteps:
     # range of every tile's inputs; at more tokens a warp takes whole tiles.
     gate_up_units: int = 1
     gate_up_team: int = 1
-    # Down row groups a task takes together: 4 over an MXFP4 down matrix in fragment tiles (a 16-row tile,
-    # csrc/mk_down_tiles.h), shared by the block's 8 warps at every token count.
-    down_units: int = 1
+    # Task kinds whose single matrix group is in MXFP4 fragment tiles (Q/K/V, O, down: csrc/mk_tiled_matvec.h): a
+    # task takes whole 16-row tiles (TILE_ROW_UNITS row groups), shared by the block's 8 warps at every token count.
+    tiled: tuple[Op, ...] = ()
 
     def of(self, op: Op) -> int:
         """The lane step of the rows task kind `op` reads."""
@@ -155,8 +165,8 @@ def build_schedule(
         done = counter(name)
         if op == Op.GATE_UP and lane_steps.gate_up_units > 1:
             k, unit = lane_steps.gate_up_team, lane_steps.gate_up_units
-        elif op == Op.DOWN and lane_steps.down_units > 1:
-            k, unit = WARPS_PER_BLOCK, lane_steps.down_units
+        elif op in lane_steps.tiled:
+            k, unit = WARPS_PER_BLOCK, TILE_ROW_UNITS
         else:
             k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
         ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), workers)
@@ -166,11 +176,15 @@ def build_schedule(
 
     for layer in range(shape.layers):
         per_group = shape.qkv_units_per_group
-        k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size, lane_steps.attention)
+        if Op.QKV in lane_steps.tiled:  # whole tiles (a head is whole tiles), the block's warps sharing each
+            k, slots = WARPS_PER_BLOCK, TILE_ROW_UNITS
+        else:
+            k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size, lane_steps.attention)
+            slots = WARPS_PER_BLOCK // k
         qkv_done = []
         for g in range(shape.kv_heads):
             done = counter(f"layer {layer} qkv group {g}")
-            ranges = split_units(per_group, WARPS_PER_BLOCK // k, max(1, workers // shape.kv_heads))
+            ranges = split_units(per_group, slots, max(1, workers // shape.kv_heads))
             for first, count in ranges:
                 tasks.append(Task(Op.QKV, layer, g * per_group + first, count, k, *waits, done))
             qkv_done.append((done, len(ranges)))

@@ -23,13 +23,14 @@ def test_the_record_names_the_kernel_build_variant(monkeypatch):
 
 
 def test_the_record_names_the_knobs_set_in_the_environment(monkeypatch):
-    """Every LITHOS_* variable set when a bench ran (e.g. the megakernel's gate/up in tiles) is in its record."""
-    monkeypatch.setenv("LITHOS_GATE_UP_TILES", "1")
+    """Every LITHOS_* variable set when a bench ran (e.g. the matrix groups the megakernel reads in tiles) is in its
+    record."""
+    monkeypatch.setenv("LITHOS_TILES", "gate_up,down")
     monkeypatch.setenv("NOT_LITHOS", "x")
     env = bench.environment()["lithos_environment"]
-    assert env["LITHOS_GATE_UP_TILES"] == "1" and "NOT_LITHOS" not in env
-    monkeypatch.delenv("LITHOS_GATE_UP_TILES")
-    assert "LITHOS_GATE_UP_TILES" not in bench.environment()["lithos_environment"]
+    assert env["LITHOS_TILES"] == "gate_up,down" and "NOT_LITHOS" not in env
+    monkeypatch.delenv("LITHOS_TILES")
+    assert "LITHOS_TILES" not in bench.environment()["lithos_environment"]
 
 
 def test_unrolled_timing_loop_decodes_the_same_tokens():

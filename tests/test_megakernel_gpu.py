@@ -15,13 +15,13 @@ import pytest
 import lithos
 from lithos import quant
 from lithos.checkpoint import load_checkpoint
-from lithos.custom_calls.megakernel import decode_step, down_for_megakernel, step_schedule, weights_for_megakernel
+from lithos.custom_calls.megakernel import decode_step, step_schedule
 from lithos.custom_calls.megakernel import trace as mk_trace
 from lithos.custom_calls.megakernel.kernel import shape_of
 from lithos.custom_calls.megakernel.tasks import FIELDS, ModelShape, Op
 from lithos.engine import Model
 
-from .test_megakernel import SHAPES, packed_step_weights, random_step
+from .test_megakernel import SHAPES, laid_out, packed_step_weights, random_step
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="the megakernel needs a CUDA or ROCm GPU")
@@ -117,42 +117,52 @@ def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     cores where B fits the lane ring's memory, decoded to f32 where it does not (and on HIP). A negative count: as
     many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of
     scales far from 2^0)."""
-    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)  # the default layout on CUDA
-    monkeypatch.delenv("LITHOS_DOWN_TILES", raising=False)
+    monkeypatch.delenv("LITHOS_TILES", raising=False)  # the default layout on CUDA
     args = mxfp4_step_laid_out(name, tokens, ("w_gate", "w_up"), seed=abs(tokens) + 1)
     assert args[0].w_gate.format == args[0].w_up.format == quant.MXFP4_TILES
     check_against_interpreter(args, 1000)
 
 
 @pytest.mark.parametrize(
-    "name, tokens",
+    "group, name, tokens",
     [
-        ("llama-3.2-1b", 1),  # 1 tile a block: 128 steps of a group over 8 warps
-        ("llama-3.1-8b", 1),  # 2 tiles a block, 14336 inputs
-        ("smollm2-like", 1),  # 576 rows: 36 tiles, fewer than the blocks
-        ("smollm2-like", 4),  # one n-block, half its columns tokens
-        ("llama-3.1-8b", 8),  # a verification round's 8 positions: the whole n-block
-        ("llama-3.2-1b", 16),  # two n-blocks
-        ("smollm2-like", -1),  # scales spread 2^-12 .. 2^12 around the quantizer's
-        ("smollm2-like", -16),
+        ("down", "llama-3.2-1b", 1),  # 1 tile a block: 128 steps of a group over 8 warps
+        ("down", "llama-3.1-8b", 1),  # 2 tiles a block, 14336 inputs
+        ("down", "smollm2-like", 1),  # 576 rows: 36 tiles, fewer than the blocks
+        ("down", "smollm2-like", 4),  # one n-block, half its columns tokens
+        ("down", "llama-3.1-8b", 8),  # a verification round's 8 positions: the whole n-block
+        ("down", "llama-3.2-1b", 16),  # two n-blocks
+        ("down", "smollm2-like", -1),  # scales spread 2^-12 .. 2^12 around the quantizer's
+        ("down", "smollm2-like", -16),
+        ("o", "llama-3.1-8b", 1),  # 256 tiles over the blocks: 1-2 a block
+        ("o", "smollm2-like", 4),
+        ("o", "llama-3.2-1b", 16),
+        ("o", "smollm2-like", -1),
+        ("qkv", "llama-3.2-1b", 1),  # heads of 64: 4 rotary tiles a head, 24 a KV group, 1-2 a block
+        ("qkv", "llama-3.1-8b", 1),  # heads of 128: 8 rotary tiles a head, 3 a block
+        ("qkv", "smollm2-like", 3),  # 3 query heads a KV group, 576 inputs; one n-block, 3 of its 4 tokens
+        ("qkv", "llama-3.1-8b", 8),  # two n-blocks of two-part B
+        ("qkv", "llama-3.2-1b", 16),  # four
+        ("qkv", "smollm2-like", -1),
     ],
 )
-def test_tiled_down_megakernel_equals_interpreter(name, tokens, monkeypatch):
-    """An MXFP4 down matrix in fragment tiles (LITHOS_DOWN_TILES=1), gate and up in tiles too, in the build that
-    reads them: tensor cores at every token count, B read straight from the gated activations. A negative count:
-    as many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller."""
-    monkeypatch.setenv("LITHOS_DOWN_TILES", "1")
-    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)
-    args = mxfp4_step_laid_out(name, tokens, ("w_down",), seed=abs(tokens) + 3)
-    assert args[0].w_gate.format == args[0].w_down.format == quant.MXFP4_TILES
+def test_tiled_single_matrix_megakernel_equals_interpreter(group, name, tokens, monkeypatch):
+    """Down, O or Q/K/V (in rotary tiles) in fragment tiles, gate and up in tiles too, in the build that reads them:
+    tensor cores at every token count, B read straight from the activations (Q/K/V: from the layer's input and the
+    norm weights, in two parts). A negative count: as many tokens, with every 7th block's scale 2^12 larger and every
+    11th 2^12 smaller."""
+    monkeypatch.setenv("LITHOS_TILES", f"gate_up,{group}")
+    names = {"down": ("w_down",), "o": ("wo",), "qkv": ("wq", "wk", "wv")}[group]
+    args = mxfp4_step_laid_out(name, tokens, names, seed=abs(tokens) + 3)
+    assert args[0].w_gate.format == quant.MXFP4_TILES and all(getattr(args[0], n).format.tile for n in names)
     check_against_interpreter(args, 1000)
 
 
 def mxfp4_step_laid_out(name: str, tokens: int, spread: tuple[str, ...], seed: int):
     """random_step's arguments for shape `name` (4 layers of a model shape), attention and MLP in MXFP4, laid out as
-    the megakernel reads them here (weights_for_megakernel, down_for_megakernel). A negative token count: as many
-    tokens, with every 7th block's scale of the `spread` matrices 2^12 larger and every 11th 2^12 smaller (within
-    E8M0's 0 .. 192, which the tiled kernels convert exactly)."""
+    the megakernel reads them here (LITHOS_TILES). A negative token count: as many tokens, with every 7th block's
+    scale of the `spread` matrices 2^12 larger and every 11th 2^12 smaller (within E8M0's 0 .. 192, which the tiled
+    kernels convert exactly)."""
 
     def spread_scales(w):
         codes = w.scales.astype(jnp.int32)
@@ -165,8 +175,7 @@ def mxfp4_step_laid_out(name: str, tokens: int, spread: tuple[str, ...], seed: i
     weights = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
     if tokens < 0:
         weights = weights._replace(**{m: spread_scales(getattr(weights, m)) for m in spread})
-    w_gate, w_up = weights_for_megakernel(weights.w_gate, weights.w_up)
-    return (weights._replace(w_gate=w_gate, w_up=w_up, w_down=down_for_megakernel(weights.w_down)), *rest)
+    return (laid_out(weights, shape.head_dim, None), *rest)
 
 
 def check_against_interpreter(args, context: int):
@@ -222,11 +231,15 @@ def test_megakernel_greedy_generation_equals_reference(hf_checkpoint, arch):
         assert spec.token_ids == expected
 
 
-def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint, monkeypatch):
-    """MXFP4 attention and MLP (gate and up in fragment tiles on CUDA, as the megakernel reads them there): the
-    jitted decode loop and speculative verification of k + 1 positions against the reference path over the same
-    packed values."""
-    monkeypatch.delenv("LITHOS_GATE_UP_TILES", raising=False)
+@pytest.mark.parametrize("tiles", [None, "qkv,o,gate_up,down"], ids=["default-tiles", "all-tiles"])
+def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint, monkeypatch, tiles):
+    """MXFP4 attention and MLP (gate and up in fragment tiles on CUDA by default, every group where LITHOS_TILES
+    names them all): the jitted decode loop and speculative verification of k + 1 positions against the reference
+    path over the same packed values."""
+    if tiles is None:
+        monkeypatch.delenv("LITHOS_TILES", raising=False)
+    else:
+        monkeypatch.setenv("LITHOS_TILES", tiles)
     checkpoint = load_checkpoint(hf_checkpoint("llama_hd64", tied=False), dtype="bfloat16")
     params = quant.quantize_params(checkpoint.params, "mxfp4", ["attention", "mlp"])
     checkpoint = dataclasses.replace(checkpoint, params=params)
@@ -234,6 +247,7 @@ def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint,
     mega = Model(checkpoint, max_len=128, kernels="megakernel")
     if jax.default_backend() != "rocm":
         assert mega.params.layers.w_gate.format == quant.MXFP4_TILES
+        assert (mega.params.layers.wq.format.rotary_head == 64) == (tiles is not None)
     for prompt in ("hello", "the quick brown fox jumps"):
         expected = ref.generate(prompt, raw=True, max_new_tokens=24).token_ids
         assert mega.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected

@@ -11,8 +11,8 @@
 // argument); one header per task kind:
 //   mk_qkv.h        RMSNorm + Q/K/V rows of one KV group + RoPE + cache append
 //   mk_attention.h  one length split of one KV head; the last split combines
-//   mk_projection.h O projection + residual, down projection + residual (mk_down_tiles.h: over MXFP4
-//                   fragment tiles)
+//   mk_projection.h O projection + residual, down projection + residual
+//   mk_tiled_matvec.h  Q/K/V, O or down over MXFP4 fragment tiles
 //   mk_gate_up.h    RMSNorm + gate/up rows + SiLU (mk_gate_up_tiles.h: over MXFP4 fragment tiles)
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
 // and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task
@@ -28,12 +28,12 @@
 #include "ffi_util.h"
 #include "mk_attention.h"
 #include "mk_common.h"
-#include "mk_down_tiles.h"
 #include "mk_gate_up.h"
 #include "mk_gate_up_tiles.h"
 #include "mk_lm_head.h"
 #include "mk_projection.h"
 #include "mk_qkv.h"
+#include "mk_tiled_matvec.h"
 #include "portable.h"
 
 #if defined(LITHOS_HIP)
@@ -65,23 +65,45 @@ namespace {
 #define LITHOS_MK_MIN_BLOCKS 1
 #endif
 
-// The O and down projections: one inlined copy when their formats agree. (A second copy of the task
-// in the kernel measured 1.7% slower on the 1B step with nothing else changed: NOTES.md.)
+// A task kind with no form in this build (tiles without tensor cores): the FFI refuses such a launch.
+__device__ __forceinline__ bool no_form(const Args& a, int index) {
+  if (threadIdx.x == 0) abort_step(a, index);
+  return false;
+}
+
+// The O and down projections: one inlined copy when their formats agree, in rows or both in tiles. (A second copy of
+// the task in the kernel measured 1.7% slower on the 1B step with nothing else changed: NOTES.md.)
 template <int TMAX>
 __device__ __forceinline__ bool any_projection_task(const Args& a, const Task& task, int index) {
-  if constexpr (kDownTiles) {
-    if (task.op == kOpOProj) return projection_task<kAttentionFormat, TMAX>(a, task, index);
+  if constexpr (kDownTiles || kOTiles) {
 #if LITHOS_MK_TILE_MMA
-    return down_tiles_task<TMAX>(a, task, index);
+    if constexpr (!kDownTiles) {
+      if (task.op == kOpDown) return projection_task<kMlpFormat, TMAX>(a, task, index);
+    } else if constexpr (!kOTiles) {
+      if (task.op == kOpOProj) return projection_task<kAttentionFormat, TMAX>(a, task, index);
+    }
+    return tiled_matvec_task<TMAX, ProjectionTiles>(a, task, index);
 #else
-    if (threadIdx.x == 0) abort_step(a, index);  // no form without tensor cores: the FFI refuses such a launch
-    return false;
+    return no_form(a, index);
 #endif
   } else if constexpr (kAttentionFormat == kMlpFormat) {
     return projection_task<kMlpFormat, TMAX>(a, task, index);
   } else {
     return task.op == kOpOProj ? projection_task<kAttentionFormat, TMAX>(a, task, index)
                                : projection_task<kMlpFormat, TMAX>(a, task, index);
+  }
+}
+
+template <int TMAX>
+__device__ __forceinline__ bool any_qkv_task(const Args& a, const Task& task, int index) {
+  if constexpr (kQkvTiles) {
+#if LITHOS_MK_TILE_MMA
+    return tiled_matvec_task<TMAX, QkvTiles>(a, task, index);
+#else
+    return no_form(a, index);
+#endif
+  } else {
+    return qkv_task<TMAX>(a, task, index);
   }
 }
 
@@ -105,7 +127,7 @@ __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakern
     trace_mark(a, index, kTraceBegin);
     bool ok = false;
     switch (task.op) {
-      case kOpQkv: ok = qkv_task<TMAX>(a, task, index); break;
+      case kOpQkv: ok = any_qkv_task<TMAX>(a, task, index); break;
       case kOpAttention: ok = attention_task<TMAX>(a, task, index); break;
       case kOpOProj:
       case kOpDown: ok = any_projection_task<TMAX>(a, task, index); break;
@@ -344,9 +366,18 @@ ffi::Error megakernel_impl(
   if (a.hidden % 8 != 0 || a.ffn % 8 != 0)
     return invalid("megakernel: hidden " + std::to_string(a.hidden) + " and ffn " + std::to_string(a.ffn) +
                    " must be multiples of 8 (16-byte rows); use kernels='fused'");
-  if (kDownTiles && (!LITHOS_MK_TILE_MMA || a.ffn % kTileInputs != 0 || a.hidden % kTileRows != 0))
-    return invalid("megakernel: down in fragment tiles needs CUDA tensor cores, ffn a multiple of 64 and hidden of "
-                   "16 (got " + std::to_string(a.ffn) + " and " + std::to_string(a.hidden) + "); keep it in rows");
+  if ((kDownTiles || kOTiles || kQkvTiles) && !LITHOS_MK_TILE_MMA)
+    return invalid("megakernel: Q/K/V, O and down in fragment tiles need CUDA tensor cores; keep them in rows "
+                   "(LITHOS_TILES)");
+  if (kDownTiles && (a.ffn % kTileInputs != 0 || a.hidden % kTileRows != 0))
+    return invalid("megakernel: down in fragment tiles needs ffn a multiple of 64 and hidden of 16 (got " +
+                   std::to_string(a.ffn) + " and " + std::to_string(a.hidden) + "); keep it in rows");
+  if (kOTiles && (QD % kTileInputs != 0 || a.hidden % kTileRows != 0))
+    return invalid("megakernel: O in fragment tiles needs heads x head_dim a multiple of 64 and hidden of 16 (got " +
+                   std::to_string(QD) + " and " + std::to_string(a.hidden) + "); keep it in rows");
+  if (kQkvTiles && a.hidden % kTileInputs != 0)
+    return invalid("megakernel: Q/K/V in fragment tiles needs hidden a multiple of 64, got " +
+                   std::to_string(a.hidden) + "; keep them in rows");
   if (kGateUpTiles && (a.hidden % kTileInputs != 0 || a.ffn % kTileRows != 0))
     return invalid("megakernel: gate and up in fragment tiles need hidden a multiple of 64 and ffn of 16, got " +
                    std::to_string(a.hidden) + " and " + std::to_string(a.ffn) + "; keep them in rows");

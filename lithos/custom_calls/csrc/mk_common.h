@@ -82,12 +82,22 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6
 #endif
 constexpr bool kGateUpTiles = LITHOS_MK_GATE_UP_TILES != 0;
 static_assert(!kGateUpTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 gate and up rows");
-// The MLP's down matrix in MXFP4 fragment tiles too (mk_down_tiles.h; CUDA: tensor cores), a build of its own.
+// The MLP's down matrix, the O projection's and the Q/K/V matrices (in rotary tiles) in MXFP4 fragment tiles too
+// (mk_tiled_matvec.h; CUDA: tensor cores), each a build of its own.
 #ifndef LITHOS_MK_DOWN_TILES
 #define LITHOS_MK_DOWN_TILES 0
 #endif
+#ifndef LITHOS_MK_O_TILES
+#define LITHOS_MK_O_TILES 0
+#endif
+#ifndef LITHOS_MK_QKV_TILES
+#define LITHOS_MK_QKV_TILES 0
+#endif
 constexpr bool kDownTiles = LITHOS_MK_DOWN_TILES != 0;
+constexpr bool kOTiles = LITHOS_MK_O_TILES != 0;
+constexpr bool kQkvTiles = LITHOS_MK_QKV_TILES != 0;
 static_assert(!kDownTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 down rows");
+static_assert(!(kOTiles || kQkvTiles) || LITHOS_MK_ATTENTION_FORMAT == 1, "fragment tiles hold MXFP4 attention rows");
 
 struct Args {
   const Task* tasks;

@@ -255,17 +255,12 @@ __device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const Toke
   }
 }
 
-// The matrices a tiled task reads at each step of a tile: gate and up (a tile pair), or down (mk_down_tiles.h).
+// The matrices a tiled task reads at each step of a tile: gate and up (a tile pair), or one matrix of a single-matrix
+// task (mk_tiled_matvec.h), which maps the task's tiles to the matrix's.
 struct GateUpMatrices {
   static constexpr int kCount = 2;
   __device__ __forceinline__ static TileChunk load(const Args& a, int m, int layer, int tile, int kt, int lane32) {
     return load_tile_chunk(m == 0 ? a.w_gate : a.w_up, layer, tile, kt, lane32);
-  }
-};
-struct DownMatrix {
-  static constexpr int kCount = 1;
-  __device__ __forceinline__ static TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) {
-    return load_tile_chunk(a.w_down, layer, tile, kt, lane32);
   }
 };
 
@@ -278,6 +273,7 @@ struct DownMatrix {
 template <int D, int R, class Matrices = GateUpMatrices>
 struct TilePipeline {
   static constexpr int M = Matrices::kCount;
+  Matrices matrices;
   TileChunk chunk[D][M][R];
 
   template <class Walk>
@@ -313,15 +309,14 @@ struct TilePipeline {
 
  private:
   template <class Walk>
-  __device__ __forceinline__ static void load(const Args& a, int layer, int lane32, Walk& walk,
-                                              TileChunk (&c)[M][R]) {
+  __device__ __forceinline__ void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk (&c)[M][R]) const {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < count) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) c[m][r] = Matrices::load(a, m, layer, tile + r, kt, lane32);
+        for (int m = 0; m < M; ++m) c[m][r] = matrices.load(a, m, layer, tile + r, kt, lane32);
       } else {
 #pragma unroll
         for (int m = 0; m < M; ++m) c[m][r] = TileChunk{};

@@ -53,12 +53,12 @@ constexpr int kRingScaleStageBytes = kRowsPerWarp * 4 * kMatvecThreads;
 template <WeightFormat F, int TMAX>
 constexpr bool kRingFormat = kRingStages > 0 && ((F == WeightFormat::kBf16 && TMAX <= 2) ||
                                                  (F == WeightFormat::kMxfp4 && TMAX == 1));
-// The memory is also where the tiled gate/up task stages B for 2-16 tokens (mk_gate_up_tiles.h) and the tiled down
-// task keeps its warps' sums (mk_down_tiles.h).
+// The memory is also where the tiled gate/up task stages B for 2-16 tokens (mk_gate_up_tiles.h) and the tiled
+// single-matrix tasks keep their warps' sums (mk_tiled_matvec.h).
 template <int TMAX>
 constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kMlpFormat, TMAX> ||
                           kRingFormat<kHeadFormat, TMAX> ||
-                          (kRingStages > 0 && (kGateUpTiles || kDownTiles) && TMAX > 1);
+                          (kRingStages > 0 && (kGateUpTiles || kDownTiles || kOTiles || kQkvTiles) && TMAX > 1);
 template <int TMAX>
 constexpr bool kRingScalesFor = kRingFormat<WeightFormat::kMxfp4, TMAX> &&
                                 (kAttentionFormat == WeightFormat::kMxfp4 || kMlpFormat == WeightFormat::kMxfp4 ||

@@ -14,30 +14,37 @@
 namespace lithos {
 namespace mk {
 
+// Rotary pair j of head `slot` of KV group `kv_head` for token t (rotated already, but for V), where it lands: the
+// query head's row of a.q, or the key or value head's cache slot for `position` (none past a linear cache's end).
+// The tiled task (mk_tiled_matvec.h) stores through it too.
+__device__ __forceinline__ void store_qkv_pair(const Args& a, int layer, int t, int position, const QkvRowGroup& g,
+                                               int j, float lo, float hi) {
+  const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
+  if (g.slot < group) {
+    store_pair(a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim, j, half, lo, hi);
+  } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
+    const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
+    store_pair((g.slot == group + 1 ? a.v_cache : a.k_cache) + cache_layer +
+                   (static_cast<size_t>(g.kv_head) * a.slots + at) * a.head_dim,
+               j, half, lo, hi);
+  }
+}
+
 template <int TMAX>
 __device__ bool qkv_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];
   const int layer = task.layer;
-  const int group = a.heads / a.kv_heads, half = a.head_dim / 2;
+  const int group = a.heads / a.kv_heads;
   auto rows_of = [&](int unit, PackedRow (&rows)[kRowsPerWarp]) { qkv_rows<kAttentionFormat>(a, layer, unit, rows); };
   const TokenRows in{layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   if (!stream_row_groups<kAttentionFormat, TMAX>(
           a, task, index, in, rows_of,
       [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
-        const bool is_q = g.slot < group, is_v = g.slot == group + 1;
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, g.first_pair, !is_v,
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, g.first_pair, g.slot != group + 1,
                          [&](int t, int position, int j, float lo, float hi) {
-          if (is_q) {
-            store_pair(a.q + (static_cast<size_t>(t) * a.heads + g.kv_head * group + g.slot) * a.head_dim, j, half,
-                       lo, hi);
-          } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
-            store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer +
-                           (static_cast<size_t>(g.kv_head) * a.slots + at) * a.head_dim,
-                       j, half, lo, hi);
-          }
+          store_qkv_pair(a, layer, t, position, g, j, lo, hi);
         });
       }))
     return false;

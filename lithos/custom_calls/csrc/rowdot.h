@@ -190,12 +190,10 @@ __device__ __forceinline__ float rms_factor(float squares, int n, float eps) {
   return rsqrtf(squares / static_cast<float>(n) + eps);
 }
 
-// RMSNorm factor rsqrt(mean(x[t, :]^2) + eps) for t < tokens, computed by the whole block (every
-// thread must call it) into scale[t] in shared memory. The matvecs apply it after the dot product,
-// so the normalised activations never exist in memory.
+// Each warp's sums of x[t, :]^2 over its threads' shares into partial[warp][t] (every thread must call it; a
+// barrier must follow before the sums are read).
 template <int TMAX, int VEC, bool COHERENT = false>
-__device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
-  __shared__ float partial[kMatvecWarps][TMAX];
+__device__ __forceinline__ void warp_squares(const TokenRows& in, float (&partial)[kMatvecWarps][TMAX]) {
   float squares[TMAX];
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) squares[t] = 0.0f;
@@ -214,6 +212,15 @@ __device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
     const float total = warp_sum(squares[t]);
     if (lane_id() == 0) partial[warp_id()][t] = total;
   }
+}
+
+// RMSNorm factor rsqrt(mean(x[t, :]^2) + eps) for t < tokens, computed by the whole block (every
+// thread must call it) into scale[t] in shared memory. The matvecs apply it after the dot product,
+// so the normalised activations never exist in memory.
+template <int TMAX, int VEC, bool COHERENT = false>
+__device__ void block_rms_scale(const TokenRows& in, float eps, float* scale) {
+  __shared__ float partial[kMatvecWarps][TMAX];
+  warp_squares<TMAX, VEC, COHERENT>(in, partial);
   __syncthreads();
   if (threadIdx.x < static_cast<unsigned>(in.tokens)) {
     float total = 0.0f;

@@ -1,0 +1,309 @@
+// Megakernel task kinds 1 (Q/K/V), 3 (O) and 5 (down) over a single MXFP4 matrix group in fragment tiles (builds
+// with LITHOS_MK_QKV_TILES, LITHOS_MK_O_TILES, LITHOS_MK_DOWN_TILES; the layout: lithos/quant/tiles.py,
+// mxfp4_tiles.h), a tile 16 output rows x 64 inputs, a task whole tiles (kTileRowUnits of tasks.py's 4-row units).
+//
+// CUDA, every token count, on tensor cores. B is each step's activations as the mma takes them, read straight from
+// memory (no staging: 8 tokens of 14336 inputs are 229 KB), times 2^64 so that the products with A's value * 2^-126
+// stay normal f32, each step's asked for as the step before starts (it depends on the k tile only):
+// - O and down (ActivationOperand): the attention's output or the gated activations, bf16 already, one part exact, a
+//   token a column (8 tokens an n-block, two at 16). y = residual + x W^T.
+// - Q/K/V (NormedOperand): x * norm_w in two bf16 parts (exact, as gate/up's staged B), token u's in columns
+//   2 (u % 4) and 2 (u % 4) + 1 of n-block u / 4, so that lane (g, t)'s sums of columns 2t and 2t + 1 add to rows
+//   g and g + 8 of token 4 nb + t. The matrices are in rotary tiles (a tile's rows g and g + 8 are the two halves
+//   of one rotary pair), so the lane rotates and stores the pair itself (mk_qkv.h's store); the RMSNorm factor
+//   from squares each thread sums right after the wait, their loads beside the first step's.
+// Every (tile group, k tile) step is one warp's, so a block reads and scales B once a group. The block's tiles in
+// groups of R, the (group, k tile) pairs cut in 8 flat ranges, one a warp (as the one-token gate/up task); each warp
+// writes its sums of every tile its range touches in the lane ring's input area, one barrier, then each tile's pieces
+// are added in warp order and handed to the kind's store.
+// HIP builds have no tensor-core form: kernel.py keeps these matrices in rows there, and the FFI refuses tiles.
+#pragma once
+
+#include "mk_gate_up_tiles.h"
+#include "mk_qkv.h"
+
+namespace lithos {
+namespace mk {
+
+constexpr int kTileRowUnits = kTileRows / kRowsPerWarp;  // tasks.py's 4-row units in a 16-row tile
+
+#if LITHOS_MK_TILE_MMA
+// A tile's sums from one warp and n-block: [lane][fragment], lane (g, t) holding rows g and g + 8 of the n-block's
+// columns 2t and 2t + 1.
+constexpr int kTiledPieceBytes = 32 * 4 * 4;
+
+// Two consecutive activations written earlier in this launch: a plain coherent load (rowdot.h).
+__device__ __forceinline__ uint32_t load_activation_pair(const bf16_t* p) {
+  uint32_t v;
+  asm volatile("ld.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// B of bf16 activations `x` ([tokens, n_in]), one part: column g of n-block nb is token 8 nb + g. Lane (g, t) asks
+// for its pairs of a k tile with `load` and takes them as the mma's B with `fragments`.
+template <int TMAX>
+struct ActivationOperand {
+  static constexpr int NB = (TMAX + 7) / 8;
+  const bf16_t* x;
+  int n_in, tokens, g, t;
+  uint32_t next[NB][4][2];  // [n-block][k16 step][inputs 2t, 2t + 1 | 2t + 8, 2t + 9]
+
+  __device__ __forceinline__ void load(int kt) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int u = 8 * nb + g;
+      const bf16_t* p = x + static_cast<size_t>(u) * n_in + kt * kTileInputs + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        next[nb][j][0] = u < tokens ? load_activation_pair(p + 16 * j) : 0u;
+        next[nb][j][1] = u < tokens ? load_activation_pair(p + 16 * j + 8) : 0u;
+      }
+    }
+  }
+  // Two bf16 activations times kTileOperandShift, exact for |x| < 2^64.
+  __device__ __forceinline__ static uint32_t scaled(uint32_t bits) {
+    const bf16_t lo = float_to_bf16(__uint_as_float(bits << 16) * kTileOperandShift);
+    const bf16_t hi = float_to_bf16(__uint_as_float(bits & 0xFFFF0000u) * kTileOperandShift);
+    return lo | static_cast<uint32_t>(hi) << 16;
+  }
+  __device__ __forceinline__ void fragments(uint2 (&b)[4][NB]) const {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j][nb] = make_uint2(scaled(next[nb][j][0]), scaled(next[nb][j][1]));
+  }
+};
+
+// B of x * norm_w (x [tokens, n_in], the norm weights [n_in]) in two bf16 parts: column g of n-block nb is part
+// g % 2 of token 4 nb + g / 2 (hi, then lo: their sum is the f32 product times 2^64 exactly, operand_parts).
+template <int TMAX>
+struct NormedOperand {
+  static constexpr int NB = (TMAX + 3) / 4;
+  const bf16_t* x;
+  const bf16_t* norm_w;
+  int n_in, tokens, g, t;
+  uint32_t next[NB][4][2];
+  uint32_t norm[4][2];
+
+  __device__ __forceinline__ void load(int kt) {
+    const int k = kt * kTileInputs + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      norm[j][0] = *reinterpret_cast<const uint32_t*>(norm_w + k + 16 * j);
+      norm[j][1] = *reinterpret_cast<const uint32_t*>(norm_w + k + 16 * j + 8);
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int u = 4 * nb + g / 2;
+      const bf16_t* p = x + static_cast<size_t>(u) * n_in + k;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        next[nb][j][0] = u < tokens ? load_activation_pair(p + 16 * j) : 0u;
+        next[nb][j][1] = u < tokens ? load_activation_pair(p + 16 * j + 8) : 0u;
+      }
+    }
+  }
+  // Part `lo` of two products x * w * 2^64: hi rounded to bf16, or what is left of it (exact: at most 8 bits).
+  __device__ __forceinline__ static uint32_t part(uint32_t xs, uint32_t ws, bool lo) {
+    const float v0 = __uint_as_float(xs << 16) * __uint_as_float(ws << 16) * kTileOperandShift;
+    const float v1 = __uint_as_float(xs & 0xFFFF0000u) * __uint_as_float(ws & 0xFFFF0000u) * kTileOperandShift;
+    bf16_t p0 = float_to_bf16(v0), p1 = float_to_bf16(v1);
+    if (lo) {
+      p0 = float_to_bf16(v0 - bf16_to_float(p0));
+      p1 = float_to_bf16(v1 - bf16_to_float(p1));
+    }
+    return p0 | static_cast<uint32_t>(p1) << 16;
+  }
+  __device__ __forceinline__ void fragments(uint2 (&b)[4][NB]) const {
+    const bool lo = g % 2 != 0;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        b[j][nb] = make_uint2(part(next[nb][j][0], norm[j][0], lo), part(next[nb][j][1], norm[j][1], lo));
+  }
+};
+
+// O and down: the matrix (chosen by the task's kind at run time, so that both share one copy of the task), its
+// inputs, and y = residual + x W^T. Lane (g, t)'s fragment q is row g + 8 (q / 2) of token 8 nb + 2t + q % 2.
+struct ProjectionTiles {
+  template <int TMAX>
+  using Operand = ActivationOperand<TMAX>;
+  struct Matrix {
+    static constexpr int kCount = 1;
+    bool o;
+    __device__ __forceinline__ TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) const {
+      return load_tile_chunk(o ? a.wo : a.w_down, layer, tile, kt, lane32);
+    }
+  };
+  const Args& a;
+  int layer;
+  bool o;
+  int n_in;
+
+  __device__ __forceinline__ ProjectionTiles(const Args& args, const Task& task)
+      : a(args), layer(task.layer), o(task.op == kOpOProj), n_in(projection_inputs(args, task.op)) {}
+  __device__ __forceinline__ Matrix matrix() const { return {o}; }
+  template <int TMAX>
+  __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
+    return {o ? a.attn : a.gated, n_in, a.tokens, g, t, {}};
+  }
+  template <int TMAX>
+  __device__ __forceinline__ void after_wait(float (&)[kMatvecWarps][TMAX]) const {}
+  // Tile `tile`'s sums of n-block nb for lane `lane`, once every warp's are added.
+  template <int TMAX>
+  __device__ __forceinline__ void store(int tile, int nb, int lane, const float (&sums)[4],
+                                        const float (&)[kMatvecWarps][TMAX]) const {
+    const bf16_t* residual_in = o ? layer_input(a, layer) : after_attention(a);
+    bf16_t* out = o ? after_attention(a) : after_mlp(a);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int row = tile * kTileRows + lane / 4 + 8 * (q / 2);
+      const int token = 8 * nb + 2 * (lane % 4) + q % 2;
+      if (token < a.tokens) {
+        const size_t at = static_cast<size_t>(token) * a.hidden + row;
+        out[at] = float_to_bf16(sums[q] + bf16_to_float(residual_in[at]));
+      }
+    }
+  }
+};
+
+// Q/K/V of one KV group (a task's tiles never leave it): the group's query heads, key head and value head in the
+// schedule's order, each head_dim / 16 rotary tiles of its matrix (lithos/quant/tiles.py); B is the layer's input
+// times the attention's norm weights, the RMSNorm factor applied to the sums.
+struct QkvTiles {
+  template <int TMAX>
+  using Operand = NormedOperand<TMAX>;
+  // The task's tile `tile` (of the layer's, in schedule order) as head `slot` of the group and tile q of that head.
+  struct Place {
+    int first, kv_head, group, head_shift;  // the group's first tile, its KV head, query heads, log2 tiles a head
+    __device__ __forceinline__ int slot(int tile) const { return (tile - first) >> head_shift; }
+    __device__ __forceinline__ int q(int tile) const { return (tile - first) & ((1 << head_shift) - 1); }
+  };
+  struct Matrix {
+    static constexpr int kCount = 1;
+    Place place;
+    __device__ __forceinline__ TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) const {
+      const int slot = place.slot(tile), group = place.group;
+      const int head = slot < group ? place.kv_head * group + slot : place.kv_head;
+      return load_tile_chunk(slot < group ? a.wq : (slot == group ? a.wk : a.wv), layer,
+                             (head << place.head_shift) + place.q(tile), kt, lane32);
+    }
+  };
+  const Args& a;
+  int layer, n_in;
+  Place place;
+
+  __device__ __forceinline__ QkvTiles(const Args& args, const Task& task)
+      : a(args), layer(task.layer), n_in(args.hidden) {
+    const int group = args.heads / args.kv_heads, tiles_a_head = args.head_dim / kTileRows;
+    const int kv_head = task.first / ((group + 2) * tiles_a_head * kTileRowUnits);
+    place = {kv_head * (group + 2) * tiles_a_head, kv_head, group, __ffs(tiles_a_head) - 1};
+  }
+  __device__ __forceinline__ Matrix matrix() const { return {place}; }
+  template <int TMAX>
+  __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
+    return {layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.hidden, a.tokens, g, t, {},
+            {}};
+  }
+  // Each warp's squares of x for the RMSNorm factor, their loads issued beside the first step's B; read after the
+  // task's barrier (`store`).
+  template <int TMAX>
+  __device__ __forceinline__ void after_wait(float (&squares)[kMatvecWarps][TMAX]) const {
+    warp_squares<TMAX, 8, true>(TokenRows{layer_input(a, layer), nullptr, a.tokens, a.hidden}, squares);
+  }
+  // Lane (g, t)'s sums are rows g and g + 8 of token 4 nb + t, its columns 2t and 2t + 1 being the two parts: the
+  // two halves of rotary pair 8 q + g.
+  template <int TMAX>
+  __device__ __forceinline__ void store(int tile, int nb, int lane, const float (&sums)[4],
+                                        const float (&squares)[kMatvecWarps][TMAX]) const {
+    const int token = 4 * nb + lane % 4;
+    if (token >= a.tokens) return;
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMatvecWarps; ++w) total += squares[w][token];
+    const float rms = rms_factor(total, a.hidden, a.eps);
+    const int slot = place.slot(tile), j = 8 * place.q(tile) + lane / 4, position = a.positions[token];
+    float lo = (sums[0] + sums[1]) * rms, hi = (sums[2] + sums[3]) * rms;
+    if (slot != place.group + 1) rope_rotate(lo, hi, position, a.inv_freq[j]);
+    store_qkv_pair(a, layer, token, position, QkvRowGroup{place.kv_head, slot, j}, j, lo, hi);
+  }
+};
+
+// The task: Kind is ProjectionTiles or QkvTiles.
+template <int TMAX, class Kind>
+__device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
+  using Operand = typename Kind::template Operand<TMAX>;
+  constexpr int NB = Operand::NB, D = LITHOS_MK_TILE_DEPTH, R = LITHOS_MK_TILE_PAIRS;
+  const Kind kind(a, task);
+  const int layer = task.layer, lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
+  const int first_tile = task.first / kTileRowUnits, tiles = task.count / kTileRowUnits;
+  const int k_tiles = kind.n_in / kTileInputs;
+  if (tiles * kMatvecWarps * NB * kTiledPieceBytes > kRingInputBytes) {  // kernel.py checks it before the launch
+    if (threadIdx.x == 0) abort_step(a, index);
+    return false;
+  }
+  const int all = (tiles + R - 1) / R * k_tiles;
+  const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
+  FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
+  TilePipeline<D, R, typename Kind::Matrix> pipe;
+  pipe.matrices = kind.matrix();
+  pipe.fill(a, layer, lane32, steps, walk);
+  if (!block_wait(a, task, index)) return false;
+  int group = q0 / k_tiles, kt = q0 % k_tiles;
+  // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
+  Operand operand = kind.template operand<TMAX>(g, t);
+  if (steps > 0) operand.load(kt);
+  __shared__ float squares[kMatvecWarps][TMAX];  // Q/K/V's, for the RMSNorm factor
+  kind.template after_wait<TMAX>(squares);
+  trace_phase(a, index, 0);
+  float(*pieces)[kMatvecWarps][NB][32][4] =
+      reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory());  // [tile][warp][n-block][lane][q]
+  float acc[R][NB][4] = {};
+  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&chunk)[R]) {
+    const int count = min(R, tiles - R * group);  // the group's tiles; the step's others are zeros
+    uint2 b[4][NB];
+    operand.fragments(b);
+    if (i + 1 < steps) operand.load(kt + 1 == k_tiles ? 0 : kt + 1);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r < count) tile_step_mma(chunk[r], b, acc[r]);
+    if (++kt < k_tiles && i + 1 < steps) return;
+    // The group's last step in this range: its tiles' pieces out.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if (r < count) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) pieces[R * group + r][warp_id()][nb][lane32][q] = acc[r][nb][q];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[r][nb][q] = 0.0f;
+      }
+    }
+    if (kt == k_tiles) {
+      kt = 0;
+      ++group;
+    }
+  });
+  trace_phase(a, index, 1);
+  __syncthreads();
+  for (int i = static_cast<int>(threadIdx.x); i < tiles * NB * 32; i += kMatvecThreads) {
+    const int j = i / (NB * 32), nb = i / 32 % NB, lane = i % 32;
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int j0 = j / R * k_tiles;  // its group's steps
+    for_each_warp_in(all, j0, j0 + k_tiles, [&](int w) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][nb][lane][q];
+    });
+    kind.template store<TMAX>(first_tile + j, nb, lane, sums, squares);
+  }
+  trace_phase(a, index, 2);
+  block_release(a, task.signal_counter);
+  return true;
+}
+#endif
+
+}  // namespace mk
+}  // namespace lithos

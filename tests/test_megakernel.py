@@ -577,6 +577,33 @@ def test_down_of_inputs_that_are_not_whole_tiles_stays_in_rows(monkeypatch):
     assert same_layout(laid_out(odd, shape.head_dim), odd)
 
 
+def test_params_laid_out_in_tiles_read_the_same_values(monkeypatch):
+    """A model's params laid out for the megakernel on CUDA with every group in tiles (Q/K/V in rotary tiles of its
+    heads): the reference path and the megakernel's interpreter read the same logits from them as from the rows."""
+    from lithos.custom_calls.megakernel import kernel as mk
+    from lithos.models import params_for_kernels
+
+    cfg = dataclasses.replace(
+        config_of(SHAPES["tiny"]), head_dim=64, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=192
+    )
+    params = packed_params(
+        llama.init_params(cfg, jax.random.key(5), jnp.float32), {"attention": "mxfp4", "mlp": "mxfp4"}
+    )
+    monkeypatch.setenv("LITHOS_TILES", "qkv,o,gate_up,down")
+    monkeypatch.setattr(mk, "_gpu_platform", lambda: "cuda")
+    tiled = params_for_kernels(params, cfg, "megakernel")
+    monkeypatch.undo()  # the interpreter, on this machine's CPU
+    layers = tiled.layers
+    assert layers.wq.format.rotary_head == layers.wk.format.rotary_head == layers.wv.format.rotary_head == 64
+    assert layers.wo.format == layers.w_gate.format == layers.w_down.format == quant.MXFP4_TILES
+    assert params_for_kernels(params, cfg, "fused") is params
+    for kernels in ("reference", "megakernel"):
+        expected, expected_tokens = step_logits(cfg, params, kernels, 40, 3)
+        got, tokens = step_logits(cfg, tiled, kernels, 40, 3)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(tokens, expected_tokens)
+
+
 def test_megakernel_generation_equals_reference(hf_checkpoint):
     """The jitted decode loop and speculative verification (k + 1 positions) on the megakernel path."""
     path = hf_checkpoint("llama_hd64", tied=False)

@@ -261,8 +261,7 @@ def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> Lan
 
 def tiled_ops(formats: WeightFormats) -> tuple[Op, ...]:
     """The task kinds that read a single matrix group in tiles (csrc/mk_tiled_matvec.h)."""
-    flags = {Op.QKV: formats.qkv_tiles, Op.O_PROJ: formats.o_tiles, Op.DOWN: formats.down_tiles}
-    return tuple(op for op, tiled in flags.items() if tiled)
+    return tuple(op for op, group in TILED_OPS.items() if getattr(formats, f"{group}_tiles"))
 
 
 def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: WeightFormats = BF16) -> Schedule:

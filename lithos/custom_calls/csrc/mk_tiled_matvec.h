@@ -11,13 +11,16 @@
 //   2 (u % 4) and 2 (u % 4) + 1 of n-block u / 4, so that lane (g, t)'s sums of columns 2t and 2t + 1 add to rows
 //   g and g + 8 of token 4 nb + t. The matrices are in rotary tiles (a tile's rows g and g + 8 are the two halves
 //   of one rotary pair), so the lane rotates and stores the pair itself (mk_qkv.h's store); the RMSNorm factor
-//   from squares each thread sums right after the wait, their loads beside the first step's.
+//   from squares each thread sums right after the wait, their loads beside the first step's. At one token B is
+//   instead staged once, as gate/up's (StagedOperand), the squares from the same loads.
 // Every (tile group, k tile) step is one warp's, so a block reads and scales B once a group. The block's tiles in
 // groups of R, the (group, k tile) pairs cut in 8 flat ranges, one a warp (as the one-token gate/up task); each warp
 // writes its sums of every tile its range touches in the lane ring's input area, one barrier, then each tile's pieces
 // are added in warp order and handed to the kind's store.
 // HIP builds have no tensor-core form: kernel.py keeps these matrices in rows there, and the FFI refuses tiles.
 #pragma once
+
+#include <type_traits>
 
 #include "mk_gate_up_tiles.h"
 #include "mk_qkv.h"
@@ -124,6 +127,22 @@ struct NormedOperand {
   }
 };
 
+// One token of x * norm_w, staged once in the lane ring's memory by stage_tile_operand (gate/up's one-token B: columns
+// 0 and 1 the two parts, lanes g < 2), each step's read at use: a k tile's B costs 4 shared-memory loads where forming
+// it costs some 270 instructions a step.
+struct StagedOperand {
+  static constexpr int NB = 1;
+  int lane32, kt;
+
+  __device__ __forceinline__ void load(int k_tile) { kt = k_tile; }
+  __device__ __forceinline__ void fragments(uint2 (&b)[4][NB]) const {
+    constexpr int kLanes = 4 * kTileOperandParts;  // lane groups 0 .. parts - 1: B's columns
+    const uint2* bs = tile_operand();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j][0] = lane32 < kLanes ? bs[(kt * 4 + j) * kLanes + lane32] : make_uint2(0u, 0u);
+  }
+};
+
 // O and down: the matrix (chosen by the task's kind at run time, so that both share one copy of the task), its
 // inputs, and y = residual + x W^T. Lane (g, t)'s fragment q is row g + 8 (q / 2) of token 8 nb + 2t + q % 2.
 struct ProjectionTiles {
@@ -147,6 +166,11 @@ struct ProjectionTiles {
   template <int TMAX>
   __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
     return {o ? a.attn : a.gated, n_in, a.tokens, g, t, {}};
+  }
+  // Where the warps' sums go in the ring's memory: its start (B is read from the activations).
+  template <int TMAX>
+  __device__ __forceinline__ int pieces_offset() const {
+    return 0;
   }
   template <int TMAX>
   __device__ __forceinline__ void after_wait(float (&)[kMatvecWarps][TMAX]) const {}
@@ -173,7 +197,7 @@ struct ProjectionTiles {
 // times the attention's norm weights, the RMSNorm factor applied to the sums.
 struct QkvTiles {
   template <int TMAX>
-  using Operand = NormedOperand<TMAX>;
+  using Operand = std::conditional_t<TMAX == 1, StagedOperand, NormedOperand<TMAX>>;
   // The task's tile `tile` (of the layer's, in schedule order) as head `slot` of the group and tile q of that head.
   struct Place {
     int first, kv_head, group, head_shift;  // the group's first tile, its KV head, query heads, log2 tiles a head
@@ -201,16 +225,32 @@ struct QkvTiles {
     place = {kv_head * (group + 2) * tiles_a_head, kv_head, group, __ffs(tiles_a_head) - 1};
   }
   __device__ __forceinline__ Matrix matrix() const { return {place}; }
+  __device__ __forceinline__ TokenRows input() const {
+    return {layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
+  }
   template <int TMAX>
   __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
-    return {layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.hidden, a.tokens, g, t, {},
-            {}};
+    if constexpr (TMAX == 1) {
+      return {4 * g + t, 0};
+    } else {
+      const TokenRows in = input();
+      return {in.x, in.norm_w, in.n_in, in.tokens, g, t, {}, {}};
+    }
   }
-  // Each warp's squares of x for the RMSNorm factor, their loads issued beside the first step's B; read after the
-  // task's barrier (`store`).
+  // Where the warps' sums go in the ring's memory: after the one-token B.
+  template <int TMAX>
+  __device__ __forceinline__ int pieces_offset() const {
+    return TMAX == 1 ? (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16 : 0;
+  }
+  // One token: B staged, and each warp's squares of x from the same loads. More: each warp's squares, their loads
+  // issued beside the first step's B. Either is read after the task's barrier (`store`).
   template <int TMAX>
   __device__ __forceinline__ void after_wait(float (&squares)[kMatvecWarps][TMAX]) const {
-    warp_squares<TMAX, 8, true>(TokenRows{layer_input(a, layer), nullptr, a.tokens, a.hidden}, squares);
+    if constexpr (TMAX == 1) {
+      stage_tile_operand(input(), &squares[0][0]);
+    } else {
+      warp_squares<TMAX, 8, true>(TokenRows{layer_input(a, layer), nullptr, a.tokens, a.hidden}, squares);
+    }
   }
   // Lane (g, t)'s sums are rows g and g + 8 of token 4 nb + t, its columns 2t and 2t + 1 being the two parts: the
   // two halves of rotary pair 8 q + g.
@@ -239,7 +279,8 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int layer = task.layer, lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
   const int first_tile = task.first / kTileRowUnits, tiles = task.count / kTileRowUnits;
   const int k_tiles = kind.n_in / kTileInputs;
-  if (tiles * kMatvecWarps * NB * kTiledPieceBytes > kRingInputBytes) {  // kernel.py checks it before the launch
+  const int offset = kind.template pieces_offset<TMAX>();
+  if (offset + tiles * kMatvecWarps * NB * kTiledPieceBytes > kRingInputBytes) {  // kernel.py checks it first
     if (threadIdx.x == 0) abort_step(a, index);
     return false;
   }
@@ -258,7 +299,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   kind.template after_wait<TMAX>(squares);
   trace_phase(a, index, 0);
   float(*pieces)[kMatvecWarps][NB][32][4] =
-      reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory());  // [tile][warp][n-block][lane][q]
+      reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory() + offset);  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};
   pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&chunk)[R]) {
     const int count = min(R, tiles - R * group);  // the group's tiles; the step's others are zeros

@@ -193,21 +193,24 @@ def largest_task(schedule: Schedule, op: Op) -> int:
     return int(counts.max()) if counts.size else 0
 
 
-def tiled_sums_bytes(op: Op, tiles: int, tokens: int) -> int:
-    """Bytes of the warps' sums a tiled task of kind `op` over `tiles` tiles keeps for `tokens` tokens."""
+def tiled_staging_bytes(op: Op, tiles: int, tokens: int, hidden: int) -> int:
+    """Bytes of the ring's input area a tiled task of kind `op` over `tiles` tiles takes for `tokens` tokens: its
+    warps' sums, after B where it stages B (Q/K/V at one token, as gate/up)."""
     per_block = 4 if op == Op.QKV else 8
-    return tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
+    operand = -(-hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16 if op == Op.QKV and tokens == 1 else 0
+    return operand + tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
 
 
 def check_tiled_staging(schedule: Schedule, tokens: int, ops: tuple[Op, ...]) -> None:
-    """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles in the lane ring's input area:
-    an error naming the fix where a task's would not fit (the kernel would abort the step)."""
+    """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles (and Q/K/V at one token its B) in
+    the lane ring's input area: an error naming the fix where a task's would not fit (the kernel would abort the
+    step)."""
     for op in ops:
         tiles = largest_task(schedule, op) // TILE_ROW_UNITS
-        need = tiled_sums_bytes(op, tiles, tokens)
+        need = tiled_staging_bytes(op, tiles, tokens, schedule.shape.hidden)
         if need > TILE_STAGING_BYTES:
             raise LithosError(
-                f"megakernel: {TILED_OPS[op]} in fragment tiles needs {need} bytes of sums a task ({tiles} tiles, "
+                f"megakernel: {TILED_OPS[op]} in fragment tiles needs {need} bytes of staging a task ({tiles} tiles, "
                 f"{tokens} tokens), more than the {TILE_STAGING_BYTES} the kernel has; leave {TILED_OPS[op]} out of "
                 "LITHOS_TILES or run on a GPU with more blocks"
             )

@@ -71,14 +71,27 @@ struct TileChunk {
   uint32_t scales;
 };
 
-// The lane's chunk of step `kt` of output tile `tile` of `w` at `layer`.
-__device__ __forceinline__ TileChunk load_tile_chunk(const PackedWeight& w, int layer, int tile, int kt, int lane32) {
-  const int64_t at = static_cast<int64_t>(tile) * (w.n_in / kTileInputs) + kt;
-  const uint8_t* codes = w.data + layer * w.data_outer + at * kTileBytes + lane32 * 16;
-  const Bf16Vec<8> v = load_streaming<8>(reinterpret_cast<const bf16_t*>(codes));
-  const uint8_t* scales = w.scales + layer * w.scale_outer + at * kTileScaleBytes + (lane32 / 4) * 4;
-  return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scales)};
-}
+// Where a lane's chunks of one matrix at one layer lie, formed once a task: its 16 bytes of step (tile, kt)'s codes
+// and its lane group's scale word are chunk tile * k_tiles + kt past these. (Formed at every step, the two addresses
+// cost some 30 instructions a tile: NOTES.md, "Tile addresses from per-task bases".)
+struct TileSource {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int k_tiles;
+
+  __device__ __forceinline__ static TileSource of(const PackedWeight& w, int layer, int lane32) {
+    return {w.data + layer * w.data_outer + lane32 * 16, w.scales + layer * w.scale_outer + (lane32 / 4) * 4,
+            w.n_in / kTileInputs};
+  }
+  // The lane's chunk of step `kt` of output tile `tile` (a layer's matrix has under 2^31 chunks).
+  __device__ __forceinline__ TileChunk load(int tile, int kt) const {
+    const unsigned at = static_cast<unsigned>(tile * k_tiles + kt);
+    const auto* chunk = reinterpret_cast<const bf16_t*>(codes + static_cast<size_t>(at) * kTileBytes);
+    const Bf16Vec<8> v = load_streaming<8>(chunk);
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(at) * kTileScaleBytes);
+    return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, word};
+  }
+};
 
 // Scale byte I of a lane group's word, 2^(c - 127) (packed.h's E8M0 decode).
 template <int I>
@@ -255,12 +268,16 @@ __device__ __forceinline__ void tile_step_decoded(const TileChunk& c, const Toke
   }
 }
 
-// The matrices a tiled task reads at each step of a tile: gate and up (a tile pair), or one matrix of a single-matrix
-// task (mk_tiled_matvec.h), which maps the task's tiles to the matrix's.
+// The matrices a tiled task reads at each step of a tile (load(m, tile, kt) of matrix m): gate and up (a tile pair),
+// or one matrix of a single-matrix task (mk_tiled_matvec.h), which maps the task's tiles to the matrix's.
 struct GateUpMatrices {
   static constexpr int kCount = 2;
-  __device__ __forceinline__ static TileChunk load(const Args& a, int m, int layer, int tile, int kt, int lane32) {
-    return load_tile_chunk(m == 0 ? a.w_gate : a.w_up, layer, tile, kt, lane32);
+  TileSource gate, up;
+  __device__ __forceinline__ static GateUpMatrices of(const Args& a, int layer, int lane32) {
+    return {TileSource::of(a.w_gate, layer, lane32), TileSource::of(a.w_up, layer, lane32)};
+  }
+  __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const {
+    return (m == 0 ? gate : up).load(tile, kt);
   }
 };
 
@@ -273,20 +290,19 @@ struct GateUpMatrices {
 template <int D, int R, class Matrices = GateUpMatrices>
 struct TilePipeline {
   static constexpr int M = Matrices::kCount;
-  Matrices matrices;
+  Matrices matrices;  // set before `fill`
   TileChunk chunk[D][M][R];
 
   template <class Walk>
-  __device__ __forceinline__ void fill(const Args& a, int layer, int lane32, int steps, Walk& walk) {
+  __device__ __forceinline__ void fill(int steps, Walk& walk) {
 #pragma unroll
     for (int d = 0; d < D; ++d)
-      if (d < steps) load(a, layer, lane32, walk, chunk[d]);
+      if (d < steps) load(walk, chunk[d]);
   }
-  // body(i, gate, up) (or body(i, down)) for steps i = 0 .. steps - 1 in order: step i from slot i % D (a
-  // constant once the loop is unrolled by D), which then asks for step i + D.
+  // body(i, gate, up) (or body(i, chunk) of a single matrix) for steps i = 0 .. steps - 1 in order: step i from slot
+  // i % D (a constant once the loop is unrolled by D), which then asks for step i + D.
   template <class Walk, class Body>
-  __device__ __forceinline__ void for_each_step(const Args& a, int layer, int lane32, int steps, Walk& walk,
-                                                Body body) {
+  __device__ __forceinline__ void for_each_step(int steps, Walk& walk, Body body) {
     for (int i0 = 0; i0 < steps; i0 += D) {
 #pragma unroll
       for (int d = 0; d < D; ++d) {
@@ -297,7 +313,7 @@ struct TilePipeline {
         for (int m = 0; m < M; ++m)
 #pragma unroll
           for (int r = 0; r < R; ++r) c[m][r] = chunk[d][m][r];
-        if (i + D < steps) load(a, layer, lane32, walk, chunk[d]);
+        if (i + D < steps) load(walk, chunk[d]);
         if constexpr (M == 2) {
           body(i, c[0], c[1]);
         } else {
@@ -309,14 +325,14 @@ struct TilePipeline {
 
  private:
   template <class Walk>
-  __device__ __forceinline__ void load(const Args& a, int layer, int lane32, Walk& walk, TileChunk (&c)[M][R]) const {
+  __device__ __forceinline__ void load(Walk& walk, TileChunk (&c)[M][R]) const {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < count) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) c[m][r] = matrices.load(a, m, layer, tile + r, kt, lane32);
+        for (int m = 0; m < M; ++m) c[m][r] = matrices.load(m, tile + r, kt);
       } else {
 #pragma unroll
         for (int m = 0; m < M; ++m) c[m][r] = TileChunk{};
@@ -397,7 +413,8 @@ __device__ bool gate_up_tiles_mma_tokens(const Args& a, const Task& task, int in
   const int slot = warp_id(), rounds = (tiles + kMatvecWarps - 1) / kMatvecWarps, steps = rounds * k_tiles;
   RoundWalk walk{first_tile, tiles, kMatvecWarps, slot, 0, k_tiles, 0, k_tiles};
   TilePipeline<D, 1> pipe;
-  pipe.fill(a, layer, lane32, steps, walk);
+  pipe.matrices = GateUpMatrices::of(a, layer, lane32);
+  pipe.fill(steps, walk);
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   if (!block_wait(a, task, index)) return false;
   __shared__ float rms_scale[TMAX];
@@ -407,7 +424,7 @@ __device__ bool gate_up_tiles_mma_tokens(const Args& a, const Task& task, int in
   const uint2* bs = tile_operand();
   float acc[2][NB][4] = {};  // [gate, up][n-block][fragment]
   int kt = 0, round = 0;
-  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk(&gate)[1], const TileChunk(&up)[1]) {
+  pipe.for_each_step(steps, walk, [&](int, const TileChunk(&gate)[1], const TileChunk(&up)[1]) {
     uint2 b[4][NB];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -447,6 +464,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   const int k_tiles = a.hidden / kTileInputs;
   constexpr int D = kTileDepth<TMAX>, R = kTilePairs<TMAX>;
   TilePipeline<D, R> pipe;
+  pipe.matrices = GateUpMatrices::of(a, layer, lane32);
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
 
 #if LITHOS_MK_TILE_MMA
@@ -464,7 +482,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     const int all = (tiles + R - 1) / R * k_tiles;
     const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
     FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-    pipe.fill(a, layer, lane32, steps, walk);
+    pipe.fill(steps, walk);
     if (!block_wait(a, task, index)) return false;
     __shared__ float squares[kMatvecWarps];
     stage_tile_operand(in, squares);
@@ -474,7 +492,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     const uint2* bs = tile_operand();
     float acc[R][2][1][4] = {};  // [pair][gate, up][n-block][fragment]
     int group = q0 / k_tiles, kt = q0 % k_tiles;
-    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
+    pipe.for_each_step(steps, walk, [&](int i, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
       const int count = min(R, tiles - R * group);  // the group's tiles; the step's other pairs are zeros
       uint2 b[4][1];
 #pragma unroll
@@ -559,7 +577,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     const int span = (kt1 - kt0 + kTileHalves - 1) / kTileHalves, steps = rounds * span;
     RoundWalk walk{first_tile, tiles, slots, slot, kt0, span, half, k_tiles};
     if (threadIdx.x < kMatvecWarps) arrivals[threadIdx.x] = reduced[threadIdx.x] = 0;
-    pipe.fill(a, layer, lane32, steps, walk);
+    pipe.fill(steps, walk);
     if (!block_wait(a, task, index)) return false;
     __shared__ float rms_scale[TMAX];
     block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
@@ -575,7 +593,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     };
     clear();
     int step = 0, round = 0;
-    pipe.for_each_step(a, layer, lane32, steps, walk, [&](int, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
+    pipe.for_each_step(steps, walk, [&](int, const TileChunk(&gate)[R], const TileChunk(&up)[R]) {
       const int kt = kt0 + step * kTileHalves + half;
       if (kt < kt1) {
         tile_step_decoded<TMAX>(gate[0], in, kt, lane32, acc[0]);

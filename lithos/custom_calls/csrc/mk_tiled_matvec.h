@@ -150,10 +150,8 @@ struct ProjectionTiles {
   using Operand = ActivationOperand<TMAX>;
   struct Matrix {
     static constexpr int kCount = 1;
-    bool o;
-    __device__ __forceinline__ TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) const {
-      return load_tile_chunk(o ? a.wo : a.w_down, layer, tile, kt, lane32);
-    }
+    TileSource source;
+    __device__ __forceinline__ TileChunk load(int, int tile, int kt) const { return source.load(tile, kt); }
   };
   const Args& a;
   int layer;
@@ -162,7 +160,9 @@ struct ProjectionTiles {
 
   __device__ __forceinline__ ProjectionTiles(const Args& args, const Task& task)
       : a(args), layer(task.layer), o(task.op == kOpOProj), n_in(projection_inputs(args, task.op)) {}
-  __device__ __forceinline__ Matrix matrix() const { return {o}; }
+  __device__ __forceinline__ Matrix matrix(int lane32) const {
+    return {TileSource::of(o ? a.wo : a.w_down, layer, lane32)};
+  }
   template <int TMAX>
   __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
     return {o ? a.attn : a.gated, n_in, a.tokens, g, t, {}};
@@ -204,14 +204,18 @@ struct QkvTiles {
     __device__ __forceinline__ int slot(int tile) const { return (tile - first) >> head_shift; }
     __device__ __forceinline__ int q(int tile) const { return (tile - first) & ((1 << head_shift) - 1); }
   };
+  // One source a matrix, each from the group's first head in it: its query heads in wq, its key head in wk, its
+  // value head in wv (chosen by selects: indexed, they would live on the stack). Formed at every step from the
+  // matrices' fields instead, the loop was 561 instructions a step against 477 (NOTES.md, "Tile addresses from
+  // per-task bases").
   struct Matrix {
     static constexpr int kCount = 1;
     Place place;
-    __device__ __forceinline__ TileChunk load(const Args& a, int, int layer, int tile, int kt, int lane32) const {
+    TileSource q, k, v;
+    __device__ __forceinline__ TileChunk load(int, int tile, int kt) const {
       const int slot = place.slot(tile), group = place.group;
-      const int head = slot < group ? place.kv_head * group + slot : place.kv_head;
-      return load_tile_chunk(slot < group ? a.wq : (slot == group ? a.wk : a.wv), layer,
-                             (head << place.head_shift) + place.q(tile), kt, lane32);
+      const int head = slot < group ? slot : 0;
+      return (slot < group ? q : (slot == group ? k : v)).load((head << place.head_shift) + place.q(tile), kt);
     }
   };
   const Args& a;
@@ -224,7 +228,16 @@ struct QkvTiles {
     const int kv_head = task.first / ((group + 2) * tiles_a_head * kTileRowUnits);
     place = {kv_head * (group + 2) * tiles_a_head, kv_head, group, __ffs(tiles_a_head) - 1};
   }
-  __device__ __forceinline__ Matrix matrix() const { return {place}; }
+  __device__ __forceinline__ Matrix matrix(int lane32) const {
+    // Each source's chunk 0 moved to the group's first head of its matrix (whole tiles of k_tiles chunks a tile).
+    auto at_head = [&](const PackedWeight& w, int head) {
+      const TileSource s = TileSource::of(w, layer, lane32);
+      const size_t chunks = static_cast<size_t>(head << place.head_shift) * s.k_tiles;
+      return TileSource{s.codes + chunks * kTileBytes, s.scales + chunks * kTileScaleBytes, s.k_tiles};
+    };
+    return {place, at_head(a.wq, place.kv_head * place.group), at_head(a.wk, place.kv_head),
+            at_head(a.wv, place.kv_head)};
+  }
   __device__ __forceinline__ TokenRows input() const {
     return {layer_input(a, layer), a.attn_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   }
@@ -276,7 +289,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   using Operand = typename Kind::template Operand<TMAX>;
   constexpr int NB = Operand::NB, D = LITHOS_MK_TILE_DEPTH, R = LITHOS_MK_TILE_PAIRS;
   const Kind kind(a, task);
-  const int layer = task.layer, lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
+  const int lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
   const int first_tile = task.first / kTileRowUnits, tiles = task.count / kTileRowUnits;
   const int k_tiles = kind.n_in / kTileInputs;
   const int offset = kind.template pieces_offset<TMAX>();
@@ -288,8 +301,8 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
   TilePipeline<D, R, typename Kind::Matrix> pipe;
-  pipe.matrices = kind.matrix();
-  pipe.fill(a, layer, lane32, steps, walk);
+  pipe.matrices = kind.matrix(lane32);
+  pipe.fill(steps, walk);
   if (!block_wait(a, task, index)) return false;
   int group = q0 / k_tiles, kt = q0 % k_tiles;
   // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
@@ -301,7 +314,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   float(*pieces)[kMatvecWarps][NB][32][4] =
       reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory() + offset);  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};
-  pipe.for_each_step(a, layer, lane32, steps, walk, [&](int i, const TileChunk(&chunk)[R]) {
+  pipe.for_each_step(steps, walk, [&](int i, const TileChunk(&chunk)[R]) {
     const int count = min(R, tiles - R * group);  // the group's tiles; the step's others are zeros
     uint2 b[4][NB];
     operand.fragments(b);

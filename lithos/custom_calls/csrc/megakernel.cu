@@ -12,7 +12,7 @@
 //   mk_qkv.h        RMSNorm + Q/K/V rows of one KV group + RoPE + cache append
 //   mk_attention.h  one length split of one KV head; the last split combines
 //   mk_projection.h O projection + residual, down projection + residual
-//   mk_tiled_matvec.h  Q/K/V, O or down over MXFP4 fragment tiles
+//   mk_tiled_matvec.h  Q/K/V, O or down over MXFP4 fragment tiles (mk_tiles.h: what the tiled tasks share)
 //   mk_gate_up.h    RMSNorm + gate/up rows + SiLU (mk_gate_up_tiles.h: over MXFP4 fragment tiles)
 //   mk_lm_head.h    final RMSNorm + LM head rows + best token (+ logits); the last task picks
 // and the matvec tasks' common parts: mk_matvec.h (the loop), mk_weight_rows.h (which rows a task

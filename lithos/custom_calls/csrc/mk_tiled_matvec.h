@@ -22,8 +22,8 @@
 
 #include <type_traits>
 
-#include "mk_gate_up_tiles.h"
 #include "mk_qkv.h"
+#include "mk_tiles.h"
 
 namespace lithos {
 namespace mk {

@@ -214,8 +214,11 @@ struct QkvTiles {
     TileSource q, k, v;
     __device__ __forceinline__ TileChunk load(int, int tile, int kt) const {
       const int slot = place.slot(tile), group = place.group;
-      const int head = slot < group ? slot : 0;
-      return (slot < group ? q : (slot == group ? k : v)).load((head << place.head_shift) + place.q(tile), kt);
+      const bool is_q = slot < group, is_k = slot == group;
+      // Field by field: a select of the structs themselves chose between their copies on the stack.
+      const TileSource s{is_q ? q.codes : (is_k ? k.codes : v.codes), is_q ? q.scales : (is_k ? k.scales : v.scales),
+                         q.k_tiles};
+      return s.load(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
     }
   };
   const Args& a;
@@ -229,11 +232,13 @@ struct QkvTiles {
     place = {kv_head * (group + 2) * tiles_a_head, kv_head, group, __ffs(tiles_a_head) - 1};
   }
   __device__ __forceinline__ Matrix matrix(int lane32) const {
-    // Each source's chunk 0 moved to the group's first head of its matrix (whole tiles of k_tiles chunks a tile).
+    // Each source's chunk 0 moved to the group's first head of its matrix (whole tiles of k_tiles chunks a tile);
+    // one k_tiles for the three (the hidden size's inputs), so that they share its register.
+    const int k_tiles = n_in / kTileInputs;
     auto at_head = [&](const PackedWeight& w, int head) {
       const TileSource s = TileSource::of(w, layer, lane32);
-      const size_t chunks = static_cast<size_t>(head << place.head_shift) * s.k_tiles;
-      return TileSource{s.codes + chunks * kTileBytes, s.scales + chunks * kTileScaleBytes, s.k_tiles};
+      const size_t chunks = static_cast<size_t>(head << place.head_shift) * k_tiles;
+      return TileSource{s.codes + chunks * kTileBytes, s.scales + chunks * kTileScaleBytes, k_tiles};
     };
     return {place, at_head(a.wq, place.kv_head * place.group), at_head(a.wk, place.kv_head),
             at_head(a.wv, place.kv_head)};

@@ -232,7 +232,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   // added in warp order. The only form the one-token kernel has: the decode to f32 below stays out of its code
   // (kernel.py checks that B and the pieces fit before it launches).
   if constexpr (kTileMmaFor<TMAX>) {
-    const int operand_bytes = (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16;
+    const int operand_bytes = tile_operand_bytes(a.hidden);
     if (operand_bytes + tiles * kTilePieceBytes > kRingInputBytes) {
       if (threadIdx.x == 0) abort_step(a, index);
       return false;

@@ -206,7 +206,7 @@ struct QkvTiles {
   };
   // One source a matrix, each from the group's first head in it: its query heads in wq, its key head in wk, its
   // value head in wv (chosen by selects: indexed, they would live on the stack). Formed at every step from the
-  // matrices' fields instead, the loop was 561 instructions a step against 477 (NOTES.md, "Tile addresses from
+  // matrices' fields instead, the loop was 561 instructions a step against 480 (NOTES.md, "Tile addresses from
   // per-task bases").
   struct Matrix {
     static constexpr int kCount = 1;
@@ -258,7 +258,7 @@ struct QkvTiles {
   // Where the warps' sums go in the ring's memory: after the one-token B.
   template <int TMAX>
   __device__ __forceinline__ int pieces_offset() const {
-    return TMAX == 1 ? (a.hidden * kTileOperandBytesPerInput + 15) / 16 * 16 : 0;
+    return TMAX == 1 ? tile_operand_bytes(a.hidden) : 0;
   }
   // One token: B staged, and each warp's squares of x from the same loads. More: each warp's squares, their loads
   // issued beside the first step's B. Either is read after the task's barrier (`store`).

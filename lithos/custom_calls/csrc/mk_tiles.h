@@ -75,6 +75,10 @@ __device__ __forceinline__ float mx_scale(uint32_t word) {
 // inputs; more tokens: stage_tile_operand_tokens).
 __device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
 constexpr int kTileOperandBytesPerInput = 4;
+// Bytes of one token's staged B for `n_in` inputs, rounded up to 16 (what follows it is 16-byte aligned).
+__device__ __forceinline__ int tile_operand_bytes(int n_in) {
+  return (n_in * kTileOperandBytesPerInput + 15) / 16 * 16;
+}
 constexpr int kTileOperandParts = 2;
 // B is the activations times 2^64 (exact: an exponent moved), so that its products with A's value * 2^-126 stay
 // normal f32; mma_scale undoes both.

@@ -186,6 +186,11 @@ TILE_PIECE_BLOCK_BYTES = WARPS_PER_BLOCK * 32 * 4 * 4
 TILED_OPS = {Op.QKV: "qkv", Op.O_PROJ: "o", Op.DOWN: "down"}
 
 
+def tile_operand_bytes(hidden: int) -> int:
+    """Bytes of one token's B a tiled task stages for `hidden` inputs (csrc/mk_tiles.h tile_operand_bytes)."""
+    return -(-hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16
+
+
 def largest_task(schedule: Schedule, op: Op) -> int:
     """The most units a task of kind `op` takes in `schedule` (0 where there is none)."""
     table = schedule.tasks
@@ -197,7 +202,7 @@ def tiled_staging_bytes(op: Op, tiles: int, tokens: int, hidden: int) -> int:
     """Bytes of the ring's input area a tiled task of kind `op` over `tiles` tiles takes for `tokens` tokens: its
     warps' sums, after B where it stages B (Q/K/V at one token, as gate/up)."""
     per_block = 4 if op == Op.QKV else 8
-    operand = -(-hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16 if op == Op.QKV and tokens == 1 else 0
+    operand = tile_operand_bytes(hidden) if op == Op.QKV and tokens == 1 else 0
     return operand + tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
 
 
@@ -221,7 +226,7 @@ def check_tile_staging(schedule: Schedule) -> None:
     fix where a task's would not fit (the kernel would abort the step)."""
     s = schedule.shape
     tiles = largest_task(schedule, Op.GATE_UP) // TILE_UNITS
-    need = -(-s.hidden * TILE_OPERAND_BYTES_PER_INPUT // 16) * 16 + tiles * TILE_PIECE_BYTES
+    need = tile_operand_bytes(s.hidden) + tiles * TILE_PIECE_BYTES
     if need > TILE_STAGING_BYTES:
         raise LithosError(
             f"megakernel: gate/up in fragment tiles needs {need} bytes of staging a task (hidden {s.hidden}, {tiles} "

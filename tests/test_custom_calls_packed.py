@@ -29,9 +29,11 @@ from .test_custom_calls import BF16, assert_close, f64, rand, rms64, rope64
 PACKED_KERNELS = [f"matvec_packed_{name}" for name in PACKED_FORMATS] + ["expert_matvec"]
 
 
-def random_packed(fmt_name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=BF16) -> quant.QuantizedArray:
+def random_packed(
+    fmt_name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=BF16, spread: float = 1.0
+) -> quant.QuantizedArray:
     """Random codes (every code of the format, E4M3's NaN codes left out) with scales that keep the
-    values near 1, as trained weights' are."""
+    values near `spread` (1: as trained weights' are; MX formats always near 1)."""
     fmt = quant.get_format(fmt_name)
     planes = {}
     for name, (plane_shape, plane_dtype) in fmt.plane_shapes(shape).items():
@@ -40,15 +42,28 @@ def random_packed(fmt_name: str, shape: tuple[int, ...], rng: np.random.Generato
             if fmt.element == "e4m3":
                 codes = np.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).astype(np.uint8)
             plane = codes.view(plane_dtype)
+        elif fmt.record:  # K-quant records: random 6-bit (q4_k) or int8 (q6_k) scales, then f16 d (and dmin)
+            plane = rng.integers(0, 256, plane_shape, dtype=np.uint8)
+            factors = 2 if fmt.name == "q4_k" else 1
+            span = spread * (0.002 if fmt.name == "q4_k" else 0.0005)
+            d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
+            plane[..., : 2 * factors] = d.view(np.uint8)
         elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0
             plane = rng.integers(120, 128, plane_shape).astype(np.uint8)
         elif name == "mins":
-            plane = (-0.1 * rng.random(plane_shape)).astype(plane_dtype)
+            plane = (-0.1 * spread * rng.random(plane_shape)).astype(plane_dtype)
         else:
             span = 0.002 if fmt.element == "e4m3" else 0.1
-            plane = (span * (0.5 + rng.random(plane_shape))).astype(plane_dtype)
+            plane = (span * spread * (0.5 + rng.random(plane_shape))).astype(plane_dtype)
         planes[name] = jnp.asarray(plane)
     return quant.from_planes(fmt, planes, dtype)
+
+
+def fitting(fmt_name: str, n_in: int) -> int:
+    """`n_in`, or the next multiple of the format's super-block where its rows need whole ones (K-quants)."""
+    fmt = quant.get_format(fmt_name)
+    block = fmt.block[1] if fmt.record else 1
+    return -(-n_in // block) * block
 
 
 def values64(w: quant.QuantizedArray) -> np.ndarray:
@@ -64,7 +79,7 @@ def values64(w: quant.QuantizedArray) -> np.ndarray:
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_packed_matvec_reference(fmt_name, tokens):
     rng = np.random.default_rng(10)
-    layers, n_in, n_out = 3, 64, 48
+    layers, n_in, n_out = 3, fitting(fmt_name, 64), 48
     w = random_packed(fmt_name, (layers, n_out, n_in), rng)
     x, norm, residual = rand(rng, tokens, n_in), rand(rng, layers, n_in), rand(rng, tokens, n_out)
     y = packed_matvec(x, w, layer=1, norm_weight=norm, residual=residual, path="reference")
@@ -90,7 +105,7 @@ def test_packed_matvec_f32_logits_are_not_rounded(fmt_name):
 @pytest.mark.parametrize("fmt_name", PACKED_FORMATS)
 def test_packed_gate_up_silu_reference(fmt_name):
     rng = np.random.default_rng(12)
-    layers, hidden, ffn, tokens = 2, 64, 96, 3
+    layers, hidden, ffn, tokens = 2, fitting(fmt_name, 64), 96, 3
     w_gate = random_packed(fmt_name, (layers, ffn, hidden), rng)
     w_up = random_packed(fmt_name, (layers, ffn, hidden), rng)
     x, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
@@ -104,7 +119,7 @@ def test_packed_gate_up_silu_reference(fmt_name):
 @pytest.mark.parametrize("fmt_name", PACKED_FORMATS)
 def test_packed_qkv_rope_append_reference(fmt_name):
     rng = np.random.default_rng(13)
-    layers, hidden, heads, kv_heads, dim, max_len, tokens = 2, 64, 4, 2, 16, 12, 3
+    layers, hidden, heads, kv_heads, dim, max_len, tokens = 2, fitting(fmt_name, 64), 4, 2, 16, 12, 3
     h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
     wq, wk, wv = (random_packed(fmt_name, (layers, n * dim, hidden), rng) for n in (heads, kv_heads, kv_heads))
     k_cache, v_cache = (rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2))
@@ -127,10 +142,37 @@ def test_packed_qkv_rope_append_reference(fmt_name):
     np.testing.assert_array_equal(f64(k_new[0]), f64(k_cache[0]))  # other layers untouched
 
 
+@pytest.mark.parametrize("formats", [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "bfloat16")])
+def test_packed_qkv_rope_append_of_mixed_formats(formats):
+    """Q, K and V in different formats (a GGUF K-quant mix's V in Q6_K, or dense where its layers mix types):
+    three projections, then the same rotation and cache write."""
+    rng = np.random.default_rng(20)
+    layers, hidden, heads, kv_heads, dim, max_len, tokens = 2, 256, 4, 2, 16, 12, 2
+    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
+    wq, wk, wv = (
+        rand(rng, layers, n * dim, hidden) if fmt == "bfloat16" else random_packed(fmt, (layers, n * dim, hidden), rng)
+        for fmt, n in zip(formats, (heads, kv_heads, kv_heads), strict=True)
+    )
+    k_cache, v_cache = (rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2))
+    inv_freq = 1.0 / 100.0 ** (np.arange(0, dim, 2) / dim)
+    positions = np.asarray([4, 9], np.int32)
+    q, k_new, v_new = jax.jit(partial(packed_qkv_rope_append, layer=1))(
+        h, norm, wq, wk, wv, jnp.asarray(inv_freq, jnp.float32), jnp.asarray(positions), k_cache, v_cache
+    )
+    x = rms64(h, norm[1], 1e-5)
+    dense = [f64(w)[1] if fmt == "bfloat16" else values64(w)[1] for w, fmt in zip((wq, wk, wv), formats, strict=True)]
+    assert_close(q, rope64((x @ dense[0].T).reshape(tokens, heads, dim), positions, inv_freq))
+    expect_k, expect_v = f64(k_cache), f64(v_cache)
+    expect_k[1, 0, :, positions] = rope64((x @ dense[1].T).reshape(tokens, kv_heads, dim), positions, inv_freq)
+    expect_v[1, 0, :, positions] = (x @ dense[2].T).reshape(tokens, kv_heads, dim)
+    assert_close(k_new, expect_k)
+    assert_close(v_new, expect_v)
+
+
 @pytest.mark.parametrize("fmt_name", ["bfloat16", *PACKED_FORMATS])
 def test_expert_matvec_reference(fmt_name):
     rng = np.random.default_rng(14)
-    layers, experts, n_in, n_out = 2, 5, 64, 40
+    layers, experts, n_in, n_out = 2, 5, 64 if fmt_name == "bfloat16" else fitting(fmt_name, 64), 40
     shape = (layers, experts, n_out, n_in)
     w = rand(rng, *shape) if fmt_name == "bfloat16" else random_packed(fmt_name, shape, rng)
     dense = f64(w) if fmt_name == "bfloat16" else values64(w)
@@ -183,7 +225,7 @@ def test_nan_codes_and_scales_reach_the_output():
 def test_format_codes_match_the_kernel_header():
     header = (build.CSRC / "packed.h").read_text()
     enums = dict(bfloat16="kBf16", mxfp4="kMxfp4", mxfp8="kMxfp8", fp8_block128="kFp8Block128", q8_0="kQ8_0")
-    enums.update(q4_0="kQ4_0", q4_1="kQ4_1")
+    enums.update(q4_0="kQ4_0", q4_1="kQ4_1", q4_k="kQ4_K", q6_k="kQ6_K")
     for name, code in FORMAT_CODES.items():
         enum = enums[name]
         assert f"{enum} = {code}," in header, (name, enum)

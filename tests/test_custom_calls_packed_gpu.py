@@ -29,7 +29,7 @@ from lithos.custom_calls.packed_weights import PACKED_FORMATS
 from lithos.models import llama
 
 from .test_custom_calls import BF16, assert_close, f64
-from .test_custom_calls_packed import _decode_logits, random_packed
+from .test_custom_calls_packed import _decode_logits, fitting, random_packed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,9 +45,31 @@ MATVEC_SHAPES = {
     "llama-3.2-1b": (2048, 8192),
     "llama-3.1-8b": (14336, 4096),
     "odd": (96, 43),
+    "odd-k": (512, 43),  # the K-quants' rows hold whole super-blocks of 256
 }
 # (hidden, heads, kv_heads, head_dim)
-QKV_SHAPES = {"smollm2-135m": (576, 9, 3, 64), "llama-3.1-8b": (4096, 32, 8, 128), "odd": (64, 5, 1, 16)}
+QKV_SHAPES = {
+    "smollm2-135m": (576, 9, 3, 64),
+    "llama-3.1-8b": (4096, 32, 8, 128),
+    "odd": (64, 5, 1, 16),
+    "odd-k": (256, 5, 1, 16),
+}
+
+
+def fits(fmt_name: str, n_in: int) -> bool:
+    return fitting(fmt_name, n_in) == n_in
+
+
+def cases_for(cases, inputs_of) -> list[tuple]:
+    """(format, *case) for every packed format and case whose inputs split in the format's blocks; the K-quants
+    take the "odd-k" shape where the others take "odd"."""
+    out = []
+    for fmt_name in PACKED_FORMATS:
+        for shape, tokens in cases:
+            shape = "odd-k" if shape == "odd" and not fits(fmt_name, inputs_of(shape)) else shape
+            if fits(fmt_name, inputs_of(shape)):
+                out.append((fmt_name, shape, tokens))
+    return out
 
 
 def rng_for(*parts) -> np.random.Generator:
@@ -61,7 +83,7 @@ def rand(rng, *shape) -> jax.Array:
 MATVEC_CASES = [("smollm2-135m", 1), ("llama-3.2-1b", 16), ("llama-3.1-8b", 1), ("odd", 5)]
 
 
-@pytest.mark.parametrize("fmt_name, shape, tokens", [(f, *case) for f in PACKED_FORMATS for case in MATVEC_CASES])
+@pytest.mark.parametrize("fmt_name, shape, tokens", cases_for(MATVEC_CASES, lambda shape: MATVEC_SHAPES[shape][0]))
 def test_packed_matvec(fmt_name, shape, tokens):
     rng = rng_for("matvec", fmt_name, shape, tokens)
     n_in, n_out = MATVEC_SHAPES[shape]
@@ -77,7 +99,7 @@ def test_packed_matvec(fmt_name, shape, tokens):
 @pytest.mark.parametrize("fmt_name, tokens", list(itertools.product(PACKED_FORMATS, [1, 16])))
 def test_packed_gate_up_silu(fmt_name, tokens):
     rng = rng_for("gate_up", fmt_name, tokens)
-    hidden, ffn = (2048, 8192) if tokens == 1 else (576, 1536)
+    hidden, ffn = (2048, 8192) if tokens == 1 else (fitting(fmt_name, 576), 1536)
     w_gate, w_up = (random_packed(fmt_name, (2, ffn, hidden), rng) for _ in range(2))
     x, norm = rand(rng, tokens, hidden), rand(rng, 2, hidden)
     want = packed_gate_up_silu(x, w_gate, w_up, layer=1, norm_weight=norm, path="reference")
@@ -88,7 +110,7 @@ def test_packed_gate_up_silu(fmt_name, tokens):
 QKV_CASES = [("llama-3.1-8b", 1), ("smollm2-135m", 4), ("odd", 3)]
 
 
-@pytest.mark.parametrize("fmt_name, shape, tokens", [(f, *case) for f in PACKED_FORMATS for case in QKV_CASES])
+@pytest.mark.parametrize("fmt_name, shape, tokens", cases_for(QKV_CASES, lambda shape: QKV_SHAPES[shape][0]))
 def test_packed_qkv_rope_append(fmt_name, shape, tokens):
     rng = rng_for("qkv", fmt_name, shape, tokens)
     hidden, heads, kv_heads, dim = QKV_SHAPES[shape]
@@ -109,10 +131,35 @@ def test_packed_qkv_rope_append(fmt_name, shape, tokens):
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1"])
+@pytest.mark.parametrize("formats", [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "bfloat16")])
+def test_packed_qkv_rope_append_of_mixed_formats(formats):
+    rng = rng_for("qkv-mixed", formats)
+    hidden, heads, kv_heads, dim = QKV_SHAPES["llama-3.1-8b"]
+    layers, max_len, tokens = 2, 64, 1
+    wq, wk, wv = (
+        rand(rng, layers, n * dim, hidden) if fmt == "bfloat16" else random_packed(fmt, (layers, n * dim, hidden), rng)
+        for fmt, n in zip(formats, (heads, kv_heads, kv_heads), strict=True)
+    )
+    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
+    caches = [rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2)]
+    inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim), jnp.float32)
+    positions = jnp.asarray([40], jnp.int32)
+
+    def run(path):
+        fn = jax.jit(
+            lambda h, k, v: packed_qkv_rope_append(h, norm, wq, wk, wv, inv_freq, positions, k, v, layer=1, path=path)
+        )
+        return fn(h, *caches)
+
+    for got, want in zip(run(KERNEL), run("reference"), strict=True):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1", "q6_k"])
 def test_packed_lm_head_argmax(fmt_name):
     rng = rng_for("head", fmt_name)
-    head, h, norm = random_packed(fmt_name, (49152, 576), rng), rand(rng, 3, 576), rand(rng, 576)
+    hidden = fitting(fmt_name, 576)
+    head, h, norm = random_packed(fmt_name, (49152, hidden), rng), rand(rng, 3, hidden), rand(rng, hidden)
     ids, logits = jax.jit(lambda *a: packed_lm_head_argmax(*a, norm_weight=norm, with_logits=True, path=KERNEL))(
         h, head
     )
@@ -152,8 +199,21 @@ def test_expert_matvec_kernel_reads_only_routed_experts():
     np.testing.assert_array_equal(got, np.asarray(run(x, w, ids), np.float32))
 
 
-@pytest.mark.parametrize("kernels", ["fused", "megakernel"])
-@pytest.mark.parametrize("shape, fmt_name", [("smollm2-135m", "q4_1"), ("llama-3.2-1b", "mxfp4")])
+# Q4_K_M's formats (llama.cpp): V and down in Q6_K, the other matrices in Q4_K.
+Q4_K_M = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "wo": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+
+
+@pytest.mark.parametrize(
+    "kernels, shape, fmt_name",
+    [
+        *(
+            (kernels, *case)
+            for case in [("smollm2-135m", "q4_1"), ("llama-3.2-1b", "mxfp4"), ("llama-3.2-1b", "q4_k")]
+            for kernels in ("fused", "megakernel")
+        ),
+        ("fused", "llama-3.2-1b", "q4_k_m"),  # Q/K/V of two formats: the megakernel refuses them
+    ],
+)
 def test_decoder_over_packed_weights_matches_reference(shape, fmt_name, kernels):
     """A random model of the shape, attention and MLP packed: the fused (or megakernel) and reference
     decode steps agree within bf16 tolerance, and pick the same tokens wherever the reference's top
@@ -164,9 +224,9 @@ def test_decoder_over_packed_weights_matches_reference(shape, fmt_name, kernels)
         params = quant.quantize_params(params, fmt_name, ["attention", "mlp"])
     else:  # GGUF formats are read, not made: random codes with small scales
         rng = rng_for("model", shape, fmt_name)
-        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        formats = Q4_K_M if fmt_name == "q4_k_m" else dict.fromkeys(Q4_K_M, fmt_name)
         layers = params.layers.replace(
-            **{n: random_packed(fmt_name, getattr(params.layers, n).shape, rng) for n in names}
+            **{n: random_packed(fmt, getattr(params.layers, n).shape, rng) for n, fmt in formats.items()}
         )
         params = params.replace(layers=layers)
     fused = _decode_logits(cfg, params, kernels, steps=8)

@@ -374,13 +374,7 @@ def pack(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> quant.Quantiz
     random GGUF blocks of `w`'s spread otherwise (lithos reads GGUF but does not make it)."""
     if fmt_name in ("mxfp4", "mxfp8", "fp8_block128"):
         return quant.quantize(w, fmt_name, dtype=w.dtype)
-    packed = random_packed(fmt_name, tuple(w.shape), rng, w.dtype)  # values near 1
-    spread = float(np.std(np.asarray(w, np.float32)))
-
-    def shrink(plane):
-        return None if plane is None else (plane.astype(jnp.float32) * spread).astype(plane.dtype)
-
-    return packed.replace(scales=shrink(packed.scales), mins=shrink(packed.mins))
+    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(np.asarray(w, np.float32))))
 
 
 # Matrix groups of a model, and what a packed model holds in them.
@@ -389,6 +383,12 @@ PACKED_CASES = {
     "mx": {"attention": "mxfp8", "mlp": "mxfp4", "embed": "fp8_block128"},
     # GGUF formats, as in the default model (Q4_1 layers, Q8_0 tied embedding).
     "gguf": {"attention": "q4_0", "mlp": "q4_1", "embed": "q8_0"},
+    # GGUF K-quants, as in Q4_K_M files (Q6_K where more bits are kept, the output among them).
+    "k_quants": {"attention": "q4_k", "mlp": "q6_k", "embed": "q6_k"},
+}
+# A tiny model's sizes; the K-quants' rows hold whole super-blocks of 256.
+PACKED_SIZES = {
+    "k_quants": dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512),
 }
 
 
@@ -412,9 +412,8 @@ def packed_step_weights(weights: StepWeights, groups: dict[str, str], seed: int 
 def test_megakernel_path_on_packed_weights_equals_reference_forward(case):
     """Every packed format, read as stored: the interpreter dequantises exactly, as the reference path
     does, so the two differ only in summation order."""
-    cfg = dataclasses.replace(
-        config_of(SHAPES["tiny"]), head_dim=64, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=160
-    )
+    sizes = PACKED_SIZES.get(case, dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=160))
+    cfg = dataclasses.replace(config_of(SHAPES["tiny"]), head_dim=64, **sizes)
     params = packed_params(llama.init_params(cfg, jax.random.key(4), jnp.float32), PACKED_CASES[case])
     assert all(isinstance(w, quant.QuantizedArray) for w in (params.embed, params.layers.wq, params.layers.w_down))
     ref, ref_tokens = step_logits(cfg, params, "reference", 40, 3)

@@ -166,18 +166,24 @@ def test_fp8_block_scales_must_be_128x128():
 # ---- GGUF ----------------------------------------------------------------------------------------
 
 
+# Where each GGUF block keeps its f16 factors: d (and Q4_1's m, Q4_K's dmin).
+F16_FACTORS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf scales too
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "MXFP4"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q6_K"])
 def test_gguf_blocks_match_gguf_dequantize(type_name):
-    """Random bytes cover every f16 scale (zero, -0, subnormal, 65504, inf, NaN) and every code."""
+    """Random bytes cover every f16 factor (zero, -0, subnormal, 65504, inf, NaN) and every code (and every
+    6-bit K-quant scale and min, every Q6_K int8 scale)."""
     gguf = require("gguf")
     qtype = gguf.GGMLQuantizationType[type_name]
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, blocks = 64, 8
+    rows, blocks = 64, 8 * 32 // block_elems + 1
     raw = RNG.integers(0, 256, (rows, blocks * block_bytes), dtype=np.uint8)
     if type_name != "MXFP4":
         edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7C00, 0x7E00], np.uint16)
-        raw.reshape(rows, blocks, block_bytes)[: len(edges), 0, :2] = edges.view(np.uint8).reshape(-1, 2)
+        for at in F16_FACTORS[type_name]:
+            raw.reshape(rows, blocks, block_bytes)[: len(edges), 0, at : at + 2] = edges.view(np.uint8).reshape(-1, 2)
     else:
         raw.reshape(rows, blocks, block_bytes)[: len(E8M0_EDGES), 0, 0] = E8M0_EDGES
     expected = gguf.quants.dequantize(raw, qtype)
@@ -192,6 +198,17 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
         assert nan_scale.any() and np.isnan(got[nan_scale]).all()
         expected = np.where(nan_scale, np.float32(np.nan), expected)
     assert_bits_equal(got, expected)
+
+
+def test_k_quant_planes_cost_what_the_gguf_blocks_cost():
+    """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 6.5625 for Q6_K (Q6_K's record holds
+    its d before its 16 scales: the same 18 bytes). Their rows split only in whole super-blocks."""
+    for fmt, block_bytes in ((quant.Q4_K, 144), (quant.Q6_K, 210)):
+        planes = fmt.plane_shapes((3, 512))
+        assert sum(np.prod(shape) * dtype.itemsize for shape, dtype in planes.values()) == 3 * 2 * block_bytes
+        assert fmt.bits_per_weight() == block_bytes * 8 / 256
+        with pytest.raises(LithosError, match="blocks of 256"):
+            fmt.plane_shapes((3, 576))
 
 
 def test_gguf_quantized_weights_round_trip():

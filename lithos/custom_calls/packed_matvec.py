@@ -2,7 +2,7 @@
 code in csrc/matvec_packed.h and csrc/packed.h) beside their reference twins.
 
 Each op takes a weight that is either bf16 (then it is the bf16 op of matvec.py / qkv.py / lm_head.py)
-or a lithos.quant QuantizedArray (MXFP4, MXFP8, FP8 128x128 block-scaled, GGUF Q8_0, Q4_0, Q4_1),
+or a lithos.quant QuantizedArray (MXFP4, MXFP8, FP8 128x128 block-scaled, GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
 whose codes the kernel dequantises in registers, accumulating in float32:
 
 - `packed_matvec`:          y = residual + RMSNorm?(x) @ w.T
@@ -36,7 +36,7 @@ from lithos.custom_calls.packed_weights import (
     values_f32,
     weight_at_layer,
 )
-from lithos.custom_calls.qkv import qkv_rope_append
+from lithos.custom_calls.qkv import qkv_rope_append, rope_and_append
 from lithos.errors import LithosError
 from lithos.quant import QuantizedArray
 
@@ -256,6 +256,21 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
     )
 
 
+def _qkv_split(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path):
+    """Q, K and V in different formats (stacked `[layers, ...]`): a projection call each (f32 results from packed
+    weights, bf16 from dense ones, as their ops give them), then the reference's rotation and cache write."""
+    layer = layer_index(layer)
+
+    def project_f32(w):
+        out_dtype = jnp.float32 if isinstance(w, QuantizedArray) else None
+        y = packed_matvec(h, w, layer=layer, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype, path=path)
+        return y.astype(jnp.float32)
+
+    q, k, v = (project_f32(w) for w in (wq, wk, wv))
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, k_cache, v_cache, None, None, ring=ring)
+
+
 def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps, ring):
     head_dim = k_cache.shape[4]
     out_types = [
@@ -303,16 +318,16 @@ def packed_qkv_rope_append(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv all bf16 or
-    all packed in one format: returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). An FP8 cache
-    (`k_scale`, `v_scale`) goes with bf16 weights only."""
-    packed = [isinstance(w, QuantizedArray) for w in (wq, wk, wv)]
-    if not any(packed):
+    """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv bf16 or packed:
+    returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). One kernel when all three are bf16 or packed in one
+    format; three projections (then rotation and the cache write in XLA) when their formats differ, as a GGUF's
+    K-quant mix keeps V in more bits than Q and K. An FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights
+    only."""
+    formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
+    if formats == {"dense"}:
         options = dict(layer=layer, eps=eps, ring=ring, path=path)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
-    if not all(packed):
-        raise LithosError("packed_qkv_rope_append: wq, wk and wv must all be packed (or all bf16)")
     if k_scale is not None or v_scale is not None:
         raise LithosError("packed_qkv_rope_append: packed weights write a bf16 cache; use an unquantized KV cache")
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
@@ -332,6 +347,8 @@ def packed_qkv_rope_append(
         raise LithosError(f"packed_qkv_rope_append: wk {wk.shape} / wv {wv.shape} do not fit the cache {k_cache.shape}")
     if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
         raise LithosError(f"packed_qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
+    if len(formats) > 1:
+        return _qkv_split(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path)
 
     def check():
         _check_packed("packed_qkv_rope_append", h, wq, wk, wv)

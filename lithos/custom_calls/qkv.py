@@ -45,12 +45,19 @@ def _stored(new, cache, scale, layer):
 def _reference(
     h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, ring
 ):
-    tokens = h.shape[0]
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
     x = rms_normalize(h, at_layer(norm_weight, layer), eps)
-    q = project(x, at_layer(wq, layer)).reshape(tokens, -1, head_dim)
-    k = project(x, at_layer(wk, layer)).reshape(tokens, kv_heads, head_dim)
-    v = project(x, at_layer(wv, layer)).reshape(tokens, kv_heads, head_dim)
+    q, k, v = (project(x, at_layer(w, layer)) for w in (wq, wk, wv))
+    return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, ring=ring)
+
+
+def rope_and_append(q, k, v, dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, ring):
+    """The projections' f32 results `[tokens, heads * head_dim]` rotated, K and V written into layer `layer` of
+    the stacked caches: returns (q `[tokens, heads, head_dim]` in `dtype`, k_cache, v_cache)."""
+    tokens = q.shape[0]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
+    q = q.reshape(tokens, -1, head_dim)
+    k = k.reshape(tokens, kv_heads, head_dim)
+    v = v.reshape(tokens, kv_heads, head_dim)
     q = rotate(q, positions, inv_freq)
     k = rotate(k, positions, inv_freq)
     # A layer index into a cache with one layer (shared) is 0.
@@ -58,7 +65,7 @@ def _reference(
     slots = cache_slots(positions, k_cache.shape[3], ring)
     k_cache = k_cache.at[cache_layer, 0, :, slots].set(_stored(k, k_cache, k_scale, layer), mode="drop")
     v_cache = v_cache.at[cache_layer, 0, :, slots].set(_stored(v, v_cache, v_scale, layer), mode="drop")
-    return q.astype(h.dtype), k_cache, v_cache
+    return q.astype(dtype), k_cache, v_cache
 
 
 def _kernel(

@@ -18,10 +18,22 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q8_0          i8 [..., out, in]          f16 [..., out, in/32]                 -
     q4_0          u8 [..., out, in/2]        f16 [..., out, in/32]                 -
     q4_1          u8 [..., out, in/2]        f16 [..., out, in/32]                 f16 [..., out, in/32]
+    q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
+    q6_k          u8 [..., out, 3*in/4]      u8  [..., out, in/256, 18]  records   -
 
 4-bit data: element 2k of a row is the low nibble of byte k, element 2k+1 the high nibble (the
 OCP/GPT-OSS order). GGUF files store Q4 blocks with elements 0..15 in the low nibbles and 16..31 in
-the high nibbles; the loader reorders them losslessly so that every 4-bit format unpacks alike.
+the high nibbles (Q4_K: 0..31 and 32..63 of each 64); the loader reorders them losslessly so that
+every 4-bit format unpacks alike.
+
+The K-quants (llama.cpp) scale super-blocks of 256 weights in two levels, and keep each super-block's
+scales as one record, byte for byte as GGUF stores them, so they cost what they cost there:
+
+    q4_k record   f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks of 32
+                  (llama.cpp's get_scale_min_k4 packing)
+    q6_k record   f16 d, then 16 int8 scales, one per 16 weights
+    q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
+                  above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
 
 Values (f32, exact):
 
@@ -31,6 +43,8 @@ Values (f32, exact):
     q8_0           f32(d) * code                       (code signed)
     q4_0           f32(d) * (code - 8)
     q4_1           f32(d) * code + f32(m)
+    q4_k           (d * sc_j) * code - (dmin * m_j)    (sub-block j = column // 32 of the super-block)
+    q6_k           (d * sc_i) * (code - 32)            (i = column // 16 of the super-block; sc signed)
 
 `dequantize` is the reference: plain jax.numpy, bit-exact on every backend. XLA on CPU flushes
 subnormal f32 results to zero, so the power-of-two MX scaling is done on the exponent bits with
@@ -66,24 +80,32 @@ class QuantFormat:
     """
 
     name: str
-    element: str  # "e2m1", "e4m3", "int8", "uint4"
-    element_bits: int  # 4 or 8
+    element: str  # "e2m1", "e4m3", "int8", "uint4", "uint6"
+    element_bits: int  # 4, 6 or 8
     block: tuple[int, int]
-    scale: str  # "e8m0" (u8 biased exponent), "f16", "f32"
+    scale: str  # "e8m0" (u8 biased exponent), "f16", "f32", "record" (u8 records of `record` bytes a block)
     has_min: bool = False
+    record: int = 0  # bytes of each block's scale record (K-quants); 0: one scale (and min) a block in its plane
     origin: str = ""
     tile: tuple[int, int] | None = None  # (rows, inputs) a layout's tiles need (lithos.quant.tiles)
     # Rows of each head of this many reordered so that a tile holds both halves of 8 rotary pairs (lithos.quant.tiles
     # rotary tiles); 0: rows in order.
     rotary_head: int = 0
 
-    @property
-    def elements_per_byte(self) -> int:
-        return 8 // self.element_bits
+    def data_bytes(self, cols: int) -> int:
+        """Bytes of data a row of `cols` weights takes."""
+        return cols * self.element_bits // 8
+
+    def data_cols(self, nbytes: int) -> int:
+        """Weights a row of `nbytes` data bytes holds."""
+        return nbytes * 8 // self.element_bits
 
     def bits_per_weight(self) -> float:
         """Average storage bits per weight, scales included (for full blocks)."""
-        scale_bits = {"e8m0": 8, "f16": 16, "f32": 32}[self.scale] * (2 if self.has_min else 1)
+        if self.record:
+            scale_bits = 8 * self.record
+        else:
+            scale_bits = {"e8m0": 8, "f16": 16, "f32": 32}[self.scale] * (2 if self.has_min else 1)
         return self.element_bits + scale_bits / (self.block[0] * self.block[1])
 
     def plane_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -106,7 +128,10 @@ class QuantFormat:
                     f"shape {shape} does not split in them"
                 )
         data_dtype = np.dtype(np.int8) if self.element == "int8" else np.dtype(np.uint8)
-        planes = {"data": ((*lead, cols // self.elements_per_byte), data_dtype)}
+        planes = {"data": ((*lead, self.data_bytes(cols)), data_dtype)}
+        if self.record:
+            planes["scales"] = ((*lead, cols // cols_block, self.record), np.dtype(np.uint8))
+            return planes
         scale_dtype = np.dtype({"e8m0": np.uint8, "f16": np.float16, "f32": np.float32}[self.scale])
         if rows_block == 1:
             scale_shape = (*lead, cols // cols_block)
@@ -133,8 +158,12 @@ FP8_BLOCK128 = QuantFormat(
 Q8_0 = QuantFormat("q8_0", "int8", 8, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_0 = QuantFormat("q4_0", "uint4", 4, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_1 = QuantFormat("q4_1", "uint4", 4, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
+Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
+Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1)}
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+}
 
 
 def get_format(name: str) -> QuantFormat:
@@ -161,7 +190,7 @@ class QuantizedArray:
     def shape(self) -> tuple[int, ...]:
         """The logical (dequantised) shape."""
         *lead, packed = self.data.shape
-        return (*lead, packed * self.format.elements_per_byte)
+        return (*lead, self.format.data_cols(packed))
 
     @property
     def ndim(self) -> int:
@@ -207,7 +236,7 @@ def from_planes(fmt: QuantFormat | str, planes: dict[str, Any], dtype=np.float32
     """Build a QuantizedArray from its planes, checking their shapes and dtypes against the format."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     data = planes["data"]
-    shape = (*data.shape[:-1], data.shape[-1] * fmt.elements_per_byte)
+    shape = (*data.shape[:-1], fmt.data_cols(data.shape[-1]))
     expected = fmt.plane_shapes(shape)
     if set(planes) != set(expected):
         raise LithosError(f"{fmt.name} has planes {sorted(expected)}, got {sorted(planes)}")
@@ -290,6 +319,39 @@ def _unblock(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
+def _record_f16(records: jax.Array, at: int) -> jax.Array:
+    """The f16 at bytes `at`, `at + 1` of every record `[..., blocks, record]`, as f32 `[..., blocks]`."""
+    return jax.lax.bitcast_convert_type(records[..., at : at + 2], jnp.float16).astype(jnp.float32)
+
+
+def q4_k_scales_and_mins(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 8 sub-blocks' 6-bit scales and mins from a Q4_K record's 12 bytes `[..., 12]` (llama.cpp's
+    get_scale_min_k4): sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and 4..7 (mins); 4..7
+    in the nibbles of bytes 8..11, their top 2 bits in the top bits of bytes 0..3 and 4..7."""
+    q = packed.astype(jnp.int32)
+    low_sc, low_m, high = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    scales = jnp.concatenate([low_sc & 63, (high & 0xF) | ((low_sc >> 6) << 4)], axis=-1)
+    mins = jnp.concatenate([low_m & 63, (high >> 4) | ((low_m >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
+    records = w.scales  # [..., super-blocks, record]
+    d = _record_f16(records, 0)[..., None]
+    if w.format.name == "q4_k":
+        codes = _blocks(unpack_nibbles(w.data), 32)  # [..., sub-blocks, 32]
+        scales, mins = q4_k_scales_and_mins(records[..., 4:16])  # [..., super-blocks, 8]
+        scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
+        low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
+        return _unblock(scale * codes.astype(jnp.float32) - low)
+    blocks = _blocks(w.data, 192)  # q6_k: [..., super-blocks, 192]
+    high = (blocks[..., 128:].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
+    codes = unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4)
+    scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]
+    values = (d * scales)[..., None] * _blocks(codes - 32, 16).astype(jnp.float32)
+    return _unblock(_unblock(values))
+
+
 def _dequantize_f32(w: QuantizedArray) -> jax.Array:
     if w.format.tile is not None:
         from lithos.quant.tiles import from_tiles
@@ -297,6 +359,8 @@ def _dequantize_f32(w: QuantizedArray) -> jax.Array:
         w = from_tiles(w)
     fmt = w.format
     name = fmt.name
+    if fmt.record:
+        return _dequantize_k_quant(w)
     if name in ("mxfp4", "mxfp8"):
         if name == "mxfp4":
             values = jnp.asarray(E2M1_VALUES)[unpack_nibbles(w.data)]

@@ -4,6 +4,8 @@
   (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
+- GGUF K-quant super-blocks (Q4_K, Q6_K: 256 weights, 144 and 210 bytes): their scales stay one record
+  per super-block (lithos.quant.formats), their codes are reordered as above.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -15,14 +17,27 @@ from __future__ import annotations
 import numpy as np
 
 from lithos.errors import CheckpointError
-from lithos.quant.formats import FP8_BLOCK128, MXFP4, Q4_0, Q4_1, Q8_0, QuantFormat, QuantizedArray, from_planes
+from lithos.quant.formats import (
+    FP8_BLOCK128,
+    MXFP4,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    QuantFormat,
+    QuantizedArray,
+    from_planes,
+)
 
-# GGUF tensor type name -> (format, bytes per block of 32 weights).
-GGUF_FORMATS: dict[str, tuple[QuantFormat, int]] = {
-    "Q8_0": (Q8_0, 34),
-    "Q4_0": (Q4_0, 18),
-    "Q4_1": (Q4_1, 20),
-    "MXFP4": (MXFP4, 17),
+# GGUF tensor type name -> (format, weights per block, bytes per block).
+GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
+    "Q8_0": (Q8_0, 32, 34),
+    "Q4_0": (Q4_0, 32, 18),
+    "Q4_1": (Q4_1, 32, 20),
+    "MXFP4": (MXFP4, 32, 17),
+    "Q4_K": (Q4_K, 256, 144),
+    "Q6_K": (Q6_K, 256, 210),
 }
 
 
@@ -32,12 +47,39 @@ def _field(blocks: np.ndarray, start: int, stop: int, dtype) -> np.ndarray:
     return raw[..., 0] if raw.shape[-1] == 1 else raw
 
 
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes `[..., n]` in element order -> u8 `[..., n/2]`, element 2k in the low nibble of byte k."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
 def gguf_nibbles_to_planar(qs: np.ndarray) -> np.ndarray:
     """GGUF 4-bit codes `[..., blocks, 16]` (elements 0..15 low nibbles, 16..31 high) -> `[..., blocks*16]`
     with element 2k in the low nibble of byte k."""
     elements = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., blocks, 32] in element order
-    packed = elements[..., 0::2] | (elements[..., 1::2] << 4)
-    return packed.reshape(*qs.shape[:-2], qs.shape[-2] * 16)
+    return pack_nibbles(elements).reshape(*qs.shape[:-2], qs.shape[-2] * 16)
+
+
+def _q4_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q4_K super-blocks `[..., n, 144]` (f16 d, f16 dmin, 12 scale bytes, 128 code bytes whose 32-byte
+    run c holds elements 64c..64c+31 in its low nibbles and 64c+32.. in its high) -> planes."""
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(*blocks.shape[:-1], 256)
+    lead = blocks.shape[:-2]
+    return {"scales": np.ascontiguousarray(blocks[..., :16]), "data": pack_nibbles(codes).reshape(*lead, -1)}
+
+
+def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q6_K super-blocks `[..., n, 210]` (ql: 128 bytes of low 4 bits, qh: 64 of high 2 bits, 16 int8 scales,
+    f16 d) -> planes. In half h of a super-block, ql byte 64h + l holds elements 128h + l (low nibble) and
+    128h + 64 + l (high); qh byte 32h + l holds the high bits of elements 128h + 32s + l at bits 2s."""
+    ql = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 64)
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1).reshape(*blocks.shape[:-1], 256)
+    high = ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*blocks.shape[:-1], 256)
+    high_bytes = high[..., 0::4] | (high[..., 1::4] << 2) | (high[..., 2::4] << 4) | (high[..., 3::4] << 6)
+    data = np.concatenate([pack_nibbles(low), high_bytes.astype(np.uint8)], axis=-1)  # [..., n, 192]
+    record = np.concatenate([blocks[..., 208:210], blocks[..., 192:208]], axis=-1)  # d first, then the scales
+    return {"scales": record, "data": data.reshape(*blocks.shape[:-2], -1)}
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.float32) -> QuantizedArray:
@@ -45,12 +87,18 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
     logical `shape` `[..., out, in]` (row-major, as `gguf.quants.dequantize` returns it)."""
     if type_name not in GGUF_FORMATS:
         raise CheckpointError(f"GGUF type {type_name} is not kept packed (packed: {', '.join(GGUF_FORMATS)})")
-    fmt, block_bytes = GGUF_FORMATS[type_name]
+    fmt, block_elements, block_bytes = GGUF_FORMATS[type_name]
     *lead, cols = shape
-    if cols % 32:
-        raise CheckpointError(f"GGUF {type_name} tensor of shape {shape}: rows of {cols} do not split in blocks of 32")
-    blocks = np.asarray(raw, np.uint8).reshape(*lead, cols // 32, block_bytes)
-    if type_name == "Q8_0":
+    if cols % block_elements:
+        raise CheckpointError(
+            f"GGUF {type_name} tensor of shape {shape}: rows of {cols} do not split in blocks of {block_elements}"
+        )
+    blocks = np.asarray(raw, np.uint8).reshape(*lead, cols // block_elements, block_bytes)
+    if type_name == "Q4_K":
+        planes = _q4_k_planes(blocks)
+    elif type_name == "Q6_K":
+        planes = _q6_k_planes(blocks)
+    elif type_name == "Q8_0":
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
         planes["data"] = planes["data"].reshape(*lead, cols)
     elif type_name == "Q4_0":

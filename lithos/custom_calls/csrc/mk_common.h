@@ -71,8 +71,9 @@ constexpr int64_t kMaxPolls = int64_t{1} << 22;
 constexpr WeightFormat kAttentionFormat = static_cast<WeightFormat>(LITHOS_MK_ATTENTION_FORMAT);
 constexpr WeightFormat kMlpFormat = static_cast<WeightFormat>(LITHOS_MK_MLP_FORMAT);
 constexpr WeightFormat kHeadFormat = static_cast<WeightFormat>(LITHOS_MK_HEAD_FORMAT);
-static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= 6 && LITHOS_MK_MLP_FORMAT >= 0 &&
-                  LITHOS_MK_MLP_FORMAT <= 6 && LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= 6,
+static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= kLastWeightFormat &&
+                  LITHOS_MK_MLP_FORMAT >= 0 && LITHOS_MK_MLP_FORMAT <= kLastWeightFormat &&
+                  LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= kLastWeightFormat,
               "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
 
 // The MLP's gate and up matrices in MXFP4 fragment tiles (lithos/quant/tiles.py, mk_gate_up_tiles.h), a build

@@ -13,8 +13,10 @@
 //   E2M1 (mxfp4): magnitude bits at fp16 bits 9..11, sign at 15: the fp16 value is v * 2^-14.
 //   E4M3 (mxfp8, fp8_block128): the 7 magnitude bits at fp16 bits 7..13: v * 2^-8; codes 0x7F/0xFF
 //       are NaN in E4M3 "fn" and are flagged so the row's sum becomes NaN, as the reference's would.
-//   4-bit and 8-bit integers (GGUF): 1024 + code as fp16 (exact), minus 1024 (+8 for Q4_0, +128 for
-//       the int8 bias) in fp16, which is exact for integers this small.
+//   4-, 6- and 8-bit integers (GGUF): 1024 + code as fp16 (exact), minus 1024 (+8 for Q4_0, +32 for
+//       Q6_K, +128 for the int8 bias) in fp16, which is exact for integers this small.
+// The K-quants (Q4_K, Q6_K) scale super-blocks of 256 weights in two levels: a chunk of 16 lies in one
+// sub-block, so its factor is the super-block's d times the sub-block's scale, read from the record.
 // Hopper has no FP4 tensor cores, and at 1..16 tokens the FMAs are not the limit (NOTES.md).
 #pragma once
 
@@ -44,11 +46,18 @@ enum class WeightFormat : int32_t {
   kQ8_0 = 4,
   kQ4_0 = 5,
   kQ4_1 = 6,
+  kQ4_K = 7,
+  kQ6_K = 8,
 };
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ6_K);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
 constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one scale
+constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
+constexpr int kQ4KRecord = 16;    // q4_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
+constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
+constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 
 // ---------------------------------------------------------------------------------------------
 // Loads and conversions
@@ -65,6 +74,14 @@ __device__ __forceinline__ uint2 stream_u2(const uint8_t* p) {
   return make_uint2(v.x, v.y);
 #else
   return __ldcs(reinterpret_cast<const uint2*>(p));
+#endif
+}
+
+__device__ __forceinline__ uint32_t stream_u32(const uint8_t* p) {
+#if defined(LITHOS_HIP)
+  return __builtin_nontemporal_load(reinterpret_cast<const uint32_t*>(p));
+#else
+  return __ldcs(reinterpret_cast<const unsigned int*>(p));
 #endif
 }
 
@@ -206,6 +223,13 @@ struct Packed<WeightFormat::kQ4_0> {
   }
 };
 
+// Unsigned 4-bit codes c as floats (Q4_1, Q4_K).
+__device__ __forceinline__ void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
+  decode_nibble_words(raw, w, [](uint32_t t) {
+    return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
+  });
+}
+
 template <>
 struct Packed<WeightFormat::kQ4_1> {
   using Raw = uint2;
@@ -215,15 +239,85 @@ struct Packed<WeightFormat::kQ4_1> {
   static constexpr bool kCanBeNaN = false;
   __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_nibble_words(r, w, [](uint32_t t) {
-      return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
-    });
+    decode_uint4_chunk(r, w);
     return false;
   }
   __device__ static ChunkScale scale(const PackedRow& row, int col) {
     const int block = col / kPackedBlock;
     return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[block]),
             half_bits_to_float(reinterpret_cast<const uint16_t*>(row.mins)[block])};
+  }
+};
+
+// Q4_K: w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights) of a super-block.
+template <>
+struct Packed<WeightFormat::kQ4_K> {
+  using Raw = uint2;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_uint4_chunk(r, w);
+    return false;
+  }
+  // The record's 6-bit pairs as llama.cpp's get_scale_min_k4 reads them: sub-blocks 0..3 in the low 6
+  // bits of bytes 0..3 (scales) and 4..7 (mins), 4..7 in the nibbles of bytes 8..11 with their top bits
+  // in the top bits of bytes 0..7.
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    const uint8_t* record = row.scales + (col / kSuperBlock) * kQ4KRecord;
+    const uint8_t* q = record + 4;
+    const int j = (col % kSuperBlock) / kPackedBlock;
+    int sc, m;
+    if (j < 4) {
+      sc = q[j] & 63;
+      m = q[j + 4] & 63;
+    } else {
+      sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(record);
+    return {half_bits_to_float(d[0]) * static_cast<float>(sc), -(half_bits_to_float(d[1]) * static_cast<float>(m))};
+  }
+};
+
+// Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights. A chunk is
+// 8 bytes of low nibbles and the 4 bytes holding its 16 codes' high 2 bits (element e at bits 2e).
+template <>
+struct Packed<WeightFormat::kQ6_K> {
+  struct Raw {
+    uint2 low;
+    uint32_t high;
+  };
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) {
+    const uint8_t* super = row + (col / kSuperBlock) * kQ6KSuperBytes;
+    const int at = col % kSuperBlock;
+    return {stream_u2(super + at / 2), stream_u32(super + kSuperBlock / 2 + at / 4)};
+  }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    const uint32_t words[2] = {r.low.x, r.low.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // elements 8i + j and 8i + j + 4, as in decode_nibble_words
+        const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
+        const uint32_t high = r.high >> (16 * i + 2 * j);  // element 8i + j's bits at 0..1, 8i + j + 4's at 8..9
+        const uint32_t codes = low | ((high & 0x3u) << 4) | ((high & 0x300u) << 12);
+        const float2 v = half2_bits_diff(codes | 0x64006400u, 0x64206420u);  // (1024 + c) - 1056 = c - 32
+        w[8 * i + j] = v.x;
+        w[8 * i + j + 4] = v.y;
+      }
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    const uint8_t* record = row.scales + (col / kSuperBlock) * kQ6KRecord;
+    const int8_t sc = static_cast<int8_t>(record[2 + (col % kSuperBlock) / 16]);
+    return {half_bits_to_float(*reinterpret_cast<const uint16_t*>(record)) * static_cast<float>(sc), 0.0f};
   }
 };
 
@@ -470,6 +564,8 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kQ8_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ8_0>{});
     case WeightFormat::kQ4_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_0>{});
     case WeightFormat::kQ4_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_1>{});
+    case WeightFormat::kQ4_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_K>{});
+    case WeightFormat::kQ6_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ6_K>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -495,27 +591,48 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
   return n;
 }
 
+// The K-quants' scales: one u8 record a super-block, stacked [outer, (inner,) rows, super-blocks, record].
+inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, const ffi::AnyBuffer& scales, size_t lead,
+                                  int64_t n_in, ffi::Span<const int64_t> dd, PackedWeight& w) {
+  const int64_t record = format == WeightFormat::kQ4_K ? kQ4KRecord : kQ6KRecord;
+  auto sd = scales.dimensions();
+  if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
+      product(sd, 0, lead) != product(dd, 0, lead) || scales.element_type() != ffi::DataType::U8)
+    return invalid(op + ": scale records " + shape_string(sd) + " do not fit weight data " + shape_string(dd) +
+                   " (one u8 record of " + std::to_string(record) + " bytes per 256 values of a row)");
+  w.scales = static_cast<const uint8_t*>(scales.untyped_data());
+  w.scale_row_bytes = n_in / kSuperBlock * record;
+  const int64_t scale_matrix = w.scale_row_bytes * w.n_out;
+  w.scale_inner = lead == 2 ? scale_matrix : 0;
+  w.scale_outer = dd[0] > 1 ? scale_matrix * (lead == 2 ? dd[1] : 1) : 0;
+  return ffi::Error::Success();
+}
+
 // Fills `w` from planes stacked [outer, inner, rows..., cols] (lead = 2 leading axes) or
 // [outer, rows, cols] (lead = 1), for a logical [n_out, n_in] matrix; an error names what is wrong.
 inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::AnyBuffer& data,
                                 const ffi::AnyBuffer& scales, const ffi::AnyBuffer& mins, size_t lead, int64_t n_in,
                                 PackedWeight& w) {
   const auto format = static_cast<WeightFormat>(code);
-  if (code < 0 || code > static_cast<int32_t>(WeightFormat::kQ4_1))
-    return invalid(op + ": unknown weight format code " + std::to_string(code));
+  if (code < 0 || code > kLastWeightFormat) return invalid(op + ": unknown weight format code " + std::to_string(code));
   auto dd = data.dimensions();
   auto sd = scales.dimensions();
   if (dd.size() != lead + 2)
     return invalid(op + ": weight data must have " + std::to_string(lead + 2) + " axes, got " + shape_string(dd));
-  const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 || format == WeightFormat::kQ4_1;
+  const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 ||
+                        format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
+  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ6_K;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
   if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
-  const int64_t cols = dd[lead + 1] * (four_bit ? 2 : 1);
-  if (cols != n_in || n_in % kChunk != 0)
+  // Values a row holds: bytes x 2 (4-bit), x 4/3 (q6_k: 6 bits a value), else one a byte (or bf16 element).
+  const int64_t cols = format == WeightFormat::kQ6_K ? dd[lead + 1] * 4 / 3 : dd[lead + 1] * (four_bit ? 2 : 1);
+  if (cols != n_in || n_in % kChunk != 0 || (format == WeightFormat::kQ6_K && dd[lead + 1] % 3 != 0))
     return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
                    std::to_string(n_in) + " (a multiple of 16 is required)");
+  if (k_quant && n_in % kSuperBlock != 0)
+    return invalid(op + ": rows of a K-quant format must hold a multiple of 256 values, got " + std::to_string(n_in));
   w.data = static_cast<const uint8_t*>(data.untyped_data());
   w.n_out = static_cast<int>(dd[lead]);
   w.n_in = static_cast<int>(n_in);
@@ -529,6 +646,7 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
   w.mins = nullptr;
   w.scale_outer = w.scale_inner = w.scale_row_bytes = 0;
   if (format == WeightFormat::kBf16) return ffi::Error::Success();
+  if (k_quant) return k_quant_records(op, format, scales, lead, n_in, dd, w);
 
   int64_t scale_rows = w.n_out, scale_cols = n_in / kPackedBlock;
   ffi::DataType want_scale = ffi::DataType::F16;

@@ -31,7 +31,7 @@ from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
 from lithos.kv_cache import CACHE_DTYPES, cache_dtype, is_fp8, ring_for
 from lithos.models import family_for_architecture, init_model_cache, params_for_kernels
-from lithos.quant import bytes_by_format, quantize_params
+from lithos.quant import bytes_by_format, names_for_groups, quantize_params, random_packed_params
 from lithos.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +54,11 @@ def model_shape(name: str):
     return family_for_architecture(hf["architectures"][0]).config_from_hf(hf)
 
 
+# Packed formats of --weight-format: those lithos quantizes to, and the GGUF ones it reads but does not make.
+MADE_FORMATS = ("mxfp4", "mxfp8", "fp8_block128")
+READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+
+
 def shape_model(name: str, dtype) -> tuple[Any, Any]:
     """(config, params) of the named shape with random weights in `dtype`: one key for every bench, so
     every tool that times a shape times the same weights."""
@@ -65,8 +70,13 @@ def shape_model_as_asked(name: str, dtype, args) -> tuple[str, Any, Any]:
     """(label, config, params) of a `--shape` run: `shape_model`, quantized to `--weight-format` (for
     `--quantize-groups`) when one is given, the format then in the label."""
     cfg, params = shape_model(name, dtype)
-    if args.weight_format:
+    if args.weight_format in MADE_FORMATS:
         params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
+    elif args.weight_format:  # read, not made: random codes at the weights' spread (speed does not depend on them)
+        tied = params.lm_head is None
+        names = names_for_groups(args.quantize_groups.split(","), tied)
+        params = random_packed_params(params, args.weight_format, names)
+    if args.weight_format:
         name = f"{name}-{args.weight_format}"
     return name, cfg, params
 
@@ -421,8 +431,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
     p.add_argument(
         "--weight-format",
-        choices=("mxfp4", "mxfp8", "fp8_block128"),
-        help="quantize the random --shape weights to this packed format (see lithos.quant)",
+        choices=(*MADE_FORMATS, *READ_FORMATS),
+        help="the --shape weights in this packed format (lithos.quant): quantized from the random weights, or for the "
+        "GGUF formats, which lithos reads but does not make, random codes at their spread",
     )
     p.add_argument(
         "--dequantize", action="store_true", help="load --model's packed weights (GGUF Q4/Q8, ...) as dense dtype"

@@ -23,40 +23,11 @@ from lithos.custom_calls.packed_weights import FORMAT_CODES, PACKED_FORMATS, nby
 from lithos.errors import LithosError, UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import llama
+from lithos.quant import random_packed
 
 from .test_custom_calls import BF16, assert_close, f64, rand, rms64, rope64
 
 PACKED_KERNELS = [f"matvec_packed_{name}" for name in PACKED_FORMATS] + ["expert_matvec"]
-
-
-def random_packed(
-    fmt_name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=BF16, spread: float = 1.0
-) -> quant.QuantizedArray:
-    """Random codes (every code of the format, E4M3's NaN codes left out) with scales that keep the
-    values near `spread` (1: as trained weights' are; MX formats always near 1)."""
-    fmt = quant.get_format(fmt_name)
-    planes = {}
-    for name, (plane_shape, plane_dtype) in fmt.plane_shapes(shape).items():
-        if name == "data":
-            codes = rng.integers(0, 256, plane_shape, dtype=np.uint8)
-            if fmt.element == "e4m3":
-                codes = np.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).astype(np.uint8)
-            plane = codes.view(plane_dtype)
-        elif fmt.record:  # K-quant records: random 6-bit (q4_k) or int8 (q6_k) scales, then f16 d (and dmin)
-            plane = rng.integers(0, 256, plane_shape, dtype=np.uint8)
-            factors = 2 if fmt.name == "q4_k" else 1
-            span = spread * (0.002 if fmt.name == "q4_k" else 0.0005)
-            d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
-            plane[..., : 2 * factors] = d.view(np.uint8)
-        elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0
-            plane = rng.integers(120, 128, plane_shape).astype(np.uint8)
-        elif name == "mins":
-            plane = (-0.1 * spread * rng.random(plane_shape)).astype(plane_dtype)
-        else:
-            span = 0.002 if fmt.element == "e4m3" else 0.1
-            plane = (span * spread * (0.5 + rng.random(plane_shape))).astype(plane_dtype)
-        planes[name] = jnp.asarray(plane)
-    return quant.from_planes(fmt, planes, dtype)
 
 
 def fitting(fmt_name: str, n_in: int) -> int:

@@ -27,9 +27,10 @@ from lithos.custom_calls.packed_matvec import (
 )
 from lithos.custom_calls.packed_weights import PACKED_FORMATS
 from lithos.models import llama
+from lithos.quant import random_packed
 
 from .test_custom_calls import BF16, assert_close, f64
-from .test_custom_calls_packed import _decode_logits, fitting, random_packed
+from .test_custom_calls_packed import _decode_logits, fitting
 
 pytestmark = [
     pytest.mark.gpu,

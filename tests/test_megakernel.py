@@ -37,7 +37,6 @@ from lithos.quant.quantize import names_for_groups, param_at, with_param
 from lithos.sampling import SamplingParams
 
 from .conftest import require
-from .test_custom_calls_packed import random_packed
 
 SHAPES = {
     "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=97),
@@ -374,7 +373,7 @@ def pack(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> quant.Quantiz
     random GGUF blocks of `w`'s spread otherwise (lithos reads GGUF but does not make it)."""
     if fmt_name in ("mxfp4", "mxfp8", "fp8_block128"):
         return quant.quantize(w, fmt_name, dtype=w.dtype)
-    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(np.asarray(w, np.float32))))
+    return quant.random_packed_like(w, fmt_name, rng)
 
 
 # Matrix groups of a model, and what a packed model holds in them.

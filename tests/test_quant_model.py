@@ -4,6 +4,7 @@ orbax checkpoint that loads packed, with its quality report; GGUF stays packed; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from functools import partial
@@ -136,6 +137,29 @@ def test_bench_counts_packed_bytes(hf_checkpoint):
     embed_row = (cfg.hidden_size // 2) + (cfg.hidden_size // 32)  # MXFP4 codes + E8M0 scales of one row
     assert weight_bytes_read(packed, cfg) == planes - embed.nbytes + embed_row
     assert quant.bytes_by_format(packed)["mxfp4"] > 0
+
+
+@pytest.mark.parametrize("fmt_name", ["q4_k", "mxfp4"])
+def test_bench_shapes_in_formats_lithos_reads_or_makes(hf_checkpoint, monkeypatch, fmt_name):
+    """`lithos bench --shape ... --weight-format`: MX formats quantized from the random weights, GGUF formats
+    (read, not made) as random codes at the weights' spread; the label names the format, the floor counts its
+    planes."""
+    import argparse
+
+    from lithos import bench
+
+    ck = load_checkpoint(hf_checkpoint("llama3"), dtype="float32", use_cache=False)
+    cfg = dataclasses.replace(ck.cfg, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+    params = family_of(cfg).init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    monkeypatch.setattr(bench, "shape_model", lambda name, dtype: (cfg, params))
+    args = argparse.Namespace(weight_format=fmt_name, quantize_groups="attention,mlp")
+    label, _, packed = bench.shape_model_as_asked("small", jnp.bfloat16, args)
+    assert label == f"small-{fmt_name}"
+    assert packed.layers.wq.format.name == fmt_name and packed.layers.w_down.format.name == fmt_name
+    assert not quant.is_quantized(packed.embed)
+    spread = np.std(np.asarray(params.layers.w_up, np.float32))
+    assert 0.1 * spread < np.std(np.asarray(quant.dequantize(packed.layers.w_up, jnp.float32))) < 10 * spread
+    assert weight_bytes_read(packed, cfg) < weight_bytes_read(params, cfg) / 3
 
 
 @pytest.mark.slow

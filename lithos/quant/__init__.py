@@ -36,6 +36,7 @@ from lithos.quant.formats import (
 )
 from lithos.quant.layouts import GGUF_FORMATS, from_fp8_block_scaled, from_gguf, from_gpt_oss_mxfp4
 from lithos.quant.quantize import DEFAULT_GROUPS, GROUPS, names_for_groups, quantize, quantize_mx, quantize_params
+from lithos.quant.synthetic import random_packed, random_packed_like, random_packed_params
 from lithos.quant.tiles import from_tiles, tiles_fit, to_tiles
 
 __all__ = [
@@ -70,6 +71,9 @@ __all__ = [
     "quantize",
     "quantize_mx",
     "quantize_params",
+    "random_packed",
+    "random_packed_like",
+    "random_packed_params",
     "scale_by_e8m0",
     "tiles_fit",
     "to_tiles",

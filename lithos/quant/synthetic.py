@@ -1,0 +1,62 @@
+"""Packed weights with random codes: what a benchmark or a test times and checks where lithos reads a format
+but does not make it (the GGUF formats). Speed does not depend on the values, and every code is valid.
+
+    w = random_packed("q4_k", (layers, out, in), np.random.default_rng(0), spread=0.02)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lithos.quant.formats import QuantizedArray, from_planes, get_format
+
+
+def random_packed(
+    fmt_name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=jnp.bfloat16, spread: float = 1.0
+) -> QuantizedArray:
+    """`shape` `[..., out, in]` in `fmt_name` with random codes (every code of the format but E4M3's NaN codes)
+    and scales that keep the values near `spread` (MX formats: near 1 whatever `spread`)."""
+    fmt = get_format(fmt_name)
+    planes = {}
+    for name, (plane_shape, plane_dtype) in fmt.plane_shapes(shape).items():
+        if name == "data":
+            codes = rng.integers(0, 256, plane_shape, dtype=np.uint8)
+            if fmt.element == "e4m3":
+                codes = np.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).astype(np.uint8)
+            plane = codes.view(plane_dtype)
+        elif fmt.record:  # K-quant records: random 6-bit (q4_k) or int8 (q6_k) scales, then f16 d (and dmin)
+            plane = rng.integers(0, 256, plane_shape, dtype=np.uint8)
+            factors = 2 if fmt.name == "q4_k" else 1
+            span = spread * (0.002 if fmt.name == "q4_k" else 0.0005)
+            d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
+            plane[..., : 2 * factors] = d.view(np.uint8)
+        elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0
+            plane = rng.integers(120, 128, plane_shape).astype(np.uint8)
+        elif name == "mins":
+            plane = (-0.1 * spread * rng.random(plane_shape)).astype(plane_dtype)
+        else:
+            span = 0.002 if fmt.element == "e4m3" else 0.1
+            plane = (span * spread * (0.5 + rng.random(plane_shape))).astype(plane_dtype)
+        planes[name] = jnp.asarray(plane)
+    return from_planes(fmt, planes, dtype)
+
+
+def random_packed_like(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> QuantizedArray:
+    """Random codes in `fmt_name` of `w`'s shape and dtype, their values near `w`'s spread."""
+    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(np.asarray(w, np.float32))))
+
+
+def random_packed_params(params: Any, fmt_name: str, names: list[str], seed: int = 0) -> Any:
+    """`params` with the flat-named matrices `names` ("layers.wq", ...) replaced by random codes in `fmt_name`."""
+    from lithos.quant.quantize import param_at, with_param
+
+    rng = np.random.default_rng(seed)
+    for name in names:
+        w = param_at(params, name)
+        if w is not None:
+            params = with_param(params, name, random_packed_like(w, fmt_name, rng))
+    return params

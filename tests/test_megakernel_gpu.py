@@ -83,7 +83,11 @@ def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
         # the 8B Q/K/V stage in MXFP4 takes whole rows a warp (schedule.k_split_for's lane steps)
         ("llama-3.1-8b", {"attention": "mxfp4", "mlp": "mxfp4"}, 1),
         ("smollm2-like", {"attention": "mxfp8", "mlp": "fp8_block128", "lm_head": "q4_0"}, 4),
+        # GGUF K-quants (rows of whole super-blocks: the 1B shape), as Q4_K_M files hold them
+        ("llama-3.2-1b", {"attention": "q4_k", "mlp": "q6_k", "lm_head": "q6_k"}, 1),
+        ("llama-3.2-1b", {"attention": "q6_k", "mlp": "q4_k"}, 16),
     ],
+    ids=lambda v: "-".join(v.values()) if isinstance(v, dict) else None,
 )
 def test_packed_megakernel_equals_interpreter(name, groups, tokens):
     """Packed weights read as stored, in the build for their formats (one per format triple)."""

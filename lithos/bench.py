@@ -56,7 +56,7 @@ def model_shape(name: str):
 
 # Packed formats of --weight-format: those lithos quantizes to, and the GGUF ones it reads but does not make.
 MADE_FORMATS = ("mxfp4", "mxfp8", "fp8_block128")
-READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 def shape_model(name: str, dtype) -> tuple[Any, Any]:

@@ -167,11 +167,20 @@ def test_fp8_block_scales_must_be_128x128():
 
 
 # Where each GGUF block keeps its f16 factors: d (and Q4_1's m, Q4_K's dmin).
-F16_FACTORS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FACTORS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf scales too
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_match_gguf_dequantize(type_name):
     """Random bytes cover every f16 factor (zero, -0, subnormal, 65504, inf, NaN) and every code (and every
     6-bit K-quant scale and min, every Q6_K int8 scale)."""
@@ -201,9 +210,9 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
 
 
 def test_k_quant_planes_cost_what_the_gguf_blocks_cost():
-    """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 6.5625 for Q6_K (Q6_K's record holds
-    its d before its 16 scales: the same 18 bytes). Their rows split only in whole super-blocks."""
-    for fmt, block_bytes in ((quant.Q4_K, 144), (quant.Q6_K, 210)):
+    """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 5.5 for Q5_K, 6.5625 for Q6_K (Q6_K's
+    record holds its d before its 16 scales: the same 18 bytes). Their rows split only in whole super-blocks."""
+    for fmt, block_bytes in ((quant.Q4_K, 144), (quant.Q5_K, 176), (quant.Q6_K, 210)):
         planes = fmt.plane_shapes((3, 512))
         assert sum(np.prod(shape) * dtype.itemsize for shape, dtype in planes.values()) == 3 * 2 * block_bytes
         assert fmt.bits_per_weight() == block_bytes * 8 / 256

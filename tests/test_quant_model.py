@@ -189,7 +189,7 @@ def test_gguf_packed_equals_dequantized_load(smollm2_gguf):
 
 
 # GGUF K-quant super-blocks: bytes each, and where their f16 factors (d, then dmin) sit.
-K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_BLOCKS = {"Q2_K": (84, (80, 82)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 # Q4_K_M's choice of types (llama.cpp): Q6_K for the value and down projections where it keeps more bits,
 # and for the output; Q4_K elsewhere.
 Q4_K_M = {
@@ -254,19 +254,22 @@ def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1):
     return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name in types}
 
 
-def test_a_q4_k_m_gguf_loads_packed_and_runs_from_its_packed_weights(tmp_path):
-    """Q4_K and Q6_K tensors stay packed, decode bit for bit to what gguf's dequantizer gives (Q and K rows
-    un-permuted, as for the dense load), and the fused path (its kernels' reference twins here) over them gives
-    the reference path's logits over the dense load's exact values."""
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+def test_a_k_quant_gguf_loads_packed_and_runs_from_its_packed_weights(tmp_path, mix):
+    """Q4_K (Q5_K) and Q6_K tensors stay packed, decode bit for bit to what gguf's dequantizer gives (Q and K
+    rows un-permuted, as for the dense load), and the fused path (its kernels' reference twins here) over them
+    gives the reference path's logits over the dense load's exact values."""
     from lithos.checkpoint import gguf_file
 
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    _write_k_quant_gguf(path, Q4_K_M)
+    path = tmp_path / f"tiny-{mix}.gguf"
+    main = mix[:4]
+    _write_k_quant_gguf(path, {name: main if kind == "Q4_K" else kind for name, kind in Q4_K_M.items()})
     cfg, packed, _, unpacked = gguf_file.load(path)
     _, dense, _, _ = gguf_file.load(path, dequantize=True)
     assert unpacked == {}
-    assert packed["layers.wq"].format == quant.Q4_K and packed["layers.w_down"].format == quant.Q6_K
-    assert packed["embed"].format == quant.Q4_K and packed["lm_head"].format == quant.Q6_K
+    main_format = quant.get_format(main.lower())
+    assert packed["layers.wq"].format == main_format and packed["layers.w_down"].format == quant.Q6_K
+    assert packed["embed"].format == main_format and packed["lm_head"].format == quant.Q6_K
     for name, w in packed.items():
         values = np.asarray(jax.jit(quant.dequantize)(w)) if quant.is_quantized(w) else w
         np.testing.assert_array_equal(values, dense[name], err_msg=name)
@@ -314,22 +317,22 @@ def test_a_tensor_whose_layers_mix_k_quants_arrives_exact_and_the_fused_path_run
 
 
 def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path, monkeypatch):
-    """Types without a packed layout (Q5_K) arrive dequantized; stored as bf16 their values round, and the
+    """Types without a packed layout (Q2_K) arrive dequantized; stored as bf16 their values round, and the
     load says so and names the fix, again when the converted copy is loaded; stored as float32 they are
     exact and nothing is said."""
     import warnings
 
     from lithos.checkpoint import gguf_file, load_checkpoint
 
-    path = tmp_path / "tiny-q5_k.gguf"
-    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "Q5_K"})["blk.0.ffn_up.weight"]
+    path = tmp_path / "tiny-q2_k.gguf"
+    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "Q2_K"})["blk.0.ffn_up.weight"]
     _, flat, _, unpacked = gguf_file.load(path)
-    assert unpacked == {"Q5_K": 1}
+    assert unpacked == {"Q2_K": 1}
     np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
     assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
     monkeypatch.setenv("LITHOS_CACHE", str(tmp_path / "cache"))
     for source in ("the GGUF", "its converted copy"):
-        with pytest.warns(UserWarning, match=r"\(1 Q5_K\).*stored as bfloat16.*dtype='float32'"):
+        with pytest.warns(UserWarning, match=r"\(1 Q2_K\).*stored as bfloat16.*dtype='float32'"):
             assert load_checkpoint(path, dtype="bfloat16").restored == (source == "its converted copy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -52,7 +52,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         f"matvec_packed_{fmt}": tuple(
             f"{op}_{fmt}" for op in ("LithosPackedMatvec", "LithosPackedGateUpSilu", "LithosPackedQkvRopeAppend")
         )
-        for fmt in ("mxfp4", "mxfp8", "fp8_block128", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+        for fmt in ("mxfp4", "mxfp8", "fp8_block128", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
     },
     "expert_matvec": ("LithosExpertMatvec",),
 }

@@ -4,7 +4,7 @@ A kernel that reads packed weights takes three planes and a format code:
 
     data    [layers, out, in * bits / 8]  u8 (i8 for q8_0), or bf16 [layers, out, in] for code 0
     scales  the format's scale plane (the K-quants: their records), stacked by layer the same way (empty for bf16)
-    mins    q4_1's mins plane (empty otherwise)
+    mins    q4_1's and q5_1's mins plane (empty otherwise)
 
 The codes below are the `format` attribute of every packed handler (csrc/packed.h reads the same table).
 """
@@ -32,6 +32,9 @@ FORMAT_CODES: dict[str, int] = {
     "q4_1": 6,
     "q4_k": 7,
     "q6_k": 8,
+    "q5_0": 9,
+    "q5_1": 10,
+    "q5_k": 11,
 }
 PACKED_FORMATS = tuple(name for name in FORMAT_CODES if name != "bfloat16")
 

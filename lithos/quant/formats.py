@@ -18,7 +18,10 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q8_0          i8 [..., out, in]          f16 [..., out, in/32]                 -
     q4_0          u8 [..., out, in/2]        f16 [..., out, in/32]                 -
     q4_1          u8 [..., out, in/2]        f16 [..., out, in/32]                 f16 [..., out, in/32]
+    q5_0          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 -
+    q5_1          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 f16 [..., out, in/32]
     q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
+    q5_k          u8 [..., out, 5*in/8]      u8  [..., out, in/256, 16]  records   -
     q6_k          u8 [..., out, 3*in/4]      u8  [..., out, in/256, 18]  records   -
 
 4-bit data: element 2k of a row is the low nibble of byte k, element 2k+1 the high nibble (the
@@ -31,9 +34,13 @@ scales as one record, byte for byte as GGUF stores them, so they cost what they 
 
     q4_k record   f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks of 32
                   (llama.cpp's get_scale_min_k4 packing)
+    q5_k record   as q4_k's
     q6_k record   f16 d, then 16 int8 scales, one per 16 weights
     q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
                   above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
+
+5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
+order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).
 
 Values (f32, exact):
 
@@ -43,7 +50,9 @@ Values (f32, exact):
     q8_0           f32(d) * code                       (code signed)
     q4_0           f32(d) * (code - 8)
     q4_1           f32(d) * code + f32(m)
-    q4_k           (d * sc_j) * code - (dmin * m_j)    (sub-block j = column // 32 of the super-block)
+    q5_0           f32(d) * (code - 16)
+    q5_1           f32(d) * code + f32(m)
+    q4_k, q5_k     (d * sc_j) * code - (dmin * m_j)    (sub-block j = column // 32 of the super-block)
     q6_k           (d * sc_i) * (code - 32)            (i = column // 16 of the super-block; sc signed)
 
 `dequantize` is the reference: plain jax.numpy, bit-exact on every backend. XLA on CPU flushes
@@ -80,8 +89,8 @@ class QuantFormat:
     """
 
     name: str
-    element: str  # "e2m1", "e4m3", "int8", "uint4", "uint6"
-    element_bits: int  # 4, 6 or 8
+    element: str  # "e2m1", "e4m3", "int8", "uint4", "uint5", "uint6"
+    element_bits: int  # 4, 5, 6 or 8
     block: tuple[int, int]
     scale: str  # "e8m0" (u8 biased exponent), "f16", "f32", "record" (u8 records of `record` bytes a block)
     has_min: bool = False
@@ -158,11 +167,14 @@ FP8_BLOCK128 = QuantFormat(
 Q8_0 = QuantFormat("q8_0", "int8", 8, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_0 = QuantFormat("q4_0", "uint4", 4, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q4_1 = QuantFormat("q4_1", "uint4", 4, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
+Q5_0 = QuantFormat("q5_0", "uint5", 5, (1, 32), "f16", origin="GGUF (llama.cpp)")
+Q5_1 = QuantFormat("q5_1", "uint5", 5, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
 Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
+Q5_K = QuantFormat("q5_k", "uint5", 5, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
 
 FORMATS: dict[str, QuantFormat] = {
-    f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+    f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 }
 
 
@@ -335,11 +347,21 @@ def q4_k_scales_and_mins(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return scales, mins
 
 
+def unpack_5bit(data: jax.Array, group: int) -> jax.Array:
+    """5-bit codes `[..., n]` int32 from data `[..., 5n/8]` laid out per `group` weights: their low nibbles
+    (`unpack_nibbles` order), then their high bits (element i at bit i % 8 of byte i // 8)."""
+    runs = _blocks(data, group * 5 // 8)
+    low = unpack_nibbles(runs[..., : group // 2])
+    high = (runs[..., group // 2 :].astype(jnp.int32)[..., None] >> jnp.arange(8, dtype=jnp.int32)) & 1
+    return _unblock(low | (high.reshape(low.shape) << 4))
+
+
 def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     records = w.scales  # [..., super-blocks, record]
     d = _record_f16(records, 0)[..., None]
-    if w.format.name == "q4_k":
-        codes = _blocks(unpack_nibbles(w.data), 32)  # [..., sub-blocks, 32]
+    if w.format.name in ("q4_k", "q5_k"):
+        codes = unpack_nibbles(w.data) if w.format.name == "q4_k" else unpack_5bit(w.data, 256)
+        codes = _blocks(codes, 32)  # [..., sub-blocks, 32]
         scales, mins = q4_k_scales_and_mins(records[..., 4:16])  # [..., super-blocks, 8]
         scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
@@ -375,10 +397,10 @@ def _dequantize_f32(w: QuantizedArray) -> jax.Array:
     d = w.scales.astype(jnp.float32)[..., None]
     if name == "q8_0":
         return _unblock(d * _blocks(w.data.astype(jnp.float32), 32))
-    codes = _blocks(unpack_nibbles(w.data), 32)
-    if name == "q4_0":
-        return _unblock(d * (codes - 8).astype(jnp.float32))
-    if name == "q4_1":
+    codes = _blocks(unpack_nibbles(w.data) if fmt.element_bits == 4 else unpack_5bit(w.data, 32), 32)
+    if name in ("q4_0", "q5_0"):  # signed codes, offset by half their range
+        return _unblock(d * (codes - (8 if name == "q4_0" else 16)).astype(jnp.float32))
+    if name in ("q4_1", "q5_1"):
         return _unblock(d * codes.astype(jnp.float32) + w.mins.astype(jnp.float32)[..., None])
     raise LithosError(f"no reference dequantisation for format {name!r}")
 

@@ -4,8 +4,9 @@
   (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
-- GGUF K-quant super-blocks (Q4_K, Q6_K: 256 weights, 144 and 210 bytes): their scales stay one record
-  per super-block (lithos.quant.formats), their codes are reordered as above.
+- GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights, 144, 176 and 210 bytes): their scales stay one
+  record per super-block (lithos.quant.formats), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
+  Q5_K) keep GGUF's high bits as they are, after their low nibbles.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -23,6 +24,9 @@ from lithos.quant.formats import (
     Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
     Q6_K,
     Q8_0,
     QuantFormat,
@@ -36,7 +40,10 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q4_0": (Q4_0, 32, 18),
     "Q4_1": (Q4_1, 32, 20),
     "MXFP4": (MXFP4, 32, 17),
+    "Q5_0": (Q5_0, 32, 22),
+    "Q5_1": (Q5_1, 32, 24),
     "Q4_K": (Q4_K, 256, 144),
+    "Q5_K": (Q5_K, 256, 176),
     "Q6_K": (Q6_K, 256, 210),
 }
 
@@ -68,6 +75,25 @@ def _q4_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": np.ascontiguousarray(blocks[..., :16]), "data": pack_nibbles(codes).reshape(*lead, -1)}
 
 
+def _5bit_runs(low_codes: np.ndarray, high_bits: np.ndarray) -> np.ndarray:
+    """Codes' low 4 bits `[..., n, group]` in element order and their high bits as GGUF packs them `[..., n,
+    group/8]` (element i at bit i % 8 of byte i // 8) -> `[..., n * 5 * group / 8]`: each run's low nibbles in
+    the common 4-bit order, then its high bits."""
+    runs = np.concatenate([pack_nibbles(low_codes), high_bits], axis=-1)
+    return runs.reshape(*runs.shape[:-2], -1)
+
+
+def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q5_K super-blocks `[..., n, 176]` (Q4_K's 16-byte record, 32 bytes of high bits: element 32s + l's at bit s
+    of byte l, then Q4_K's 128 code bytes) -> planes."""
+    qs = blocks[..., 48:].reshape(*blocks.shape[:-1], 4, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(*blocks.shape[:-1], 256)
+    high = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [..., n, l, s]
+    high = np.swapaxes(high, -1, -2).reshape(*blocks.shape[:-1], 256)  # element 32s + l
+    high_bytes = np.packbits(high.reshape(*high.shape[:-1], 32, 8), axis=-1, bitorder="little")[..., 0]
+    return {"scales": np.ascontiguousarray(blocks[..., :16]), "data": _5bit_runs(low, high_bytes)}
+
+
 def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q6_K super-blocks `[..., n, 210]` (ql: 128 bytes of low 4 bits, qh: 64 of high 2 bits, 16 int8 scales,
     f16 d) -> planes. In half h of a super-block, ql byte 64h + l holds elements 128h + l (low nibble) and
@@ -94,8 +120,18 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
             f"GGUF {type_name} tensor of shape {shape}: rows of {cols} do not split in blocks of {block_elements}"
         )
     blocks = np.asarray(raw, np.uint8).reshape(*lead, cols // block_elements, block_bytes)
-    if type_name == "Q4_K":
+    if type_name in ("Q5_0", "Q5_1"):
+        # [f16 d][f16 m]?[u32 high bits, element i at bit i][16 bytes: elements 0..15 low nibbles, 16..31 high]
+        at = 2 if type_name == "Q5_0" else 4
+        qs = blocks[..., at + 4 : at + 20]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _5bit_runs(low, blocks[..., at : at + 4])}
+        if type_name == "Q5_1":
+            planes["mins"] = _field(blocks, 2, 4, np.float16)
+    elif type_name == "Q4_K":
         planes = _q4_k_planes(blocks)
+    elif type_name == "Q5_K":
+        planes = _q5_k_planes(blocks)
     elif type_name == "Q6_K":
         planes = _q6_k_planes(blocks)
     elif type_name == "Q8_0":

@@ -13,10 +13,10 @@
 //   E2M1 (mxfp4): magnitude bits at fp16 bits 9..11, sign at 15: the fp16 value is v * 2^-14.
 //   E4M3 (mxfp8, fp8_block128): the 7 magnitude bits at fp16 bits 7..13: v * 2^-8; codes 0x7F/0xFF
 //       are NaN in E4M3 "fn" and are flagged so the row's sum becomes NaN, as the reference's would.
-//   4-, 6- and 8-bit integers (GGUF): 1024 + code as fp16 (exact), minus 1024 (+8 for Q4_0, +32 for
-//       Q6_K, +128 for the int8 bias) in fp16, which is exact for integers this small.
-// The K-quants (Q4_K, Q6_K) scale super-blocks of 256 weights in two levels: a chunk of 16 lies in one
-// sub-block, so its factor is the super-block's d times the sub-block's scale, read from the record.
+//   4-, 5-, 6- and 8-bit integers (GGUF): 1024 + code as fp16 (exact), minus 1024 (+8 for Q4_0, +16 for
+//       Q5_0, +32 for Q6_K, +128 for the int8 bias) in fp16, which is exact for integers this small.
+// The K-quants (Q4_K, Q5_K, Q6_K) scale super-blocks of 256 weights in two levels: a chunk of 16 lies in
+// one sub-block, so its factor is the super-block's d times the sub-block's scale, read from the record.
 // Hopper has no FP4 tensor cores, and at 1..16 tokens the FMAs are not the limit (NOTES.md).
 #pragma once
 
@@ -48,8 +48,11 @@ enum class WeightFormat : int32_t {
   kQ4_1 = 6,
   kQ4_K = 7,
   kQ6_K = 8,
+  kQ5_0 = 9,
+  kQ5_1 = 10,
+  kQ5_K = 11,
 };
-constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ6_K);
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ5_K);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
@@ -74,6 +77,14 @@ __device__ __forceinline__ uint2 stream_u2(const uint8_t* p) {
   return make_uint2(v.x, v.y);
 #else
   return __ldcs(reinterpret_cast<const uint2*>(p));
+#endif
+}
+
+__device__ __forceinline__ uint32_t stream_u16(const uint8_t* p) {
+#if defined(LITHOS_HIP)
+  return __builtin_nontemporal_load(reinterpret_cast<const uint16_t*>(p));
+#else
+  return __ldcs(reinterpret_cast<const unsigned short*>(p));
 #endif
 }
 
@@ -249,7 +260,26 @@ struct Packed<WeightFormat::kQ4_1> {
   }
 };
 
-// Q4_K: w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights) of a super-block.
+// Q4_K and Q5_K: w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights) of a super-block, its 6-bit
+// scale and min read from the record as llama.cpp's get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of
+// bytes 0..3 (scales) and 4..7 (mins), 4..7 in the nibbles of bytes 8..11 with their top bits in the top bits of
+// bytes 0..7.
+__device__ __forceinline__ ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
+  const uint8_t* record = row.scales + (col / kSuperBlock) * kQ4KRecord;
+  const uint8_t* q = record + 4;
+  const int j = (col % kSuperBlock) / kPackedBlock;
+  int sc, m;
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(record);
+  return {half_bits_to_float(d[0]) * static_cast<float>(sc), -(half_bits_to_float(d[1]) * static_cast<float>(m))};
+}
+
 template <>
 struct Packed<WeightFormat::kQ4_K> {
   using Raw = uint2;
@@ -262,24 +292,7 @@ struct Packed<WeightFormat::kQ4_K> {
     decode_uint4_chunk(r, w);
     return false;
   }
-  // The record's 6-bit pairs as llama.cpp's get_scale_min_k4 reads them: sub-blocks 0..3 in the low 6
-  // bits of bytes 0..3 (scales) and 4..7 (mins), 4..7 in the nibbles of bytes 8..11 with their top bits
-  // in the top bits of bytes 0..7.
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
-    const uint8_t* record = row.scales + (col / kSuperBlock) * kQ4KRecord;
-    const uint8_t* q = record + 4;
-    const int j = (col % kSuperBlock) / kPackedBlock;
-    int sc, m;
-    if (j < 4) {
-      sc = q[j] & 63;
-      m = q[j + 4] & 63;
-    } else {
-      sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(record);
-    return {half_bits_to_float(d[0]) * static_cast<float>(sc), -(half_bits_to_float(d[1]) * static_cast<float>(m))};
-  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
 };
 
 // Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights. A chunk is
@@ -319,6 +332,91 @@ struct Packed<WeightFormat::kQ6_K> {
     const int8_t sc = static_cast<int8_t>(record[2 + (col % kSuperBlock) / 16]);
     return {half_bits_to_float(*reinterpret_cast<const uint16_t*>(record)) * static_cast<float>(sc), 0.0f};
   }
+};
+
+// 5-bit rows, laid out per GROUP weights (32: Q5_0, Q5_1; 256: Q5_K): the group's low nibbles, then its high
+// bits (element i at bit i). A chunk is 8 bytes of low nibbles (two 4-byte loads: a 32-weight group is 20
+// bytes, so 8-byte alignment is not given) and the 2 bytes of its 16 high bits.
+struct Raw5 {
+  uint2 low;
+  uint32_t high;
+};
+
+template <int GROUP>
+__device__ __forceinline__ Raw5 load_5bit_chunk(const uint8_t* row, int col) {
+  const uint8_t* group = row + (col / GROUP) * (GROUP * 5 / 8);
+  const int at = col % GROUP;
+  return {make_uint2(stream_u32(group + at / 2), stream_u32(group + at / 2 + 4)), stream_u16(group + GROUP / 2 + at / 8)};
+}
+
+// The chunk's codes c minus `offset` (16 for Q5_0, else 0) as floats, pairs as in decode_nibble_words.
+template <uint32_t OFFSET>
+__device__ __forceinline__ void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
+  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
+  const uint32_t words[2] = {r.low.x, r.low.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
+      const uint32_t high = r.high >> (8 * i + j);  // element 8i + j's bit at 0, 8i + j + 4's at 4
+      const uint32_t codes = low | ((high & 0x1u) << 4) | ((high & 0x10u) << 16);
+      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+      w[8 * i + j] = v.x;
+      w[8 * i + j + 4] = v.y;
+    }
+}
+
+// Q5_0: w = d * (c - 16).
+template <>
+struct Packed<WeightFormat::kQ5_0> {
+  using Raw = Raw5;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_5bit_chunk<16>(r, w);
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return Packed<WeightFormat::kQ4_0>::scale(row, col);
+  }
+};
+
+// Q5_1: w = d * c + m.
+template <>
+struct Packed<WeightFormat::kQ5_1> {
+  using Raw = Raw5;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_5bit_chunk<0>(r, w);
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+    return Packed<WeightFormat::kQ4_1>::scale(row, col);
+  }
+};
+
+// Q5_K: Q4_K's scales over 5-bit codes.
+template <>
+struct Packed<WeightFormat::kQ5_K> {
+  using Raw = Raw5;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kCanBeNaN = false;
+  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
+  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_5bit_chunk<0>(r, w);
+    return false;
+  }
+  __device__ static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
 };
 
 // 8-bit rows: bytes 0 and 2 of a word share a half2, and bytes 1 and 3.
@@ -566,6 +664,9 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kQ4_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_1>{});
     case WeightFormat::kQ4_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ4_K>{});
     case WeightFormat::kQ6_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ6_K>{});
+    case WeightFormat::kQ5_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_0>{});
+    case WeightFormat::kQ5_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_1>{});
+    case WeightFormat::kQ5_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_K>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -621,14 +722,19 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
     return invalid(op + ": weight data must have " + std::to_string(lead + 2) + " axes, got " + shape_string(dd));
   const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 ||
                         format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
-  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ6_K;
+  const bool five_bit = format == WeightFormat::kQ5_0 || format == WeightFormat::kQ5_1 || format == WeightFormat::kQ5_K;
+  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || format == WeightFormat::kQ6_K;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
   if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
-  // Values a row holds: bytes x 2 (4-bit), x 4/3 (q6_k: 6 bits a value), else one a byte (or bf16 element).
-  const int64_t cols = format == WeightFormat::kQ6_K ? dd[lead + 1] * 4 / 3 : dd[lead + 1] * (four_bit ? 2 : 1);
-  if (cols != n_in || n_in % kChunk != 0 || (format == WeightFormat::kQ6_K && dd[lead + 1] % 3 != 0))
+  // Values a row holds: bytes x 2 (4-bit), x 8/5 (5-bit), x 4/3 (q6_k), else one a byte (or bf16 element).
+  const int64_t bytes = dd[lead + 1];
+  const int64_t cols = format == WeightFormat::kQ6_K ? bytes * 4 / 3
+                       : five_bit                    ? bytes * 8 / 5
+                                                     : bytes * (four_bit ? 2 : 1);
+  if (cols != n_in || n_in % kChunk != 0 || (format == WeightFormat::kQ6_K && bytes % 3 != 0) ||
+      (five_bit && bytes % 5 != 0))
     return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
                    std::to_string(n_in) + " (a multiple of 16 is required)");
   if (k_quant && n_in % kSuperBlock != 0)
@@ -668,9 +774,10 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
   const int64_t scale_matrix = w.scale_row_bytes * scale_rows;
   w.scale_inner = lead == 2 ? scale_matrix : 0;
   w.scale_outer = dd[0] > 1 ? scale_matrix * (lead == 2 ? dd[1] : 1) : 0;
-  if (format == WeightFormat::kQ4_1) {
+  if (format == WeightFormat::kQ4_1 || format == WeightFormat::kQ5_1) {
     if (mins.element_count() != scales.element_count() || mins.element_type() != ffi::DataType::F16)
-      return invalid(op + ": q4_1 needs mins shaped like its scales, got " + shape_string(mins.dimensions()));
+      return invalid(op + ": q4_1 and q5_1 need mins shaped like their scales, got " +
+                     shape_string(mins.dimensions()));
     w.mins = static_cast<const uint8_t*>(mins.untyped_data());
   }
   return ffi::Error::Success();

@@ -58,7 +58,7 @@ constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
 constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one scale
 constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
-constexpr int kQ4KRecord = 16;    // q4_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
+constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
 constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 
@@ -346,7 +346,8 @@ template <int GROUP>
 __device__ __forceinline__ Raw5 load_5bit_chunk(const uint8_t* row, int col) {
   const uint8_t* group = row + (col / GROUP) * (GROUP * 5 / 8);
   const int at = col % GROUP;
-  return {make_uint2(stream_u32(group + at / 2), stream_u32(group + at / 2 + 4)), stream_u16(group + GROUP / 2 + at / 8)};
+  const uint2 low = make_uint2(stream_u32(group + at / 2), stream_u32(group + at / 2 + 4));
+  return {low, stream_u16(group + GROUP / 2 + at / 8)};
 }
 
 // The chunk's codes c minus `offset` (16 for Q5_0, else 0) as floats, pairs as in decode_nibble_words.
@@ -695,7 +696,7 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 // The K-quants' scales: one u8 record a super-block, stacked [outer, (inner,) rows, super-blocks, record].
 inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, const ffi::AnyBuffer& scales, size_t lead,
                                   int64_t n_in, ffi::Span<const int64_t> dd, PackedWeight& w) {
-  const int64_t record = format == WeightFormat::kQ4_K ? kQ4KRecord : kQ6KRecord;
+  const int64_t record = format == WeightFormat::kQ6_K ? kQ6KRecord : kQ4KRecord;
   auto sd = scales.dimensions();
   if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
       product(sd, 0, lead) != product(dd, 0, lead) || scales.element_type() != ffi::DataType::U8)

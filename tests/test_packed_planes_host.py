@@ -1,0 +1,134 @@
+"""The packed kernels' host-side plane checks (csrc/packed.h `packed_weight`), run on the CPU: for every packed
+format, the planes lithos.quant lays out are accepted, and the strides the kernels walk them by are the planes'
+own (bytes a row, a row's scales, a layer); planes of another format's shape are refused with a message. The
+driver is host code compiled by nvcc (no GPU runs it); the kernels themselves are checked on the GPU."""
+
+from __future__ import annotations
+
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from lithos.custom_calls import build
+from lithos.custom_calls.packed_weights import FORMAT_CODES, PACKED_FORMATS
+from lithos.quant import get_format, random_packed
+
+from .test_custom_calls import compiler_toolchain
+
+FFI_TYPES = {"uint8": "U8", "int8": "S8", "float16": "F16", "float32": "F32"}
+LAYERS, ROWS, INPUTS = 2, 8, 512
+
+DRIVER = """
+#include <cstdio>
+#include "packed.h"
+using namespace lithos;
+namespace ffi = xla::ffi;
+
+static XLA_FFI_Buffer buffer(ffi::DataType type, int64_t* dims, int64_t rank) {
+  static char data[16] __attribute__((aligned(16)));
+  XLA_FFI_Buffer b{};
+  b.struct_size = sizeof(b);
+  b.dtype = static_cast<XLA_FFI_DataType>(type);
+  b.data = data;
+  b.rank = rank;
+  b.dims = dims;
+  return b;
+}
+
+static void check(const char* name, int32_t code, XLA_FFI_Buffer data, XLA_FFI_Buffer scales, XLA_FFI_Buffer mins,
+                  int64_t n_in) {
+  PackedWeight w{};
+  const ffi::Error error = packed_weight("check", code, ffi::AnyBuffer(&data), ffi::AnyBuffer(&scales),
+                                         ffi::AnyBuffer(&mins), 1, n_in, w);
+  if (error.failure()) {
+    std::printf("%s error %s\\n", name, error.message().c_str());
+    return;
+  }
+  std::printf("%s ok %d %d %lld %lld %lld %lld %d\\n", name, w.n_out, w.n_in, (long long)w.row_bytes,
+              (long long)w.scale_row_bytes, (long long)w.data_outer, (long long)w.scale_outer, w.mins != nullptr);
+}
+
+int main() {
+CASES
+  return 0;
+}
+"""
+
+
+def _buffer(name: str, plane) -> tuple[str, str]:
+    """C++ declaring `plane`'s dims and the expression of its buffer (an absent plane: an empty u8 array)."""
+    dims = (0,) if plane is None else plane.shape
+    dtype = "uint8" if plane is None else np.dtype(plane.dtype).name
+    declare = f"  int64_t {name}[] = {{{', '.join(str(d) for d in dims)}}};"
+    return declare, f"buffer(ffi::DataType::{FFI_TYPES[dtype]}, {name}, {len(dims)})"
+
+
+def _case(label: str, code: int, planes: dict, n_in: int) -> str:
+    lines, exprs = [], []
+    for plane in ("data", "scales", "mins"):
+        declare, expr = _buffer(f"{label}_{plane}", planes.get(plane))
+        lines.append(declare)
+        exprs.append(expr)
+    lines.append(f'  check("{label}", {code}, {", ".join(exprs)}, {n_in});')
+    return "\n".join(lines)
+
+
+def _planes(fmt_name: str) -> dict:
+    w = random_packed(fmt_name, (LAYERS, ROWS, INPUTS), np.random.default_rng(0))
+    return jax.tree_util.tree_map(np.asarray, w.planes())
+
+
+def _differently_shaped(fmt_name: str) -> str:
+    """The next format whose data or scale plane differs from `fmt_name`'s in shape or dtype (Q4_0's and Q4_1's,
+    say, do not: a plane check cannot tell them apart)."""
+
+    def signature(name):
+        return tuple((p.shape, p.dtype) for key, p in _planes(name).items() if key != "mins")
+
+    start = PACKED_FORMATS.index(fmt_name)
+    others = PACKED_FORMATS[start + 1 :] + PACKED_FORMATS[:start]
+    return next(name for name in others if signature(name) != signature(fmt_name))
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """{label: the driver's line split in words} for every format's own planes, and for each format given
+    another's."""
+    tc = compiler_toolchain("cuda")
+    cases = [_case(name, FORMAT_CODES[name], _planes(name), INPUTS) for name in PACKED_FORMATS]
+    for name in PACKED_FORMATS:
+        other = _differently_shaped(name)
+        cases.append(_case(f"{name}_as_{other}", FORMAT_CODES[name], _planes(other), INPUTS))
+    out = tmp_path_factory.mktemp("planes")
+    source = out / "driver.cu"
+    source.write_text(DRIVER.replace("CASES", "\n".join(cases)))
+    binary = out / "driver"
+    include = [f"-I{jax.ffi.include_dir()}", f"-I{build.CSRC}"]
+    flags = ["-std=c++17", "-O0", "-w"]  # the FFI headers' warnings are not ours
+    subprocess.run([tc.compiler, *flags, *include, "-o", str(binary), str(source)], check=True)
+    lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.splitlines()
+    return {line.split()[0]: line.split()[1:] for line in lines}
+
+
+@pytest.mark.parametrize("fmt_name", PACKED_FORMATS)
+def test_every_format_s_planes_are_accepted_with_their_own_strides(checked, fmt_name):
+    planes = _planes(fmt_name)
+    status, *values = checked[fmt_name]
+    assert status == "ok", " ".join(values)
+    n_out, n_in, row_bytes, scale_row_bytes, data_outer, scale_outer, has_mins = map(int, values)
+    data, scales = planes["data"], planes["scales"]
+    assert (n_out, n_in) == (ROWS, INPUTS)
+    assert row_bytes == data.shape[-1] * data.itemsize == get_format(fmt_name).data_bytes(INPUTS) * data.itemsize
+    assert data_outer == data[0].nbytes and scale_outer == scales[0].nbytes
+    scale_rows = scales.shape[1]  # a row's scales; fp8_block128: a row of 128-row tiles
+    assert scale_row_bytes == scales[0].nbytes // scale_rows
+    assert has_mins == ("mins" in planes)
+
+
+@pytest.mark.parametrize("fmt_name", PACKED_FORMATS)
+def test_another_format_s_planes_are_refused_with_a_message(checked, fmt_name):
+    other = _differently_shaped(fmt_name)
+    status, *message = checked[f"{fmt_name}_as_{other}"]
+    assert status == "error" and message, (fmt_name, other)

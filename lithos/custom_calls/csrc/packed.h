@@ -34,6 +34,14 @@
 #include <cuda_fp16.h>
 #endif
 
+// The decoders below (loads, conversions, Packed<F>'s load, decode and scale) also compile for the host, where
+// tests/test_packed_host.py runs them on the CPU against the reference dequantisation; their device code is the
+// same either way. LITHOS_DEVICE_PASS tells the two passes apart.
+#define LITHOS_DECODE __host__ __device__ __forceinline__
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#define LITHOS_DEVICE_PASS 1
+#endif
+
 namespace lithos {
 
 // The `format` attribute of every packed handler; keep in step with FORMAT_CODES in
@@ -70,9 +78,29 @@ constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of
 typedef uint32_t lithos_u32x2_t __attribute__((ext_vector_type(2)));
 #endif
 
+// The host's read of a load below (tests): plain bytes.
+template <class T>
+LITHOS_DECODE T host_read(const uint8_t* p) {
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+LITHOS_DECODE float float_from_bits(uint32_t bits) {
+#if defined(LITHOS_DEVICE_PASS)
+  return __uint_as_float(bits);
+#else
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
 // Weights are read once per step: streaming loads keep them from evicting activations from L1.
-__device__ __forceinline__ uint2 stream_u2(const uint8_t* p) {
-#if defined(LITHOS_HIP)
+LITHOS_DECODE uint2 stream_u2(const uint8_t* p) {
+#if !defined(LITHOS_DEVICE_PASS)
+  return host_read<uint2>(p);
+#elif defined(LITHOS_HIP)
   lithos_u32x2_t v = __builtin_nontemporal_load(reinterpret_cast<const lithos_u32x2_t*>(p));
   return make_uint2(v.x, v.y);
 #else
@@ -80,24 +108,30 @@ __device__ __forceinline__ uint2 stream_u2(const uint8_t* p) {
 #endif
 }
 
-__device__ __forceinline__ uint32_t stream_u16(const uint8_t* p) {
-#if defined(LITHOS_HIP)
+LITHOS_DECODE uint32_t stream_u16(const uint8_t* p) {
+#if !defined(LITHOS_DEVICE_PASS)
+  return host_read<uint16_t>(p);
+#elif defined(LITHOS_HIP)
   return __builtin_nontemporal_load(reinterpret_cast<const uint16_t*>(p));
 #else
   return __ldcs(reinterpret_cast<const unsigned short*>(p));
 #endif
 }
 
-__device__ __forceinline__ uint32_t stream_u32(const uint8_t* p) {
-#if defined(LITHOS_HIP)
+LITHOS_DECODE uint32_t stream_u32(const uint8_t* p) {
+#if !defined(LITHOS_DEVICE_PASS)
+  return host_read<uint32_t>(p);
+#elif defined(LITHOS_HIP)
   return __builtin_nontemporal_load(reinterpret_cast<const uint32_t*>(p));
 #else
   return __ldcs(reinterpret_cast<const unsigned int*>(p));
 #endif
 }
 
-__device__ __forceinline__ uint4 stream_u4(const uint8_t* p) {
-#if defined(LITHOS_HIP)
+LITHOS_DECODE uint4 stream_u4(const uint8_t* p) {
+#if !defined(LITHOS_DEVICE_PASS)
+  return host_read<uint4>(p);
+#elif defined(LITHOS_HIP)
   u32x4_t v = __builtin_nontemporal_load(reinterpret_cast<const u32x4_t*>(p));
   return make_uint4(v.x, v.y, v.z, v.w);
 #else
@@ -106,34 +140,34 @@ __device__ __forceinline__ uint4 stream_u4(const uint8_t* p) {
 }
 
 // Two fp16 bit patterns (element 0 in the low half) to floats.
-__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+LITHOS_DECODE float2 half2_bits_to_float2(uint32_t bits) {
   __half2 h;
   memcpy(&h, &bits, sizeof(h));
   return __half22float2(h);
 }
 
 // (a - b) per fp16 half, then to floats: exact for the small integers the GGUF decoders form.
-__device__ __forceinline__ float2 half2_bits_diff(uint32_t a, uint32_t b) {
+LITHOS_DECODE float2 half2_bits_diff(uint32_t a, uint32_t b) {
   __half2 ha, hb;
   memcpy(&ha, &a, sizeof(ha));
   memcpy(&hb, &b, sizeof(hb));
   return __half22float2(__hsub2(ha, hb));
 }
 
-__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+LITHOS_DECODE float half_bits_to_float(uint16_t bits) {
   __half h;
   memcpy(&h, &bits, sizeof(h));
   return __half2float(h);
 }
 
 // E8M0 scale: 2^(s - 127); 0xFF is NaN (OCP MX). s = 0 is the subnormal 2^-127.
-__device__ __forceinline__ float e8m0_to_float(uint32_t s) {
-  if (s == 0xFFu) return __uint_as_float(0x7FC00000u);
-  return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);
+LITHOS_DECODE float e8m0_to_float(uint32_t s) {
+  if (s == 0xFFu) return float_from_bits(0x7FC00000u);
+  return s == 0 ? float_from_bits(0x00400000u) : float_from_bits(s << 23);
 }
 
 // Whether any byte of `w` is an E4M3 NaN code (0x7F or 0xFF): low 7 bits all set.
-__device__ __forceinline__ uint32_t e4m3_nan_bytes(uint32_t w) {
+LITHOS_DECODE uint32_t e4m3_nan_bytes(uint32_t w) {
   return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
 }
 
@@ -184,7 +218,7 @@ struct Packed<WeightFormat::kBf16> {
 // 4-bit rows: element 2k is the low nibble of byte k, so nibble j of a 32-bit word is element j.
 // Elements j and j + 4 of a word share a half2 (their bits are 16 apart, so one mask serves both).
 template <class Decode4>
-__device__ __forceinline__ void decode_nibble_words(const uint2& raw, float (&w)[kChunk], Decode4 pair_of) {
+LITHOS_DECODE void decode_nibble_words(const uint2& raw, float (&w)[kChunk], Decode4 pair_of) {
   const uint32_t words[2] = {raw.x, raw.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -203,14 +237,14 @@ struct Packed<WeightFormat::kMxfp4> {
   static constexpr float kPre = 16384.0f;  // decoded values are v * 2^-14
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_nibble_words(r, w, [](uint32_t t) {
       return half2_bits_to_float2(((t & 0x00070007u) << 9) | ((t & 0x00080008u) << 12));
     });
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {e8m0_to_float(row.scales[col / kPackedBlock]), 0.0f};
   }
 };
@@ -222,20 +256,20 @@ struct Packed<WeightFormat::kQ4_0> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_nibble_words(r, w, [](uint32_t t) {
       return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64086408u);  // (1024 + c) - 1032 = c - 8
     });
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[col / kPackedBlock]), 0.0f};
   }
 };
 
 // Unsigned 4-bit codes c as floats (Q4_1, Q4_K).
-__device__ __forceinline__ void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
+LITHOS_DECODE void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
   decode_nibble_words(raw, w, [](uint32_t t) {
     return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
   });
@@ -248,12 +282,12 @@ struct Packed<WeightFormat::kQ4_1> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = true;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     const int block = col / kPackedBlock;
     return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[block]),
             half_bits_to_float(reinterpret_cast<const uint16_t*>(row.mins)[block])};
@@ -264,7 +298,7 @@ struct Packed<WeightFormat::kQ4_1> {
 // scale and min read from the record as llama.cpp's get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of
 // bytes 0..3 (scales) and 4..7 (mins), 4..7 in the nibbles of bytes 8..11 with their top bits in the top bits of
 // bytes 0..7.
-__device__ __forceinline__ ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
+LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
   const uint8_t* record = row.scales + (col / kSuperBlock) * kQ4KRecord;
   const uint8_t* q = record + 4;
   const int j = (col % kSuperBlock) / kPackedBlock;
@@ -287,12 +321,12 @@ struct Packed<WeightFormat::kQ4_K> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = true;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
 };
 
 // Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights. A chunk is
@@ -307,12 +341,12 @@ struct Packed<WeightFormat::kQ6_K> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) {
     const uint8_t* super = row + (col / kSuperBlock) * kQ6KSuperBytes;
     const int at = col % kSuperBlock;
     return {stream_u2(super + at / 2), stream_u32(super + kSuperBlock / 2 + at / 4)};
   }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     const uint32_t words[2] = {r.low.x, r.low.y};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -327,7 +361,7 @@ struct Packed<WeightFormat::kQ6_K> {
       }
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     const uint8_t* record = row.scales + (col / kSuperBlock) * kQ6KRecord;
     const int8_t sc = static_cast<int8_t>(record[2 + (col % kSuperBlock) / 16]);
     return {half_bits_to_float(*reinterpret_cast<const uint16_t*>(record)) * static_cast<float>(sc), 0.0f};
@@ -343,7 +377,7 @@ struct Raw5 {
 };
 
 template <int GROUP>
-__device__ __forceinline__ Raw5 load_5bit_chunk(const uint8_t* row, int col) {
+LITHOS_DECODE Raw5 load_5bit_chunk(const uint8_t* row, int col) {
   const uint8_t* group = row + (col / GROUP) * (GROUP * 5 / 8);
   const int at = col % GROUP;
   const uint2 low = make_uint2(stream_u32(group + at / 2), stream_u32(group + at / 2 + 4));
@@ -352,7 +386,7 @@ __device__ __forceinline__ Raw5 load_5bit_chunk(const uint8_t* row, int col) {
 
 // The chunk's codes c minus `offset` (16 for Q5_0, else 0) as floats, pairs as in decode_nibble_words.
 template <uint32_t OFFSET>
-__device__ __forceinline__ void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
+LITHOS_DECODE void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
   constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
   const uint32_t words[2] = {r.low.x, r.low.y};
 #pragma unroll
@@ -376,12 +410,12 @@ struct Packed<WeightFormat::kQ5_0> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<16>(r, w);
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return Packed<WeightFormat::kQ4_0>::scale(row, col);
   }
 };
@@ -394,12 +428,12 @@ struct Packed<WeightFormat::kQ5_1> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = true;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<0>(r, w);
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return Packed<WeightFormat::kQ4_1>::scale(row, col);
   }
 };
@@ -412,17 +446,17 @@ struct Packed<WeightFormat::kQ5_K> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = true;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<0>(r, w);
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
 };
 
 // 8-bit rows: bytes 0 and 2 of a word share a half2, and bytes 1 and 3.
 template <class Decode8>
-__device__ __forceinline__ void decode_byte_words(const uint4& raw, float (&w)[kChunk], Decode8 pairs_of) {
+LITHOS_DECODE void decode_byte_words(const uint4& raw, float (&w)[kChunk], Decode8 pairs_of) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -436,7 +470,7 @@ __device__ __forceinline__ void decode_byte_words(const uint4& raw, float (&w)[k
 }
 
 // E4M3 bytes to fp16 patterns: sign to bit 15, the 7 magnitude bits to 7..13 (v * 2^-8).
-__device__ __forceinline__ bool decode_e4m3_chunk(const uint4& raw, float (&w)[kChunk]) {
+LITHOS_DECODE bool decode_e4m3_chunk(const uint4& raw, float (&w)[kChunk]) {
   decode_byte_words(raw, w, [](uint32_t b, float2& even, float2& odd) {
     even = half2_bits_to_float2(((b & 0x007F007Fu) << 7) | ((b & 0x00800080u) << 8));
     odd = half2_bits_to_float2(((b >> 1) & 0x3F803F80u) | (b & 0x80008000u));
@@ -451,9 +485,9 @@ struct Packed<WeightFormat::kMxfp8> {
   static constexpr float kPre = 256.0f;  // decoded values are v * 2^-8
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = true;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {e8m0_to_float(row.scales[col / kPackedBlock]), 0.0f};
   }
 };
@@ -465,9 +499,9 @@ struct Packed<WeightFormat::kFp8Block128> {
   static constexpr float kPre = 256.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = true;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {reinterpret_cast<const float*>(row.scales)[col / kFp8Tile], 0.0f};
   }
 };
@@ -479,8 +513,8 @@ struct Packed<WeightFormat::kQ8_0> {
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  __device__ static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
-  __device__ static bool decode(const Raw& r, float (&w)[kChunk]) {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     // int8 c -> 1024 + (c + 128) as fp16 (flip the sign bit), minus 1152.
     decode_byte_words(r, w, [](uint32_t b, float2& even, float2& odd) {
       even = half2_bits_diff(((b & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
@@ -488,7 +522,7 @@ struct Packed<WeightFormat::kQ8_0> {
     });
     return false;
   }
-  __device__ static ChunkScale scale(const PackedRow& row, int col) {
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[col / kPackedBlock]), 0.0f};
   }
 };

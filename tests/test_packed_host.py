@@ -1,7 +1,8 @@
-"""The packed kernels' host-side plane checks (csrc/packed.h `packed_weight`), run on the CPU: for every packed
-format, the planes lithos.quant lays out are accepted, and the strides the kernels walk them by are the planes'
-own (bytes a row, a row's scales, a layer); planes of another format's shape are refused with a message. The
-driver is host code compiled by nvcc (no GPU runs it); the kernels themselves are checked on the GPU."""
+"""The packed kernels' host-side code and decoders (csrc/packed.h), run on the CPU. For every packed format:
+the planes lithos.quant lays out pass `packed_weight`'s checks with their own strides (bytes a row, a row's
+scales, a layer), and another format's planes are refused with a message; and `Packed<F>`'s load, decode and
+scale, the code the kernels run per chunk of 16 weights, give the reference dequantisation's values bit for bit.
+The driver is host code compiled by nvcc (no GPU runs it); the kernels' loops are checked on the GPU."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import pytest
 
 from lithos.custom_calls import build
 from lithos.custom_calls.packed_weights import FORMAT_CODES, PACKED_FORMATS
-from lithos.quant import get_format, random_packed
+from lithos.quant import dequantize, get_format, random_packed
 
 from .test_custom_calls import compiler_toolchain
 
 FFI_TYPES = {"uint8": "U8", "int8": "S8", "float16": "F16", "float32": "F32"}
 LAYERS, ROWS, INPUTS = 2, 8, 512
 
-DRIVER = """
+DRIVER = r"""
+#include <cmath>
 #include <cstdio>
 #include "packed.h"
 using namespace lithos;
@@ -43,11 +45,36 @@ static void check(const char* name, int32_t code, XLA_FFI_Buffer data, XLA_FFI_B
   const ffi::Error error = packed_weight("check", code, ffi::AnyBuffer(&data), ffi::AnyBuffer(&scales),
                                          ffi::AnyBuffer(&mins), 1, n_in, w);
   if (error.failure()) {
-    std::printf("%s error %s\\n", name, error.message().c_str());
+    std::printf("%s error %s\n", name, error.message().c_str());
     return;
   }
-  std::printf("%s ok %d %d %lld %lld %lld %lld %d\\n", name, w.n_out, w.n_in, (long long)w.row_bytes,
+  std::printf("%s ok %d %d %lld %lld %lld %lld %d\n", name, w.n_out, w.n_in, (long long)w.row_bytes,
               (long long)w.scale_row_bytes, (long long)w.data_outer, (long long)w.scale_outer, w.mins != nullptr);
+}
+
+// Every weight of a row as the kernels form it: a chunk's decoded codes times kPre and its factor, plus its
+// offset (the kernels sum x * code first and apply both once a chunk).
+template <WeightFormat F>
+static void decode_row(const char* name, const uint8_t* data, const uint8_t* scales, const uint8_t* mins, int n_in) {
+  using P = Packed<F>;
+  const PackedRow row{data, scales, mins};
+  std::printf("%s", name);
+  for (int col = 0; col < n_in; col += kChunk) {
+    float w[kChunk];
+    const bool nan = P::decode(P::load(row.data, col), w);
+    const ChunkScale s = P::scale(row, col);
+    for (int v = 0; v < kChunk; ++v) std::printf(" %a", nan ? NAN : w[v] * P::kPre * s.mul + s.add);
+  }
+  std::printf("\n");
+}
+
+static void decode(const char* name, int32_t code, const uint8_t* data, const uint8_t* scales, const uint8_t* mins,
+                   int n_in) {
+  const ffi::Error error = with_weight_format(code, [&](auto format) {
+    decode_row<decltype(format)::value>(name, data, scales, mins, n_in);
+    return ffi::Error::Success();
+  });
+  if (error.failure()) std::printf("%s error %s\n", name, error.message().c_str());
 }
 
 int main() {
@@ -75,6 +102,27 @@ def _case(label: str, code: int, planes: dict, n_in: int) -> str:
     return "\n".join(lines)
 
 
+def _bytes(name: str, plane) -> str:
+    if plane is None:
+        return f"  const uint8_t* {name} = nullptr;"
+    raw = np.ascontiguousarray(plane).view(np.uint8).reshape(-1)
+    return f"  static const uint8_t {name}[] = {{{', '.join(str(b) for b in raw)}}};"
+
+
+def _decode_case(fmt_name: str) -> str:
+    """Each row of `_planes(fmt_name)`'s first layer decoded by the driver, as "<format>-<row> values..."."""
+    planes = {name: plane[0] for name, plane in _planes(fmt_name).items()}
+    lines = []
+    for row in range(ROWS):
+        label = f"{fmt_name}_{row}"
+        scale_row = row // 128 if fmt_name == "fp8_block128" else row
+        row_planes = {name: plane[scale_row if name != "data" else row] for name, plane in planes.items()}
+        lines += [_bytes(f"{label}_{name}", row_planes.get(name)) for name in ("data", "scales", "mins")]
+        args = ", ".join(f"{label}_{name}" for name in ("data", "scales", "mins"))
+        lines.append(f'  decode("{label}", {FORMAT_CODES[fmt_name]}, {args}, {INPUTS});')
+    return "\n".join(lines)
+
+
 def _planes(fmt_name: str) -> dict:
     w = random_packed(fmt_name, (LAYERS, ROWS, INPUTS), np.random.default_rng(0))
     return jax.tree_util.tree_map(np.asarray, w.planes())
@@ -94,13 +142,14 @@ def _differently_shaped(fmt_name: str) -> str:
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    """{label: the driver's line split in words} for every format's own planes, and for each format given
-    another's."""
+    """{label: the driver's line split in words}: the plane checks of every format's own planes and of each
+    format given another's, and every row of every format decoded."""
     tc = compiler_toolchain("cuda")
     cases = [_case(name, FORMAT_CODES[name], _planes(name), INPUTS) for name in PACKED_FORMATS]
     for name in PACKED_FORMATS:
         other = _differently_shaped(name)
         cases.append(_case(f"{name}_as_{other}", FORMAT_CODES[name], _planes(other), INPUTS))
+    cases += [_decode_case(name) for name in PACKED_FORMATS]
     out = tmp_path_factory.mktemp("planes")
     source = out / "driver.cu"
     source.write_text(DRIVER.replace("CASES", "\n".join(cases)))
@@ -132,3 +181,18 @@ def test_another_format_s_planes_are_refused_with_a_message(checked, fmt_name):
     other = _differently_shaped(fmt_name)
     status, *message = checked[f"{fmt_name}_as_{other}"]
     assert status == "error" and message, (fmt_name, other)
+
+
+@pytest.mark.parametrize("fmt_name", PACKED_FORMATS)
+def test_the_kernels_decoders_give_the_reference_values(checked, fmt_name):
+    w = random_packed(fmt_name, (LAYERS, ROWS, INPUTS), np.random.default_rng(0))
+    expected = np.asarray(dequantize(w, np.float32))[0]
+    for row in range(ROWS):
+        words = checked[f"{fmt_name}_{row}"]
+        assert words[0] != "error", " ".join(words)
+        got = np.array([float.fromhex(v) for v in words], np.float32)
+        # Bit for bit, but for the sign of zero: the driver adds a chunk's offset to every weight, and + 0.0
+        # makes -0 +0 (the kernels add offsets to sums, where it is the same).
+        same = (got.view(np.uint32) == expected[row].view(np.uint32)) | ((got == 0) & (expected[row] == 0))
+        bad = np.flatnonzero(~same)
+        assert not bad.size, (row, bad[:4], got[bad[:4]], expected[row][bad[:4]])

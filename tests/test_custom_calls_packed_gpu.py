@@ -132,7 +132,7 @@ def test_packed_qkv_rope_append(fmt_name, shape, tokens):
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("formats", [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "bfloat16")])
+@pytest.mark.parametrize("formats", [("q4_k", "q4_k", "k_mix"), ("q4_k", "q4_k", "bfloat16")])
 def test_packed_qkv_rope_append_of_mixed_formats(formats):
     rng = rng_for("qkv-mixed", formats)
     hidden, heads, kv_heads, dim = QKV_SHAPES["llama-3.1-8b"]
@@ -200,8 +200,8 @@ def test_expert_matvec_kernel_reads_only_routed_experts():
     np.testing.assert_array_equal(got, np.asarray(run(x, w, ids), np.float32))
 
 
-# Q4_K_M's formats (llama.cpp): V and down in Q6_K, the other matrices in Q4_K.
-Q4_K_M = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "wo": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+# Q4_K_M's formats as lithos loads them: V and down, Q6_K in some layers and Q4_K in others, as K_MIX.
+Q4_K_M = {"wq": "q4_k", "wk": "q4_k", "wv": "k_mix", "wo": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "k_mix"}
 
 
 @pytest.mark.parametrize(

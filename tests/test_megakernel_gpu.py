@@ -87,6 +87,7 @@ def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
         ("llama-3.2-1b", {"attention": "q4_k", "mlp": "q6_k", "lm_head": "q6_k"}, 1),
         ("llama-3.2-1b", {"attention": "q6_k", "mlp": "q4_k"}, 16),
         ("llama-3.2-1b", {"attention": "q5_k", "mlp": "q5_k", "lm_head": "q6_k"}, 4),
+        ("llama-3.2-1b", {"attention": "q4_k", "mlp": "k_mix"}, 1),  # Q4_K_M's down projections
         # the 5-bit blocks of 32 that K-quant files of SmolLM2 hold where rows are not whole super-blocks
         ("smollm2-like", {"attention": "q5_0", "mlp": "q5_1", "lm_head": "q8_0"}, 1),
     ],

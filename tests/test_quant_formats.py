@@ -209,6 +209,30 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
     assert_bits_equal(got, expected)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf factors too
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_become_k_mix_exactly(type_name):
+    """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections): every value of
+    every type, f16 edges included, the same as gguf's, but the sign of zero (a K_MIX zero is +0) and a Q6_K
+    super-block of infinite d (NaN in K_MIX: inf * q - inf * 32)."""
+    gguf = require("gguf")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, (64, 3 * block_bytes), dtype=np.uint8)
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7E00] + [0x7C00] * (type_name != "Q6_K"), np.uint16)
+    blocks = raw.reshape(64, 3, block_bytes)
+    for at in F16_FACTORS[type_name]:
+        blocks[: len(edges), 0, at : at + 2] = edges.view(np.uint8).reshape(-1, 2)
+        if type_name == "Q6_K":  # no other infinite d either
+            d = blocks[..., at : at + 2].copy().view(np.float16)
+            blocks[..., at : at + 2] = np.where(np.isinf(d), np.float16(1), d).view(np.uint8)
+    expected = gguf.quants.dequantize(raw, qtype)
+    mixed = quant.layouts.to_k_mix(quant.from_gguf(raw, type_name, expected.shape))
+    assert mixed.format == quant.K_MIX and mixed.nbytes == 64 * 3 * (192 + 52)
+    got = np.asarray(jax.jit(quant.dequantize)(mixed))
+    np.testing.assert_array_equal(got, expected)  # -0 == +0, NaN == NaN
+
+
 def test_k_quant_planes_cost_what_the_gguf_blocks_cost():
     """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 5.5 for Q5_K, 6.5625 for Q6_K (Q6_K's
     record holds its d before its 16 scales: the same 18 bytes). Their rows split only in whole super-blocks."""

@@ -241,6 +241,11 @@ def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1):
         if name not in types:
             writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
+        if types[name] not in K_QUANT_BLOCKS:  # the block-32 types gguf can make
+            values = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+            qtype = gguf.GGMLQuantizationType[types[name]]
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            continue
         block_bytes, factors = K_QUANT_BLOCKS[types[name]]
         blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, block_bytes), dtype=np.uint8)
         for at, d in zip(factors, (0.0004, 0.0002), strict=False):
@@ -288,23 +293,37 @@ def test_a_k_quant_gguf_loads_packed_and_runs_from_its_packed_weights(tmp_path, 
     np.testing.assert_allclose(np.asarray(fused), np.asarray(reference), rtol=0, atol=1e-4 * np.abs(reference).max())
 
 
-def test_a_tensor_whose_layers_mix_k_quants_arrives_exact_and_the_fused_path_runs_it(tmp_path):
-    """Q4_K_M gives some layers' V more bits (Q6_K) than others' (Q4_K): no one format holds the stack, so it
-    arrives as exact float32 values and the load says so where bf16 would round them; the fused path then reads
-    Q and K packed and V dense (three projections), and agrees with the reference."""
+def test_tensors_whose_layers_mix_types_load_exact_and_the_fused_path_runs_them(tmp_path):
+    """Q4_K_M gives some layers' V and down projections more bits (Q6_K) than others' (Q4_K): such a stack
+    becomes K_MIX, every value exact; a mix outside the K-quants (Q8_0 beside Q4_0) arrives as exact float32
+    values, and the load says so where bf16 would round them. The fused path runs both (Q and K in Q4_K, V in
+    K_MIX: three projections; O dense), and agrees with the reference."""
     from lithos.checkpoint import gguf_file
 
     path = tmp_path / "tiny-mixed.gguf"
     types = {f"blk.{i}.{name}": "Q4_K" for i in range(2) for name in ("attn_q.weight", "attn_k.weight")}
-    types.update({"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_v.weight": "Q4_K"})
+    mixed = {
+        "attn_v.weight": ("Q6_K", "Q4_K"),
+        "ffn_down.weight": ("Q6_K", "Q5_K"),
+        "attn_output.weight": ("Q8_0", "Q4_0"),
+    }
+    types.update({f"blk.{i}.{name}": kinds[i] for name, kinds in mixed.items() for i in range(2)})
     expected = _write_k_quant_gguf(path, types, layers=2)
     cfg, flat, _, unpacked = gguf_file.load(path)
-    assert unpacked == {"Q4_K/Q6_K mixed across layers": 1}
-    assert quant.is_quantized(flat["layers.wq"]) and not quant.is_quantized(flat["layers.wv"])
-    np.testing.assert_array_equal(flat["layers.wv"][0], expected["blk.0.attn_v.weight"])
-    with pytest.warns(UserWarning, match=r"\(1 Q4_K/Q6_K mixed across layers\).*dtype='float32'"):
+    assert unpacked == {"Q4_0/Q8_0 mixed across layers": 1}
+    assert flat["layers.wv"].format == flat["layers.w_down"].format == quant.K_MIX
+    assert not quant.is_quantized(flat["layers.wo"])
+    for name, gguf_name in (
+        ("layers.wv", "attn_v.weight"),
+        ("layers.w_down", "ffn_down.weight"),
+        ("layers.wo", "attn_output.weight"),
+    ):
+        values = np.asarray(quant.dequantize(flat[name])) if quant.is_quantized(flat[name]) else flat[name]
+        for i in range(2):
+            np.testing.assert_array_equal(values[i], expected[f"blk.{i}.{gguf_name}"], err_msg=f"{name} {i}")
+    with pytest.warns(UserWarning, match=r"\(1 Q4_0/Q8_0 mixed across layers\).*dtype='float32'"):
         params = load_checkpoint(path, dtype="bfloat16", use_cache=False).params
-    assert params.layers.wv.dtype == jnp.bfloat16 and params.layers.wq.format == quant.Q4_K
+    assert params.layers.wo.dtype == jnp.bfloat16 and params.layers.wv.format == quant.K_MIX
     forward = family_of(cfg).forward
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.bfloat16)
     n = len(TOKENS[0])

@@ -15,6 +15,7 @@ import numpy as np
 
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
+from lithos.quant import QuantizedArray
 from lithos.quant.layouts import GGUF_FORMATS, from_gguf, map_planes, stack
 
 LAYER_NAMES = {
@@ -78,8 +79,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K and Q6_K stay packed (lithos.quant.QuantizedArray
     with numpy planes) unless `dequantize`; every other tensor arrives as float32. `unpacked` counts, per GGUF
     type, the quantized tensors that arrived as float32 although `dequantize` was not asked for (types lithos
-    has no packed layout for, such as Q2_K, and tensors whose layers mix types): their exact values are
-    float32.
+    has no packed layout for, such as Q2_K, and tensors whose layers mix types other than the K-quants): their
+    exact values are float32. A tensor whose layers mix K-quants (Q4_K_M's V and down projections) is K_MIX.
     """
     import gguf
 
@@ -128,11 +129,10 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     for name, layers in per_layer.items():
         if any(x is None for x in layers):
             raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
-        flat[name] = stack(layers)
+        flat[name] = stack(layers)  # K-quants of several types (Q4_K_M's V and down) as K_MIX
         kinds = layer_kinds[name]
-        if len(kinds) > 1 and kinds & set(GGUF_FORMATS) and not dequantize:
-            # K-quant mixes (Q4_K_M...) give some layers' V and down projections more bits: no one format holds
-            # the stack, so it arrives as float32.
+        if kinds & set(GGUF_FORMATS) and not dequantize and not isinstance(flat[name], QuantizedArray):
+            # Packed layers of types no one format holds (Q4_0 beside Q8_0) arrive as float32.
             mixed = "/".join(sorted(kinds)) + " mixed across layers"
             unpacked[mixed] = unpacked.get(mixed, 0) + 1
     return cfg, flat, meta, unpacked

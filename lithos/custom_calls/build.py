@@ -39,6 +39,14 @@ from lithos.errors import LithosError
 
 CSRC = Path(__file__).parent / "csrc"
 
+# The packed weight formats with a source of their own (csrc/matvec_packed_<format>.cu); packed_weights.py's
+# FORMAT_CODES names the same (tests/test_custom_calls_packed.py).
+PACKED_SOURCES = (
+    *("mxfp4", "mxfp8", "fp8_block128"),
+    *("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
+    *("q4_k", "q5_k", "q6_k", "k_mix"),
+)
+
 # Kernel source (csrc/<name>.cu) -> the FFI handler symbols it defines, each registered under its
 # own name as an XLA custom-call target.
 KERNELS: dict[str, tuple[str, ...]] = {
@@ -52,7 +60,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         f"matvec_packed_{fmt}": tuple(
             f"{op}_{fmt}" for op in ("LithosPackedMatvec", "LithosPackedGateUpSilu", "LithosPackedQkvRopeAppend")
         )
-        for fmt in ("mxfp4", "mxfp8", "fp8_block128", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+        for fmt in PACKED_SOURCES
     },
     "expert_matvec": ("LithosExpertMatvec",),
 }

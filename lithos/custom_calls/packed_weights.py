@@ -35,6 +35,7 @@ FORMAT_CODES: dict[str, int] = {
     "q5_0": 9,
     "q5_1": 10,
     "q5_k": 11,
+    "k_mix": 12,
 }
 PACKED_FORMATS = tuple(name for name in FORMAT_CODES if name != "bfloat16")
 

@@ -12,6 +12,7 @@ LM head); the reference path dequantises it, the kernels will read the planes di
 from lithos.quant.formats import (
     FORMATS,
     FP8_BLOCK128,
+    K_MIX,
     MXFP4,
     MXFP4_TILES,
     MXFP8,
@@ -46,6 +47,7 @@ __all__ = [
     "DEFAULT_GROUPS",
     "FORMATS",
     "FP8_BLOCK128",
+    "K_MIX",
     "GGUF_FORMATS",
     "GROUPS",
     "MXFP4",

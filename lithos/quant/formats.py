@@ -23,6 +23,7 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
     q5_k          u8 [..., out, 5*in/8]      u8  [..., out, in/256, 16]  records   -
     q6_k          u8 [..., out, 3*in/4]      u8  [..., out, in/256, 18]  records   -
+    k_mix         u8 [..., out, 3*in/4]      u8  [..., out, in/256, 52]  records   -
 
 4-bit data: element 2k of a row is the low nibble of byte k, element 2k+1 the high nibble (the
 OCP/GPT-OSS order). GGUF files store Q4 blocks with elements 0..15 in the low nibbles and 16..31 in
@@ -38,6 +39,11 @@ scales as one record, byte for byte as GGUF stores them, so they cost what they 
     q6_k record   f16 d, then 16 int8 scales, one per 16 weights
     q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
                   above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
+    k_mix         a stack whose layers a GGUF holds in different K-quants (Q4_K_M keeps some layers' V and
+                  down projections in Q6_K, the others in Q4_K), each layer's values exactly: q6_k's data (4-
+                  and 5-bit codes are 6-bit codes too); record f16 A, f16 B, 16 int8 a_i, 16 int16 b_i (one
+                  pair per 16 weights): from q6_k, A = B = d, a_i = sc_i, b_i = -32 sc_i; from q4_k and q5_k,
+                  A = d, B = dmin, and for the two runs of 16 of sub-block j, a_i = sc_j and b_i = -m_j
 
 5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
 order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).
@@ -54,6 +60,8 @@ Values (f32, exact):
     q5_1           f32(d) * code + f32(m)
     q4_k, q5_k     (d * sc_j) * code - (dmin * m_j)    (sub-block j = column // 32 of the super-block)
     q6_k           (d * sc_i) * (code - 32)            (i = column // 16 of the super-block; sc signed)
+    k_mix          (A * a_i) * code + (B * b_i)        (the same i: every product exact, one rounding; a q6_k
+                                                        layer's values but the sign of zero, and NaN for inf d)
 
 `dequantize` is the reference: plain jax.numpy, bit-exact on every backend. XLA on CPU flushes
 subnormal f32 results to zero, so the power-of-two MX scaling is done on the exponent bits with
@@ -172,9 +180,10 @@ Q5_1 = QuantFormat("q5_1", "uint5", 5, (1, 32), "f16", has_min=True, origin="GGU
 Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q5_K = QuantFormat("q5_k", "uint5", 5, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
+K_MIX = QuantFormat("k_mix", "uint6", 6, (1, 256), "record", record=52, origin="GGUF K-quant layers of mixed types")
 
 FORMATS: dict[str, QuantFormat] = {
-    f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+    f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, K_MIX)
 }
 
 
@@ -366,12 +375,16 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
         scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         return _unblock(scale * codes.astype(jnp.float32) - low)
-    blocks = _blocks(w.data, 192)  # q6_k: [..., super-blocks, 192]
+    blocks = _blocks(w.data, 192)  # q6_k, k_mix: [..., super-blocks, 192]
     high = (blocks[..., 128:].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
-    codes = unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4)
-    scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]
-    values = (d * scales)[..., None] * _blocks(codes - 32, 16).astype(jnp.float32)
-    return _unblock(_unblock(values))
+    codes = _blocks(unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4), 16)
+    if w.format.name == "q6_k":
+        scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]
+        return _unblock(_unblock((d * scales)[..., None] * (codes - 32).astype(jnp.float32)))
+    a = jax.lax.bitcast_convert_type(records[..., 4:20], jnp.int8).astype(jnp.float32)
+    b = jax.lax.bitcast_convert_type(_blocks(records[..., 20:52], 2), jnp.int16).astype(jnp.float32)
+    mul, add = d * a, _record_f16(records, 2)[..., None] * b
+    return _unblock(_unblock(mul[..., None] * codes.astype(jnp.float32) + add[..., None]))
 
 
 def _dequantize_f32(w: QuantizedArray) -> jax.Array:

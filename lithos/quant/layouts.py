@@ -6,7 +6,8 @@
   "element 2k in the low nibble of byte k" order.
 - GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights, 144, 176 and 210 bytes): their scales stay one
   record per super-block (lithos.quant.formats), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
-  Q5_K) keep GGUF's high bits as they are, after their low nibbles.
+  Q5_K) keep GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants
+  becomes K_MIX, each layer's values exactly.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -20,6 +21,7 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.quant.formats import (
     FP8_BLOCK128,
+    K_MIX,
     MXFP4,
     Q4_0,
     Q4_1,
@@ -32,6 +34,7 @@ from lithos.quant.formats import (
     QuantFormat,
     QuantizedArray,
     from_planes,
+    q4_k_scales_and_mins,
 )
 
 # GGUF tensor type name -> (format, weights per block, bytes per block).
@@ -94,6 +97,15 @@ def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": np.ascontiguousarray(blocks[..., :16]), "data": _5bit_runs(low, high_bytes)}
 
 
+def _6bit_runs(codes: np.ndarray) -> np.ndarray:
+    """6-bit codes `[..., n, 256]` -> `[..., n * 192]`: each super-block's low nibbles in the common 4-bit order,
+    then its high 2 bits (element 4k + i at bits 2i of byte k)."""
+    high = codes >> 4
+    high_bytes = high[..., 0::4] | (high[..., 1::4] << 2) | (high[..., 2::4] << 4) | (high[..., 3::4] << 6)
+    runs = np.concatenate([pack_nibbles(codes & 0x0F), high_bytes.astype(np.uint8)], axis=-1)
+    return runs.reshape(*runs.shape[:-2], -1)
+
+
 def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q6_K super-blocks `[..., n, 210]` (ql: 128 bytes of low 4 bits, qh: 64 of high 2 bits, 16 int8 scales,
     f16 d) -> planes. In half h of a super-block, ql byte 64h + l holds elements 128h + l (low nibble) and
@@ -102,10 +114,37 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1).reshape(*blocks.shape[:-1], 256)
     high = ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*blocks.shape[:-1], 256)
-    high_bytes = high[..., 0::4] | (high[..., 1::4] << 2) | (high[..., 2::4] << 4) | (high[..., 3::4] << 6)
-    data = np.concatenate([pack_nibbles(low), high_bytes.astype(np.uint8)], axis=-1)  # [..., n, 192]
     record = np.concatenate([blocks[..., 208:210], blocks[..., 192:208]], axis=-1)  # d first, then the scales
-    return {"scales": record, "data": data.reshape(*blocks.shape[:-2], -1)}
+    return {"scales": record, "data": _6bit_runs(low | (high << 4))}
+
+
+def _k_quant_codes(w: QuantizedArray) -> np.ndarray:
+    """The codes of a Q4_K, Q5_K or Q6_K array (numpy planes) as u8 `[..., super-blocks, 256]`."""
+    name, data = w.format.name, np.asarray(w.data)
+    runs = data.reshape(*data.shape[:-1], -1, w.format.data_bytes(256))
+    low = np.stack([runs[..., :128] & 0x0F, runs[..., :128] >> 4], axis=-1).reshape(*runs.shape[:-1], 256)
+    if name == "q4_k":
+        return low
+    if name == "q5_k":
+        return low | (np.unpackbits(runs[..., 128:], axis=-1, bitorder="little") << 4)
+    high = (runs[..., 128:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+    return low | (high.reshape(low.shape) << 4)
+
+
+def to_k_mix(w: QuantizedArray) -> QuantizedArray:
+    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats)."""
+    records = np.asarray(w.scales)
+    d = records[..., 0:2]
+    if w.format.name == "q6_k":
+        a = records[..., 2:18].view(np.int8)
+        factors, b = np.concatenate([d, d], axis=-1), -32 * a.astype(np.int16)
+    else:
+        sc, m = (np.asarray(v) for v in q4_k_scales_and_mins(records[..., 4:16]))
+        a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), -np.repeat(m, 2, axis=-1).astype(np.int16)
+        factors = records[..., 0:4]
+    record = np.concatenate([factors, a.view(np.uint8), b.astype("<i2").view(np.uint8)], axis=-1)
+    data = _6bit_runs(_k_quant_codes(w))
+    return from_planes(K_MIX, {"data": data, "scales": record}, w.dtype)
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.float32) -> QuantizedArray:
@@ -193,10 +232,17 @@ def map_planes(fn, w):
     return fn(w)
 
 
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+
+
 def stack(arrays: list) -> np.ndarray | QuantizedArray:
-    """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane;
-    a mix (a GGUF whose layers use different types) falls back to exact f32 values."""
+    """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane; K-quants
+    of several (Q4_K_M's V and down projections) as K_MIX, exactly; any other mix (a GGUF whose layers use
+    different types) falls back to exact f32 values."""
     packed = [a for a in arrays if isinstance(a, QuantizedArray)]
+    formats = {a.format.name for a in packed}
+    if packed and len(packed) == len(arrays) and len(formats) > 1 and formats <= set(K_QUANTS):
+        packed = arrays = [to_k_mix(a) for a in packed]
     if packed and len(packed) == len(arrays) and len({a.format for a in packed}) == 1:
         first = packed[0]
         planes = {name: np.stack([np.asarray(a.planes()[name]) for a in packed]) for name in first.planes()}

@@ -59,8 +59,9 @@ enum class WeightFormat : int32_t {
   kQ5_0 = 9,
   kQ5_1 = 10,
   kQ5_K = 11,
+  kKMix = 12,
 };
-constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ5_K);
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kKMix);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
@@ -68,6 +69,7 @@ constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one 
 constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
 constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
 constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
+constexpr int kKMixRecord = 52;   // k_mix: f16 A, f16 B, 16 int8 a, 16 int16 b
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 
 // ---------------------------------------------------------------------------------------------
@@ -329,42 +331,79 @@ struct Packed<WeightFormat::kQ4_K> {
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
 };
 
-// Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights. A chunk is
-// 8 bytes of low nibbles and the 4 bytes holding its 16 codes' high 2 bits (element e at bits 2e).
+// 6-bit rows (Q6_K, K_MIX): per super-block, 128 bytes of low nibbles, then 64 of high 2 bits. A chunk is 8
+// bytes of low nibbles and the 4 bytes holding its 16 codes' high bits (element e at bits 2e).
+struct Raw6 {
+  uint2 low;
+  uint32_t high;
+};
+
+LITHOS_DECODE Raw6 load_6bit_chunk(const uint8_t* row, int col) {
+  const uint8_t* super = row + (col / kSuperBlock) * kQ6KSuperBytes;
+  const int at = col % kSuperBlock;
+  return {stream_u2(super + at / 2), stream_u32(super + kSuperBlock / 2 + at / 4)};
+}
+
+// The chunk's codes c minus OFFSET (32 for Q6_K, 0 for K_MIX) as floats, pairs as in decode_nibble_words.
+template <uint32_t OFFSET>
+LITHOS_DECODE void decode_6bit_chunk(const Raw6& r, float (&w)[kChunk]) {
+  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
+  const uint32_t words[2] = {r.low.x, r.low.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // elements 8i + j and 8i + j + 4
+      const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
+      const uint32_t high = r.high >> (16 * i + 2 * j);  // element 8i + j's bits at 0..1, 8i + j + 4's at 8..9
+      const uint32_t codes = low | ((high & 0x3u) << 4) | ((high & 0x300u) << 12);
+      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+      w[8 * i + j] = v.x;
+      w[8 * i + j + 4] = v.y;
+    }
+}
+
+// Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights.
 template <>
 struct Packed<WeightFormat::kQ6_K> {
-  struct Raw {
-    uint2 low;
-    uint32_t high;
-  };
+  using Raw = Raw6;
   static constexpr int kUnroll = 4;
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
   static constexpr bool kCanBeNaN = false;
-  LITHOS_DECODE static Raw load(const uint8_t* row, int col) {
-    const uint8_t* super = row + (col / kSuperBlock) * kQ6KSuperBytes;
-    const int at = col % kSuperBlock;
-    return {stream_u2(super + at / 2), stream_u32(super + kSuperBlock / 2 + at / 4)};
-  }
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    const uint32_t words[2] = {r.low.x, r.low.y};
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // elements 8i + j and 8i + j + 4, as in decode_nibble_words
-        const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
-        const uint32_t high = r.high >> (16 * i + 2 * j);  // element 8i + j's bits at 0..1, 8i + j + 4's at 8..9
-        const uint32_t codes = low | ((high & 0x3u) << 4) | ((high & 0x300u) << 12);
-        const float2 v = half2_bits_diff(codes | 0x64006400u, 0x64206420u);  // (1024 + c) - 1056 = c - 32
-        w[8 * i + j] = v.x;
-        w[8 * i + j + 4] = v.y;
-      }
+    decode_6bit_chunk<32>(r, w);
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     const uint8_t* record = row.scales + (col / kSuperBlock) * kQ6KRecord;
     const int8_t sc = static_cast<int8_t>(record[2 + (col % kSuperBlock) / 16]);
     return {half_bits_to_float(*reinterpret_cast<const uint16_t*>(record)) * static_cast<float>(sc), 0.0f};
+  }
+};
+
+// K_MIX (a stack of K-quant layers of mixed types, lithos.quant.formats): w = (A * a_i) * c + B * b_i for the
+// int8 a_i and int16 b_i of its 16 weights.
+template <>
+struct Packed<WeightFormat::kKMix> {
+  using Raw = Raw6;
+  static constexpr int kUnroll = 4;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kCanBeNaN = false;
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_6bit_chunk<0>(r, w);
+    return false;
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    const uint8_t* record = row.scales + (col / kSuperBlock) * kKMixRecord;
+    const int i = (col % kSuperBlock) / 16;
+    const uint16_t* factors = reinterpret_cast<const uint16_t*>(record);
+    const int8_t a = static_cast<int8_t>(record[4 + i]);
+    const int16_t b = reinterpret_cast<const int16_t*>(record + 20)[i];
+    const float A = half_bits_to_float(factors[0]), B = half_bits_to_float(factors[1]);
+    return {A * static_cast<float>(a), B * static_cast<float>(b)};
   }
 };
 
@@ -702,6 +741,7 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kQ5_0: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_0>{});
     case WeightFormat::kQ5_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_1>{});
     case WeightFormat::kQ5_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_K>{});
+    case WeightFormat::kKMix: return f(std::integral_constant<WeightFormat, WeightFormat::kKMix>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -730,7 +770,9 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 // The K-quants' scales: one u8 record a super-block, stacked [outer, (inner,) rows, super-blocks, record].
 inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, const ffi::AnyBuffer& scales, size_t lead,
                                   int64_t n_in, ffi::Span<const int64_t> dd, PackedWeight& w) {
-  const int64_t record = format == WeightFormat::kQ6_K ? kQ6KRecord : kQ4KRecord;
+  const int64_t record = format == WeightFormat::kQ6_K   ? kQ6KRecord
+                         : format == WeightFormat::kKMix ? kKMixRecord
+                                                         : kQ4KRecord;
   auto sd = scales.dimensions();
   if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
       product(sd, 0, lead) != product(dd, 0, lead) || scales.element_type() != ffi::DataType::U8)
@@ -758,18 +800,16 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
   const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 ||
                         format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
   const bool five_bit = format == WeightFormat::kQ5_0 || format == WeightFormat::kQ5_1 || format == WeightFormat::kQ5_K;
-  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || format == WeightFormat::kQ6_K;
+  const bool six_bit = format == WeightFormat::kQ6_K || format == WeightFormat::kKMix;
+  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
   if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
-  // Values a row holds: bytes x 2 (4-bit), x 8/5 (5-bit), x 4/3 (q6_k), else one a byte (or bf16 element).
+  // Values a row holds: bytes x 2 (4-bit), x 8/5 (5-bit), x 4/3 (6-bit), else one a byte (or bf16 element).
   const int64_t bytes = dd[lead + 1];
-  const int64_t cols = format == WeightFormat::kQ6_K ? bytes * 4 / 3
-                       : five_bit                    ? bytes * 8 / 5
-                                                     : bytes * (four_bit ? 2 : 1);
-  if (cols != n_in || n_in % kChunk != 0 || (format == WeightFormat::kQ6_K && bytes % 3 != 0) ||
-      (five_bit && bytes % 5 != 0))
+  const int64_t cols = six_bit ? bytes * 4 / 3 : five_bit ? bytes * 8 / 5 : bytes * (four_bit ? 2 : 1);
+  if (cols != n_in || n_in % kChunk != 0 || (six_bit && bytes % 3 != 0) || (five_bit && bytes % 5 != 0))
     return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
                    std::to_string(n_in) + " (a multiple of 16 is required)");
   if (k_quant && n_in % kSuperBlock != 0)

@@ -1,7 +1,8 @@
-"""SmolLM2-135M-Instruct requantized as llama.cpp's K-quant files hold small models, against transformers loading
+"""SmolLM2-135M-Instruct requantized as llama.cpp's Q4_K_M files hold small models, against transformers loading
 the same file (which dequantizes it with gguf, as lithos's reference does): the 1536-wide down projections in
-Q4_K, the 576-wide matrices in the formats llama.cpp falls back to where a row is not whole super-blocks (Q5_0,
-and Q5_1 for V, which Q4_K_M gives more bits), the Q8_0 embedding as shipped. lithos keeps them all packed."""
+Q4_K, and in Q6_K in every other layer (Q4_K_M gives some layers more bits), the 576-wide matrices in the formats
+llama.cpp falls back to where a row is not whole super-blocks (Q5_0, and Q5_1 for V), the Q8_0 embedding as
+shipped. lithos keeps them all packed: the down projections as K_MIX."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from lithos.models import family_of
 from .conftest import require
 
 QUESTION = "What is the capital of France?"
-# The GGUF type each layer matrix is requantized to (the rest is copied as shipped).
+# The GGUF type each layer matrix is requantized to (the rest is copied as shipped); the down projections of
+# even layers in Q6_K.
 REQUANTIZED = {
     "ffn_down.weight": "Q4_K",
     "attn_v.weight": "Q5_1",
@@ -60,12 +62,37 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([factors, scales, codes], axis=-1).reshape(rows, -1)
 
 
-def test_q4_k_quantizer_writes_what_gguf_reads():
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """f32 `[rows, cols]` -> Q6_K super-blocks u8 `[rows, cols / 256 * 210]`: each run of 16 scaled to 6 bits by
+    its int8 scale of the super-block's f16 d."""
+    rows, cols = x.shape
+    runs = x.reshape(rows, cols // 256, 16, 16).astype(np.float32)
+    scale = np.abs(runs).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.round(scale / d32), 0).clip(-128, 127).astype(np.int8)
+        step = (d32 * sc)[..., None]
+        q = (np.where(step != 0, np.round(runs / step), 0) + 32).clip(0, 63).astype(np.uint8)
+    # Per half of 128: ql byte l holds elements l (low nibble) and 64 + l (high); qh byte l the high 2 bits of
+    # elements 32s + l at bits 2s.
+    low, high = (q.reshape(rows, cols // 256, 2, 128) & 15), (q.reshape(rows, cols // 256, 2, 128) >> 4)
+    ql = (low[..., :64] | (low[..., 64:] << 4)).reshape(rows, -1, 128)
+    qh = (high[..., 0:32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)).reshape(
+        rows, -1, 64
+    )
+    d_bytes = d.reshape(rows, -1, 1).view(np.uint8)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_quantizers_write_what_gguf_reads(kind):
     gguf = require("gguf")
     x = (np.random.default_rng(0).standard_normal((64, 1536)) * 0.05).astype(np.float32)
-    values = gguf.quants.dequantize(quantize_q4_k(x), gguf.GGMLQuantizationType.Q4_K)
-    step = (x.reshape(64, 48, 32).max(-1) - np.minimum(x.reshape(64, 48, 32).min(-1), 0)) / 15
-    assert np.abs(values - x).max() <= step.max()  # half a step of rounding, and the 6-bit scales' own
+    quantizer = quantize_q4_k if kind == "Q4_K" else quantize_q6_k
+    values = gguf.quants.dequantize(quantizer(x), gguf.GGMLQuantizationType[kind])
+    levels = 15 if kind == "Q4_K" else 31
+    assert np.abs(values - x).max() <= np.abs(x).max() / levels  # a step, at most: rounding and the scales' own
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +113,11 @@ def k_quant_gguf(smollm2_gguf, tmp_path_factory):
             writer.add_tensor(t.name, t.data, raw_dtype=None if t.data.dtype == np.float32 else t.tensor_type)
             continue
         values = gguf.quants.dequantize(t.data, t.tensor_type)
+        if kind == "Q4_K" and int(t.name.split(".")[1]) % 2 == 0:
+            kind = "Q6_K"
         qtype = gguf.GGMLQuantizationType[kind]
-        blocks = quantize_q4_k(values) if kind == "Q4_K" else gguf.quants.quantize(values, qtype)
+        quantizers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+        blocks = quantizers[kind](values) if kind in quantizers else gguf.quants.quantize(values, qtype)
         writer.add_tensor(t.name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -114,7 +144,7 @@ def test_k_quant_smollm2_stays_packed_and_matches_transformers(k_quant_models):
     torch = require("torch")
     model, hf = k_quant_models
     layers = model.params.layers
-    assert (layers.w_down.format, layers.wv.format, layers.wq.format) == (quant.Q4_K, quant.Q5_1, quant.Q5_0)
+    assert (layers.w_down.format, layers.wv.format, layers.wq.format) == (quant.K_MIX, quant.Q5_1, quant.Q5_0)
     assert model.params.embed.format == quant.Q8_0
     ids = model.prompt_ids(QUESTION)
     with torch.no_grad():

@@ -56,7 +56,9 @@ def model_shape(name: str):
 
 # Packed formats of --weight-format: those lithos quantizes to, and the GGUF ones it reads but does not make.
 MADE_FORMATS = ("mxfp4", "mxfp8", "fp8_block128")
-READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "k_mix")
+# Mixes as GGUF files hold them: Q4_K_M's V and down projections in Q6_K in some layers, Q4_K in others (K_MIX).
+READ_MIXES = {"q4_k_m": ("q4_k", {"layers.wv": "k_mix", "layers.w_down": "k_mix"})}
 
 
 def shape_model(name: str, dtype) -> tuple[Any, Any]:
@@ -73,9 +75,9 @@ def shape_model_as_asked(name: str, dtype, args) -> tuple[str, Any, Any]:
     if args.weight_format in MADE_FORMATS:
         params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
     elif args.weight_format:  # read, not made: random codes at the weights' spread (speed does not depend on them)
-        tied = params.lm_head is None
-        names = names_for_groups(args.quantize_groups.split(","), tied)
-        params = random_packed_params(params, args.weight_format, names)
+        main, special = READ_MIXES.get(args.weight_format, (args.weight_format, {}))
+        names = names_for_groups(args.quantize_groups.split(","), params.lm_head is None)
+        params = random_packed_params(params, {name: special.get(name, main) for name in names})
     if args.weight_format:
         name = f"{name}-{args.weight_format}"
     return name, cfg, params
@@ -431,7 +433,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
     p.add_argument(
         "--weight-format",
-        choices=(*MADE_FORMATS, *READ_FORMATS),
+        choices=(*MADE_FORMATS, *READ_FORMATS, *READ_MIXES),
         help="the --shape weights in this packed format (lithos.quant): quantized from the random weights, or for the "
         "GGUF formats, which lithos reads but does not make, random codes at their spread",
     )

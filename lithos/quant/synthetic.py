@@ -52,12 +52,13 @@ def random_packed_like(w: jax.Array, fmt_name: str, rng: np.random.Generator) ->
     return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(np.asarray(w, np.float32))))
 
 
-def random_packed_params(params: Any, fmt_name: str, names: list[str], seed: int = 0) -> Any:
-    """`params` with the flat-named matrices `names` ("layers.wq", ...) replaced by random codes in `fmt_name`."""
+def random_packed_params(params: Any, formats: dict[str, str], seed: int = 0) -> Any:
+    """`params` with the flat-named matrices of `formats` ({"layers.wq": "q4_k", ...}) replaced by random codes in
+    their formats."""
     from lithos.quant.quantize import param_at, with_param
 
     rng = np.random.default_rng(seed)
-    for name in names:
+    for name, fmt_name in formats.items():
         w = param_at(params, name)
         if w is not None:
             params = with_param(params, name, random_packed_like(w, fmt_name, rng))

@@ -212,7 +212,9 @@ Q4_K_M = {"wq": "q4_k", "wk": "q4_k", "wv": "k_mix", "wo": "q4_k", "w_gate": "q4
             for case in [("smollm2-135m", "q4_1"), ("llama-3.2-1b", "mxfp4"), ("llama-3.2-1b", "q4_k")]
             for kernels in ("fused", "megakernel")
         ),
-        ("fused", "llama-3.2-1b", "q4_k_m"),  # Q/K/V of two formats: the megakernel refuses them
+        # Q/K/V of two formats: the fused path's three projections; the megakernel's groups in K_MIX
+        ("fused", "llama-3.2-1b", "q4_k_m"),
+        ("megakernel", "llama-3.2-1b", "q4_k_m"),
     ],
 )
 def test_decoder_over_packed_weights_matches_reference(shape, fmt_name, kernels):
@@ -230,7 +232,8 @@ def test_decoder_over_packed_weights_matches_reference(shape, fmt_name, kernels)
             **{n: random_packed(fmt, getattr(params.layers, n).shape, rng) for n, fmt in formats.items()}
         )
         params = params.replace(layers=layers)
-    fused = _decode_logits(cfg, params, kernels, steps=8)
+    # As the engine lays them out (the megakernel: MXFP4 gate and up in tiles, mixed K-quant groups in K_MIX).
+    fused = _decode_logits(cfg, llama.params_for_kernels(params, cfg, kernels), kernels, steps=8)
     reference = _decode_logits(cfg, params, "reference", steps=8)
     scale = np.abs(reference).max()
     assert np.abs(fused - reference).max() <= 0.03 * scale, (np.abs(fused - reference).max(), scale)

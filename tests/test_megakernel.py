@@ -425,6 +425,38 @@ def test_megakernel_path_on_packed_weights_equals_reference_forward(case):
     np.testing.assert_array_equal(mega_tokens, ref_tokens)
 
 
+def test_groups_of_mixed_k_quants_are_laid_out_in_k_mix_for_the_megakernel():
+    """A Q4_K_M file's groups mix Q4_K with K_MIX (its V and down projections); the megakernel reads one format a
+    group, so params_for_kernels lays each such group out in K_MIX, the same values, and the step equals the
+    reference path's on the params as loaded."""
+    sizes = PACKED_SIZES["k_quants"]
+    cfg = dataclasses.replace(config_of(SHAPES["tiny"]), head_dim=64, **sizes)
+    params = llama.init_params(cfg, jax.random.key(5), jnp.float32)
+    rng = np.random.default_rng(5)
+    q4_k_m = {
+        "wq": "q4_k",
+        "wk": "q4_k",
+        "wv": "k_mix",
+        "wo": "q4_k",
+        "w_gate": "q4_k",
+        "w_up": "q4_k",
+        "w_down": "k_mix",
+    }
+    layers = params.layers.replace(**{n: pack(getattr(params.layers, n), f, rng) for n, f in q4_k_m.items()})
+    params = params.replace(layers=layers)
+    with pytest.raises(lithos.LithosError, match="attention matrices must share one format.*params_for_kernels"):
+        step_logits(cfg, params, "megakernel", 40, 3)
+    laid_out = llama.params_for_kernels(params, cfg, "megakernel")
+    for name in q4_k_m:
+        w, mixed = getattr(params.layers, name), getattr(laid_out.layers, name)
+        assert mixed.format == quant.K_MIX
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(mixed)), np.asarray(quant.dequantize(w)))
+    ref, ref_tokens = step_logits(cfg, params, "reference", 40, 3)
+    mega, mega_tokens = step_logits(cfg, laid_out, "megakernel", 40, 3)
+    np.testing.assert_allclose(mega, ref, atol=2e-4 * np.abs(ref).max(), rtol=1e-4)
+    np.testing.assert_array_equal(mega_tokens, ref_tokens)
+
+
 def test_weight_formats_choose_the_build():
     """Each (attention, MLP, head) format triple is its own build, registered under its own name; bf16
     weights take the plain build, and a group of mixed formats is an error that names the fix."""

@@ -404,17 +404,18 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
 
 
 def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
-    """`params` laid out as `kernels` is set to read them: for the megakernel, the MXFP4 matrix groups it is asked
-    to read in fragment tiles on CUDA (gate and up by default: lithos.custom_calls.megakernel.tiles_for_megakernel).
-    The values are the same; the reference path reads any layout."""
+    """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
+    (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
+    tiles on CUDA (gate and up by default: tiles_for_megakernel). The values are the same; the reference path reads
+    any layout."""
     if kernels != "megakernel":
         return params
-    from lithos.custom_calls.megakernel import tiles_for_megakernel
-    from lithos.custom_calls.megakernel.kernel import TILE_GROUPS
+    from lithos.custom_calls.megakernel import one_format_a_group, tiles_for_megakernel
+    from lithos.custom_calls.megakernel.kernel import ATTENTION_WEIGHTS, MLP_WEIGHTS
 
     layers = params.layers
-    names = [name for group in TILE_GROUPS.values() for name in group]
-    laid_out = tiles_for_megakernel({name: getattr(layers, name) for name in names}, cfg.head_dim)
+    laid_out = one_format_a_group({name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)})
+    laid_out = tiles_for_megakernel(laid_out, cfg.head_dim)
     return params.replace(layers=layers.replace(**laid_out))
 
 

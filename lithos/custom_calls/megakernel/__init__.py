@@ -5,6 +5,7 @@ from lithos.custom_calls.megakernel.interpreter import StepOutputs, StepWeights,
 from lithos.custom_calls.megakernel.kernel import (
     HEAD_DIMS,
     decode_step,
+    one_format_a_group,
     step_schedule,
     tiles_for_megakernel,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "decode_step",
     "describe_task",
     "interpret",
+    "one_format_a_group",
     "step_schedule",
     "tiles_for_megakernel",
 ]

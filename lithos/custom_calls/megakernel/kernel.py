@@ -31,7 +31,8 @@ from lithos.custom_calls.megakernel.schedule import (
 from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
 from lithos.errors import LithosError
-from lithos.quant import MXFP4, QuantizedArray, to_tiles
+from lithos.quant import K_MIX, MXFP4, QuantizedArray, to_tiles
+from lithos.quant.layouts import K_QUANTS, to_k_mix
 from lithos.quant.tiles import TILE_ROWS
 
 HEAD_DIMS = (64, 128, 256)  # head sizes the kernel's attention task serves
@@ -104,7 +105,8 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
         if len(set(found.values())) > 1:
             raise LithosError(
                 f"megakernel: the {group} matrices must share one format, got {found}; quantize the group alike "
-                "(lithos quantize --groups) or use kernels='fused'"
+                "(lithos quantize --groups), lay out mixed K-quants with lithos.models.params_for_kernels, or use "
+                "kernels='fused'"
             )
         return found[names[0]]
 
@@ -151,6 +153,23 @@ def tiles_wanted(platform: str | None) -> frozenset[str]:
             "comma separated, or none"
         )
     return groups if platform == "cuda" else frozenset()
+
+
+def one_format_a_group(matrices: dict) -> dict:
+    """The layer matrices `matrices` (a dict of ATTENTION_WEIGHTS' and MLP_WEIGHTS' names) with each group whose
+    matrices mix K-quants (a Q4_K_M file's Q4_K beside its V and down projections, K_MIX) all in K_MIX, every value
+    the same: the megakernel reads one format a group, at 7.6 bits a weight where Q4_K takes 4.5. Anything else
+    unchanged."""
+    out = dict(matrices)
+    for names in (ATTENTION_WEIGHTS, MLP_WEIGHTS):
+        ws = [matrices[name] for name in names]
+        if not all(isinstance(w, QuantizedArray) for w in ws):
+            continue
+        formats = {w.format.name for w in ws}
+        if len(formats) > 1 and formats <= {*K_QUANTS, K_MIX.name}:
+            mixed = [w if w.format == K_MIX else jax.tree_util.tree_map(jnp.asarray, to_k_mix(w)) for w in ws]
+            out.update(zip(names, mixed, strict=True))
+    return out
 
 
 def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None) -> dict:

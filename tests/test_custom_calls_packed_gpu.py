@@ -111,12 +111,15 @@ def test_packed_gate_up_silu(fmt_name, tokens):
 QKV_CASES = [("llama-3.1-8b", 1), ("smollm2-135m", 4), ("odd", 3)]
 
 
-@pytest.mark.parametrize("fmt_name, shape, tokens", cases_for(QKV_CASES, lambda shape: QKV_SHAPES[shape][0]))
-def test_packed_qkv_rope_append(fmt_name, shape, tokens):
-    rng = rng_for("qkv", fmt_name, shape, tokens)
+def check_qkv_kernel(formats: tuple[str, str, str], shape: str, tokens: int, rng) -> None:
+    """The Q/K/V kernel (or, for formats that differ, its three projections) against its reference twin: Q, K
+    and V in `formats` (bf16 or packed) at `shape`, `tokens` positions from 40."""
     hidden, heads, kv_heads, dim = QKV_SHAPES[shape]
     layers, max_len = 2, 64
-    wq, wk, wv = (random_packed(fmt_name, (layers, n * dim, hidden), rng) for n in (heads, kv_heads, kv_heads))
+    wq, wk, wv = (
+        rand(rng, layers, n * dim, hidden) if fmt == "bfloat16" else random_packed(fmt, (layers, n * dim, hidden), rng)
+        for fmt, n in zip(formats, (heads, kv_heads, kv_heads), strict=True)
+    )
     h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
     caches = [rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2)]
     inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim), jnp.float32)
@@ -132,28 +135,14 @@ def test_packed_qkv_rope_append(fmt_name, shape, tokens):
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("fmt_name, shape, tokens", cases_for(QKV_CASES, lambda shape: QKV_SHAPES[shape][0]))
+def test_packed_qkv_rope_append(fmt_name, shape, tokens):
+    check_qkv_kernel((fmt_name,) * 3, shape, tokens, rng_for("qkv", fmt_name, shape, tokens))
+
+
 @pytest.mark.parametrize("formats", [("q4_k", "q4_k", "k_mix"), ("q4_k", "q4_k", "bfloat16")])
 def test_packed_qkv_rope_append_of_mixed_formats(formats):
-    rng = rng_for("qkv-mixed", formats)
-    hidden, heads, kv_heads, dim = QKV_SHAPES["llama-3.1-8b"]
-    layers, max_len, tokens = 2, 64, 1
-    wq, wk, wv = (
-        rand(rng, layers, n * dim, hidden) if fmt == "bfloat16" else random_packed(fmt, (layers, n * dim, hidden), rng)
-        for fmt, n in zip(formats, (heads, kv_heads, kv_heads), strict=True)
-    )
-    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
-    caches = [rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2)]
-    inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim), jnp.float32)
-    positions = jnp.asarray([40], jnp.int32)
-
-    def run(path):
-        fn = jax.jit(
-            lambda h, k, v: packed_qkv_rope_append(h, norm, wq, wk, wv, inv_freq, positions, k, v, layer=1, path=path)
-        )
-        return fn(h, *caches)
-
-    for got, want in zip(run(KERNEL), run("reference"), strict=True):
-        assert_close(got, want)
+    check_qkv_kernel(formats, "llama-3.1-8b", 1, rng_for("qkv-mixed", formats))
 
 
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1", "q6_k"])

@@ -31,20 +31,25 @@ def hf_model(smollm2_gguf):
 
 
 def test_prompt_logits_match_transformers(smollm2_model, hf_model):
-    torch = require("torch")
     model, hf_tok = hf_model
     ids = smollm2_model.prompt_ids(QUESTION)
     assert ids == hf_tok.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
+    assert_prompt_logits_match(smollm2_model, model, ids)
+
+
+def assert_prompt_logits_match(model, hf_model, ids: list[int], tolerance: float = 2e-3) -> None:
+    """lithos's logits of prompt `ids` (reference path) within `tolerance` of transformers' everywhere."""
+    torch = require("torch")
     with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits.numpy()[0]
-    cfg = smollm2_model.cfg
+        expected = hf_model(torch.tensor([ids])).logits.numpy()[0]
+    cfg = model.cfg
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
     forward = jax.jit(partial(family_of(cfg).forward, cfg=cfg))
-    logits, _ = forward(smollm2_model.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache)
+    logits, _ = forward(model.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache)
     diff = np.abs(np.asarray(logits)[0] - expected).max()
-    assert diff < 2e-3, f"max abs logit difference {diff}"
+    assert diff < tolerance, f"max abs logit difference {diff}"
 
 
 def test_greedy_chat_matches_transformers(smollm2_model, hf_model):

@@ -6,18 +6,13 @@ shipped. lithos keeps them all packed: the down projections as K_MIX."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lithos import quant
-from lithos.kv_cache import init_cache
-from lithos.models import family_of
 
 from .conftest import require
+from .test_smollm2 import assert_prompt_logits_match
 
 QUESTION = "What is the capital of France?"
 # The GGUF type each layer matrix is requantized to (the rest is copied as shipped); the down projections of
@@ -147,14 +142,7 @@ def test_k_quant_smollm2_stays_packed_and_matches_transformers(k_quant_models):
     assert (layers.w_down.format, layers.wv.format, layers.wq.format) == (quant.K_MIX, quant.Q5_1, quant.Q5_0)
     assert model.params.embed.format == quant.Q8_0
     ids = model.prompt_ids(QUESTION)
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits.numpy()[0]
-    cfg = model.cfg
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
-    forward = jax.jit(partial(family_of(cfg).forward, cfg=cfg))
-    logits, _ = forward(model.params, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache)
-    diff = np.abs(np.asarray(logits)[0] - expected).max()
-    assert diff < 2e-3, f"max abs logit difference {diff}"
+    assert_prompt_logits_match(model, hf, ids)
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert model.generate(QUESTION, max_new_tokens=16).token_ids == out[0, len(ids) :].tolist()

@@ -192,6 +192,17 @@ struct ChunkScale {
 template <WeightFormat F>
 struct Packed;
 
+// What the GGUF integer formats share: codes decoded exactly to small integers, factors applied as they are (no
+// pre-scale), no NaN codes; UNROLL steps of loads in flight.
+template <class RawT, bool HAS_MIN, int UNROLL = 4>
+struct IntegerChunks {
+  using Raw = RawT;
+  static constexpr int kUnroll = UNROLL;
+  static constexpr float kPre = 1.0f;
+  static constexpr bool kHasMin = HAS_MIN;
+  static constexpr bool kCanBeNaN = false;
+};
+
 template <>
 struct Packed<WeightFormat::kBf16> {
   struct Raw {
@@ -252,12 +263,7 @@ struct Packed<WeightFormat::kMxfp4> {
 };
 
 template <>
-struct Packed<WeightFormat::kQ4_0> {
-  using Raw = uint2;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = false;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ4_0> : IntegerChunks<uint2, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_nibble_words(r, w, [](uint32_t t) {
@@ -278,12 +284,7 @@ LITHOS_DECODE void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_1> {
-  using Raw = uint2;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = true;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -317,12 +318,7 @@ LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_K> {
-  using Raw = uint2;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = true;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ4_K> : IntegerChunks<uint2, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -364,12 +360,7 @@ LITHOS_DECODE void decode_6bit_chunk(const Raw6& r, float (&w)[kChunk]) {
 
 // Q6_K: w = (d * sc_i) * (c - 32) for a 6-bit code c and the int8 scale of its 16 weights.
 template <>
-struct Packed<WeightFormat::kQ6_K> {
-  using Raw = Raw6;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = false;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_6bit_chunk<32>(r, w);
@@ -385,12 +376,7 @@ struct Packed<WeightFormat::kQ6_K> {
 // K_MIX (a stack of K-quant layers of mixed types, lithos.quant.formats): w = (A * a_i) * c + B * b_i for the
 // int8 a_i and int16 b_i of its 16 weights.
 template <>
-struct Packed<WeightFormat::kKMix> {
-  using Raw = Raw6;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = true;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_6bit_chunk<0>(r, w);
@@ -443,12 +429,7 @@ LITHOS_DECODE void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
 
 // Q5_0: w = d * (c - 16).
 template <>
-struct Packed<WeightFormat::kQ5_0> {
-  using Raw = Raw5;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = false;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ5_0> : IntegerChunks<Raw5, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<16>(r, w);
@@ -461,12 +442,7 @@ struct Packed<WeightFormat::kQ5_0> {
 
 // Q5_1: w = d * c + m.
 template <>
-struct Packed<WeightFormat::kQ5_1> {
-  using Raw = Raw5;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = true;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<0>(r, w);
@@ -479,12 +455,7 @@ struct Packed<WeightFormat::kQ5_1> {
 
 // Q5_K: Q4_K's scales over 5-bit codes.
 template <>
-struct Packed<WeightFormat::kQ5_K> {
-  using Raw = Raw5;
-  static constexpr int kUnroll = 4;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = true;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_5bit_chunk<0>(r, w);
@@ -546,12 +517,7 @@ struct Packed<WeightFormat::kFp8Block128> {
 };
 
 template <>
-struct Packed<WeightFormat::kQ8_0> {
-  using Raw = uint4;
-  static constexpr int kUnroll = 2;
-  static constexpr float kPre = 1.0f;
-  static constexpr bool kHasMin = false;
-  static constexpr bool kCanBeNaN = false;
+struct Packed<WeightFormat::kQ8_0> : IntegerChunks<uint4, false, 2> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     // int8 c -> 1024 + (c + 128) as fp16 (flip the sign bit), minus 1152.

@@ -365,19 +365,27 @@ def unpack_5bit(data: jax.Array, group: int) -> jax.Array:
     return _unblock(low | (high.reshape(low.shape) << 4))
 
 
+def k_quant_codes(data: jax.Array, fmt_name: str) -> jax.Array:
+    """The codes `[..., n]` int32 of K-quant data (q4_k, q5_k, q6_k, k_mix: the layouts in the module docstring)."""
+    if fmt_name == "q4_k":
+        return unpack_nibbles(data)
+    if fmt_name == "q5_k":
+        return unpack_5bit(data, 256)
+    blocks = _blocks(data, 192)  # q6_k, k_mix: [..., super-blocks, 192]
+    high = (blocks[..., 128:].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
+    return _unblock(unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4))
+
+
 def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     records = w.scales  # [..., super-blocks, record]
     d = _record_f16(records, 0)[..., None]
     if w.format.name in ("q4_k", "q5_k"):
-        codes = unpack_nibbles(w.data) if w.format.name == "q4_k" else unpack_5bit(w.data, 256)
-        codes = _blocks(codes, 32)  # [..., sub-blocks, 32]
+        codes = _blocks(k_quant_codes(w.data, w.format.name), 32)  # [..., sub-blocks, 32]
         scales, mins = q4_k_scales_and_mins(records[..., 4:16])  # [..., super-blocks, 8]
         scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         return _unblock(scale * codes.astype(jnp.float32) - low)
-    blocks = _blocks(w.data, 192)  # q6_k, k_mix: [..., super-blocks, 192]
-    high = (blocks[..., 128:].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
-    codes = _blocks(unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4), 16)
+    codes = _blocks(_blocks(k_quant_codes(w.data, w.format.name), 256), 16)  # q6_k, k_mix: [..., sb, 16, 16]
     if w.format.name == "q6_k":
         scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]
         return _unblock(_unblock((d * scales)[..., None] * (codes - 32).astype(jnp.float32)))

@@ -34,6 +34,7 @@ from lithos.quant.formats import (
     QuantFormat,
     QuantizedArray,
     from_planes,
+    k_quant_codes,
     q4_k_scales_and_mins,
 )
 
@@ -118,19 +119,6 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": record, "data": _6bit_runs(low | (high << 4))}
 
 
-def _k_quant_codes(w: QuantizedArray) -> np.ndarray:
-    """The codes of a Q4_K, Q5_K or Q6_K array (numpy planes) as u8 `[..., super-blocks, 256]`."""
-    name, data = w.format.name, np.asarray(w.data)
-    runs = data.reshape(*data.shape[:-1], -1, w.format.data_bytes(256))
-    low = np.stack([runs[..., :128] & 0x0F, runs[..., :128] >> 4], axis=-1).reshape(*runs.shape[:-1], 256)
-    if name == "q4_k":
-        return low
-    if name == "q5_k":
-        return low | (np.unpackbits(runs[..., 128:], axis=-1, bitorder="little") << 4)
-    high = (runs[..., 128:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
-    return low | (high.reshape(low.shape) << 4)
-
-
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
     """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats)."""
     records = np.asarray(w.scales)
@@ -143,7 +131,8 @@ def to_k_mix(w: QuantizedArray) -> QuantizedArray:
         a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), -np.repeat(m, 2, axis=-1).astype(np.int16)
         factors = records[..., 0:4]
     record = np.concatenate([factors, a.view(np.uint8), b.astype("<i2").view(np.uint8)], axis=-1)
-    data = _6bit_runs(_k_quant_codes(w))
+    codes = np.asarray(k_quant_codes(w.data, w.format.name)).astype(np.uint8)
+    data = _6bit_runs(codes.reshape(*codes.shape[:-1], -1, 256))
     return from_planes(K_MIX, {"data": data, "scales": record}, w.dtype)
 
 

@@ -84,7 +84,9 @@ def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
         ("llama-3.1-8b", {"attention": "mxfp4", "mlp": "mxfp4"}, 1),
         ("smollm2-like", {"attention": "mxfp8", "mlp": "fp8_block128", "lm_head": "q4_0"}, 4),
         # GGUF K-quants (rows of whole super-blocks: the 1B shape), as Q4_K_M files hold them
+        # at one token Q4_K and Q6_K rows come through the lane ring (their records and high bits beside the codes)
         ("llama-3.2-1b", {"attention": "q4_k", "mlp": "q6_k", "lm_head": "q6_k"}, 1),
+        ("llama-3.1-8b", {"attention": "q6_k", "mlp": "q4_k"}, 1),
         ("llama-3.2-1b", {"attention": "q6_k", "mlp": "q4_k"}, 16),
         ("llama-3.2-1b", {"attention": "q5_k", "mlp": "q5_k", "lm_head": "q6_k"}, 4),
         ("llama-3.2-1b", {"attention": "q4_k", "mlp": "k_mix"}, 1),  # Q4_K_M's down projections

@@ -10,10 +10,12 @@
 //
 // CUDA (sm_80 and later) only for now: HIP builds stream weights through registers (the CDNA
 // equivalent, buffer loads with LDS as their destination, has no form for 16 bytes a lane before
-// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets) and MXFP4 rows at
-// T = 1 (a lane's 16 bytes are one MX block; the aligned word holding its E8M0 scale comes through the
-// ring beside it); the other packed formats and the larger buckets use the register path (at 4-16
-// tokens on tensor cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
+// gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets), and at T = 1 the packed
+// formats whose 16 bytes a lane are 32 codes and whose scales a step can copy beside them (its "side"): MXFP4
+// (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record)
+// and Q6_K (the codes' low nibbles; their 8 bytes of high bits and the aligned words holding d and the two
+// scales). The other packed formats and the larger buckets use the register path (at 4-16 tokens on tensor
+// cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
 #pragma once
 
 #include "mk_common.h"
@@ -46,28 +48,38 @@ constexpr int kRingStages = LITHOS_MK_LANE_RING;
 constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
-// A block-scaled step's scales: for every lane, the aligned 4-byte word holding each row's scale.
-constexpr int kRingScaleStageBytes = kRowsPerWarp * 4 * kMatvecThreads;
+// Bytes a step copies beside a row's 16 bytes for a lane in format F (RingChunk<F>::copy_side), 0 for bf16 and the
+// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; Q6_K's high bits, d and scales).
+template <WeightFormat F>
+constexpr int kRingSideBytes = F == WeightFormat::kMxfp4                                ? 4
+                               : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K ? 16
+                                                                                        : 0;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>
 constexpr bool kRingFormat = kRingStages > 0 && ((F == WeightFormat::kBf16 && TMAX <= 2) ||
-                                                 (F == WeightFormat::kMxfp4 && TMAX == 1));
+                                                 (kRingSideBytes<F> > 0 && TMAX == 1));
 // The memory is also where the tiled gate/up task stages B for 2-16 tokens (mk_gate_up_tiles.h) and the tiled
 // single-matrix tasks keep their warps' sums (mk_tiled_matvec.h).
 template <int TMAX>
 constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kMlpFormat, TMAX> ||
                           kRingFormat<kHeadFormat, TMAX> ||
                           (kRingStages > 0 && (kGateUpTiles || kDownTiles || kOTiles || kQkvTiles) && TMAX > 1);
-template <int TMAX>
-constexpr bool kRingScalesFor = kRingFormat<WeightFormat::kMxfp4, TMAX> &&
-                                (kAttentionFormat == WeightFormat::kMxfp4 || kMlpFormat == WeightFormat::kMxfp4 ||
-                                 kHeadFormat == WeightFormat::kMxfp4);
-// The dynamic shared memory that takes: the staged inputs, the stages, then the scale stages (only in a
-// build with MXFP4 weights); none in a build without weights the ring reads.
+// One step's sides, for every lane: as wide as the widest side of the build's formats the ring reads at one token.
+template <WeightFormat F>
+constexpr int kRingSideOf = kRingFormat<F, 1> ? kRingSideBytes<F> : 0;
+constexpr int kRingSideWidest = kRingSideOf<kAttentionFormat> > kRingSideOf<kMlpFormat>
+                                    ? (kRingSideOf<kAttentionFormat> > kRingSideOf<kHeadFormat>
+                                           ? kRingSideOf<kAttentionFormat>
+                                           : kRingSideOf<kHeadFormat>)
+                                    : (kRingSideOf<kMlpFormat> > kRingSideOf<kHeadFormat> ? kRingSideOf<kMlpFormat>
+                                                                                         : kRingSideOf<kHeadFormat>);
+constexpr int kRingSideStageBytes = kRowsPerWarp * kRingSideWidest * kMatvecThreads;
+// The dynamic shared memory that takes: the staged inputs, the stages, then (one token, in a build with packed
+// weights the ring reads) the side stages; none in a build without weights the ring reads.
 template <int TMAX>
 constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes +
-                                                    (kRingScalesFor<TMAX> ? kRingStages * kRingScaleStageBytes : 0)
+                                                    (TMAX == 1 ? kRingStages * kRingSideStageBytes : 0)
                                               : 0;
 
 #if LITHOS_MK_LANE_RING
@@ -83,10 +95,14 @@ __device__ __forceinline__ uint4* ring_slot(int stage, int r) {
          threadIdx.x;
 }
 
-// This thread's scale words in ring stage `stage` (one per row), after the stages.
-__device__ __forceinline__ uint4* ring_scale_slot(int stage) {
-  return reinterpret_cast<uint4*>(ring_memory() + kRingInputBytes + kRingStages * kRingStageBytes) +
-         stage * kMatvecThreads + threadIdx.x;
+// This thread's side of row r in ring stage `stage` (SIDE bytes a row), after the stages. A thread's sides of one
+// stage fill 16-byte units (4 rows' 4-byte words in one, a 16-byte side in its own), consecutive threads'
+// units adjacent, so a warp's reads of one unit are conflict-free.
+template <int SIDE>
+__device__ __forceinline__ uint8_t* ring_side(int stage, int r) {
+  constexpr int kRowsPerUnit = 16 / SIDE;
+  uint8_t* sides = ring_memory() + kRingInputBytes + kRingStages * kRingStageBytes + stage * kRingSideStageBytes;
+  return sides + ((r / kRowsPerUnit) * kMatvecThreads + threadIdx.x) * 16 + (r % kRowsPerUnit) * SIDE;
 }
 
 // An L2 policy for data read once (the weights): evicted first, as the register path's streaming loads.
@@ -114,6 +130,11 @@ __device__ __forceinline__ void async_copy_word_of(void* to, const uint8_t* p) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
   const uint8_t* word = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3});
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(address), "l"(word) : "memory");
+}
+// 8 bytes (aligned) from global to shared memory, asynchronously (through L1: cp.async's .cg takes 16 only).
+__device__ __forceinline__ void async_copy8(void* to, const void* from) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(address), "l"(from) : "memory");
 }
 // Closes this thread's copies issued since the last commit into one group (possibly empty).
 __device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -147,7 +168,7 @@ __device__ inline TokenRows ring_stage_inputs(const TokenRows& in) {
 // read 8 different bank groups, where unrotated they would all read the same one (run 92).
 __device__ __forceinline__ int product_slot(int f) { return (f & ~7) | ((f & 7) ^ ((f >> 3) & 7)); }
 
-// After the wait of an MXFP4 task at one token: x * norm_w (or x, without an RMSNorm weight) as floats in the
+// After the wait of a packed task at one token: x * norm_w (or x, without an RMSNorm weight) as floats in the
 // staged-input area (product_slot's order), formed once for all of the task's row groups (the products the
 // steps would form: a bf16 product is exact in f32). nullptr when they do not fit; the steps then form them
 // from `in`. Every thread calls it; one memory round trip, then a barrier.
@@ -174,40 +195,150 @@ __device__ inline const float* ring_stage_products(const TokenRows& in) {
 // Lets this thread's copies in flight land before its block leaves an aborted step.
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
-// What a ring step copies of a row in format F: 16 bytes (kElements elements) at input element k, and
-// for MXFP4 the aligned word holding that block's scale.
+// What a ring step copies of a row in format F: 16 bytes (kElements elements) at input element k, and for the
+// packed formats kRingSideBytes<F> beside them (`copy_side`); `dot` multiplies one row's step with the inputs.
 template <WeightFormat F>
 struct RingChunk;
 template <>
 struct RingChunk<WeightFormat::kBf16> {
   static constexpr int kElements = 8;
-  static constexpr bool kScaled = false;
   __device__ static const void* data(const uint8_t* row, int k) { return reinterpret_cast<const bf16_t*>(row) + k; }
-  __device__ static const uint8_t* scale(const uint8_t*, int) { return nullptr; }
 };
+
+// The packed formats' sides, read back as one row's 16 bytes of codes and its side (`Side`: a scale word, or 16
+// bytes), and their dot products with the step's 32 inputs xf (x_sum: their sum, for the formats with a min) added
+// to a row's sum `acc`.
 template <>
 struct RingChunk<WeightFormat::kMxfp4> {
   static constexpr int kElements = kPackedBlock;  // one MX block: 32 codes, one E8M0 scale
-  static constexpr bool kScaled = true;
+  using Side = uint32_t;
+  using P = Packed<WeightFormat::kMxfp4>;
   __device__ static const void* data(const uint8_t* row, int k) { return row + k / 2; }
   __device__ static const uint8_t* scale(const uint8_t* scales, int k) { return scales + k / kPackedBlock; }
+  __device__ static void copy_side(uint8_t* side, const uint8_t*, const uint8_t* scales, int k) {
+    async_copy_word_of(side, scale(scales, k));
+  }
+  // A stage's 4 rows' words are one 16-byte unit: one read.
+  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) {
+    const uint4 words = *reinterpret_cast<const uint4*>(ring_side<4>(stage, 0));
+    side[0] = words.x;
+    side[1] = words.y;
+    side[2] = words.z;
+    side[3] = words.w;
+  }
+  __device__ static float dot(const uint4& codes, Side word, const PackedRow& row, int k, const float (&xf)[32],
+                              float, float acc) {
+    const uint2 halves[2] = {make_uint2(codes.x, codes.y), make_uint2(codes.z, codes.w)};
+    float even = 0.0f, odd = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float w[kChunk];
+      P::decode(halves[h], w);
+#pragma unroll
+      for (int v = 0; v < kChunk; v += 2) {
+        even = fmaf(w[v], xf[h * kChunk + v], even);
+        odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
+      }
+    }
+    const uint32_t byte = (word >> (8 * (reinterpret_cast<uintptr_t>(scale(row.scales, k)) & 3u))) & 0xFFu;
+    return fmaf((even + odd) * P::kPre, e8m0_to_float(byte), acc);
+  }
 };
 
-// One warp's weight stream over a task: the chunks of its row group in each round (groups base + slot
-// for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step, at input element
-// k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
-// one past the task's end, so that every step's wait counts the same); `rows_of(unit, rows)` is the
-// task's row map (mk_weight_rows.h).
+// The 16-byte sides, one unit a row.
+__device__ __forceinline__ void read_wide_sides(int stage, uint4 (&side)[kRowsPerWarp]) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) side[r] = *reinterpret_cast<const uint4*>(ring_side<16>(stage, r));
+}
+
+// Sums of the 16 codes of each half of a step's 32 (decoded by DECODE(h, w)) times the inputs.
+template <class Decode>
+__device__ __forceinline__ void half_dots(const float (&xf)[32], float (&sums)[2], Decode decode) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float w[kChunk];
+    decode(h, w);
+    float even = 0.0f, odd = 0.0f;  // two chains: half the dependent-FMA latency
+#pragma unroll
+    for (int v = 0; v < kChunk; v += 2) {
+      even = fmaf(w[v], xf[h * kChunk + v], even);
+      odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
+    }
+    sums[h] = even + odd;
+  }
+}
+
+// Q4_K: a lane's 16 bytes are one sub-block (32 codes, one scale and min); the side is its super-block's record.
+template <>
+struct RingChunk<WeightFormat::kQ4_K> {
+  static constexpr int kElements = kPackedBlock;
+  using Side = uint4;
+  using P = Packed<WeightFormat::kQ4_K>;
+  __device__ static const void* data(const uint8_t* row, int k) { return row + k / 2; }
+  __device__ static void copy_side(uint8_t* side, const uint8_t*, const uint8_t* scales, int k) {
+    async_copy16(side, scales + (k / kSuperBlock) * kQ4KRecord);  // records are 16 bytes: aligned
+  }
+  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
+  __device__ static float dot(const uint4& codes, const Side& record, const PackedRow&, int k, const float (&xf)[32],
+                              float x_sum, float acc) {
+    float sums[2];
+    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
+      P::decode(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
+    });
+    const ChunkScale f = k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock);
+    return fmaf(x_sum, f.add, fmaf(sums[0] + sums[1], f.mul, acc));
+  }
+};
+
+// Q6_K: a lane's 16 bytes are 32 codes' low nibbles; the side is their 8 bytes of high bits (x, y), the aligned
+// word holding the record's f16 d (z) and the one holding the two int8 scales of the 32 (w: records are 18 bytes,
+// so where in each word is the record's address's to say).
+template <>
+struct RingChunk<WeightFormat::kQ6_K> {
+  static constexpr int kElements = kPackedBlock;
+  using Side = uint4;
+  using P = Packed<WeightFormat::kQ6_K>;
+  __device__ static const uint8_t* super_block(const uint8_t* row, int k) {
+    return row + (k / kSuperBlock) * kQ6KSuperBytes;
+  }
+  __device__ static const uint8_t* record(const uint8_t* scales, int k) {
+    return scales + (k / kSuperBlock) * kQ6KRecord;
+  }
+  __device__ static const uint8_t* scale_pair(const uint8_t* scales, int k) {
+    return record(scales, k) + 2 + (k % kSuperBlock) / 16;
+  }
+  __device__ static const void* data(const uint8_t* row, int k) { return super_block(row, k) + (k % kSuperBlock) / 2; }
+  __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
+    async_copy8(side, super_block(row, k) + kSuperBlock / 2 + (k % kSuperBlock) / 4);
+    async_copy_word_of(side + 8, record(scales, k));
+    async_copy_word_of(side + 12, scale_pair(scales, k));  // an even byte: both scales in one word
+  }
+  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
+  __device__ static float dot(const uint4& codes, const Side& side, const PackedRow& row, int k, const float (&xf)[32],
+                              float, float acc) {
+    float sums[2];
+    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
+      P::decode(h == 0 ? Raw6{make_uint2(codes.x, codes.y), side.x} : Raw6{make_uint2(codes.z, codes.w), side.y}, w);
+    });
+    const uint32_t d = side.z >> (8 * (reinterpret_cast<uintptr_t>(record(row.scales, k)) & 3u));
+    const uint32_t scales = side.w >> (8 * (reinterpret_cast<uintptr_t>(scale_pair(row.scales, k)) & 3u));
+    const ChunkScale f0 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales));
+    const ChunkScale f1 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales >> 8));
+    return fmaf(sums[1], f1.mul, fmaf(sums[0], f0.mul, acc));
+  }
+};
+
 template <WeightFormat F, class RowsOf>
 struct RingStream {
   using Chunk = RingChunk<F>;
+  static constexpr int kSide = kRingSideBytes<F>;
   RowsOf rows_of;
   int end, slots, slot;      // the task's row groups end; teams per round; this warp's team
   int k0, step, steps, n_in;  // this lane's first input element; stride; steps per round; input size
   int base = 0, s = 0, stage = 0;  // the next step to issue: its round, its step, its ring stage
   uint64_t policy = 0;
   const uint8_t* rows[kRowsPerWarp];
-  const uint8_t* scales[Chunk::kScaled ? kRowsPerWarp : 1];
+  const uint8_t* scales[kSide > 0 ? kRowsPerWarp : 1];
 
   __device__ __forceinline__ void start(int first) {
     policy = evict_first_policy();
@@ -222,7 +353,7 @@ struct RingStream {
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       rows[r] = packed[r].data;
-      if constexpr (Chunk::kScaled) scales[r] = packed[r].scales;
+      if constexpr (kSide > 0) scales[r] = packed[r].scales;
     }
   }
   __device__ __forceinline__ void issue() {
@@ -231,10 +362,9 @@ struct RingStream {
       if (k < n_in) {
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) async_copy16(ring_slot(stage, r), Chunk::data(rows[r], k), policy);
-        if constexpr (Chunk::kScaled) {
-          uint32_t* words = reinterpret_cast<uint32_t*>(ring_scale_slot(stage));
+        if constexpr (kSide > 0) {
 #pragma unroll
-          for (int r = 0; r < kRowsPerWarp; ++r) async_copy_word_of(words + r, Chunk::scale(scales[r], k));
+          for (int r = 0; r < kRowsPerWarp; ++r) Chunk::copy_side(ring_side<kSide>(stage, r), rows[r], scales[r], k);
         }
       }
       if (++s == steps) {
@@ -277,15 +407,15 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
   warp_sum_rows(acc, in.tokens);
 }
 
-// ring_rows_dot for MXFP4 rows (one token): each step's 16 bytes of a row are one MX block of 32 codes,
-// decoded in registers as the register path decodes them (packed.h); its scale is the byte of the
-// step's scale word that `rows` (this round's rows, as the stream saw them) says. The inputs times the
-// RMSNorm weight come from `products` (ring_stage_products) or, where that is nullptr, from `in`.
-template <class Stream>
-__device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, const PackedRow (&rows)[kRowsPerWarp],
-                                                    const TokenRows& in, const float* products,
-                                                    float (&acc)[kRowsPerWarp][1]) {
-  using P = Packed<WeightFormat::kMxfp4>;
+// ring_rows_dot for packed rows at one token (kRingSideBytes<F> > 0): each step's 16 bytes of a row are 32 codes,
+// decoded in registers as the register path decodes them (packed.h), scaled by what its side holds (`rows`: this
+// round's rows, as the stream saw them, say where in a copied word a scale lies). The inputs times the RMSNorm
+// weight come from `products` (ring_stage_products) or, where that is nullptr, from `in`.
+template <WeightFormat F, class Stream>
+__device__ __forceinline__ void ring_rows_dot_packed(Stream& stream, int& stage, const PackedRow (&rows)[kRowsPerWarp],
+                                                     const TokenRows& in, const float* products,
+                                                     float (&acc)[kRowsPerWarp][1]) {
+  using Chunk = RingChunk<F>;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = 0.0f;
   for (int s = 0; s < stream.steps; ++s) {
@@ -293,7 +423,8 @@ __device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, 
     uint4 codes[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) codes[r] = *ring_slot(stage, r);
-    const uint4 words = *ring_scale_slot(stage);
+    typename Chunk::Side side[kRowsPerWarp];
+    Chunk::read_sides(stage, side);
     stage = stage + 1 == kRingStages ? 0 : stage + 1;
     stream.issue();  // into the stage read one step ago: its values are in registers and used
     const int k = stream.k0 + s * stream.step;
@@ -321,25 +452,13 @@ __device__ __forceinline__ void ring_rows_dot_mxfp4(Stream& stream, int& stage, 
         }
       }
     }
-    const uint32_t word[kRowsPerWarp] = {words.x, words.y, words.z, words.w};
+    float x_sum = 0.0f;  // for a min's term
+    if constexpr (Chunk::P::kHasMin) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const uint2 halves[2] = {make_uint2(codes[r].x, codes[r].y), make_uint2(codes[r].z, codes[r].w)};
-      float even = 0.0f, odd = 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float w[kChunk];
-        P::decode(halves[h], w);
-#pragma unroll
-        for (int v = 0; v < kChunk; v += 2) {
-          even = fmaf(w[v], xf[h * kChunk + v], even);
-          odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
-        }
-      }
-      const uint8_t* scale = RingChunk<WeightFormat::kMxfp4>::scale(rows[r].scales, k);
-      const uint32_t byte = (word[r] >> (8 * (reinterpret_cast<uintptr_t>(scale) & 3u))) & 0xFFu;
-      acc[r][0] = fmaf((even + odd) * P::kPre, e8m0_to_float(byte), acc[r][0]);
+      for (int c = 0; c < kPackedBlock; ++c) x_sum += xf[c];
     }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = Chunk::dot(codes[r], side[r], rows[r], k, xf, x_sum, acc[r][0]);
   }
   warp_sum_rows(acc, in.tokens);
 }

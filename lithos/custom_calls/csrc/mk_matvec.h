@@ -47,7 +47,7 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 // `before_epilogue(in)` runs once, by the whole block, after the first dot products (the RMSNorm
 // factor: its pass over the inputs then hits L1, or reads their staged copy).
 //
-// bf16 rows in the 1- and 2-token kernels and MXFP4 rows in the 1-token kernel come through the lane
+// bf16 rows in the 1- and 2-token kernels and MXFP4, Q4_K and Q6_K rows in the 1-token kernel come through the lane
 // ring (mk_lane_ring.h: each lane's chunks copied into shared memory steps ahead, the task's first steps
 // before its wait) and the inputs from a shared-memory copy when they fit; otherwise the warps stream
 // the rows through registers, and in the 4- to 16-token kernels (CUDA) multiply them on tensor cores
@@ -84,10 +84,10 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     return false;
   }
 #if LITHOS_MK_LANE_RING
-  // MXFP4 at one token stages x * norm_w as floats (formed once, not once per row group); the other ring
-  // formats, and MXFP4 rows too long for that, stage x and norm_w as they are.
+  // Packed rows at one token stage x * norm_w as floats (formed once, not once per row group); bf16 rows, and
+  // packed rows too long for that, stage x and norm_w as they are.
   const float* products = nullptr;
-  if constexpr (kRing && F == WeightFormat::kMxfp4) products = ring_stage_products(task_in);
+  if constexpr (kRing && F != WeightFormat::kBf16) products = ring_stage_products(task_in);
   const TokenRows in = kRing && products == nullptr ? ring_stage_inputs(task_in) : task_in;
 #else
   const TokenRows& in = task_in;
@@ -102,8 +102,8 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
     PackedRow rows[kRowsPerWarp];
     if constexpr (!kRing || F != WeightFormat::kBf16) rows_of(unit, rows);
 #if LITHOS_MK_LANE_RING
-    if constexpr (kRing && F == WeightFormat::kMxfp4) {
-      ring_rows_dot_mxfp4(stream, read_stage, rows, in, products, acc);
+    if constexpr (kRing && F != WeightFormat::kBf16) {
+      ring_rows_dot_packed<F>(stream, read_stage, rows, in, products, acc);
     } else if constexpr (kRing) {
       ring_rows_dot<TMAX>(stream, read_stage, in, acc);
     } else

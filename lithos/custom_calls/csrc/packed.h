@@ -298,23 +298,30 @@ struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true> {
 };
 
 // Q4_K and Q5_K: w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights) of a super-block, its 6-bit
-// scale and min read from the record as llama.cpp's get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of
-// bytes 0..3 (scales) and 4..7 (mins), 4..7 in the nibbles of bytes 8..11 with their top bits in the top bits of
-// bytes 0..7.
-LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
-  const uint8_t* record = row.scales + (col / kSuperBlock) * kQ4KRecord;
-  const uint8_t* q = record + 4;
-  const int j = (col % kSuperBlock) / kPackedBlock;
-  int sc, m;
+// scale and min read from the record's four words (f16 d and dmin, then 12 bytes q) as llama.cpp's
+// get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of q bytes 0..3 (scales) and 4..7 (mins), 4..7 in the
+// nibbles of q bytes 8..11 with their top bits in the top bits of q bytes 0..7. Shifts by j, no byte indexing:
+// the lane ring (mk_lane_ring.h) holds the record in registers.
+LITHOS_DECODE ChunkScale k_record_scale(uint32_t d_dmin, uint32_t q0, uint32_t q1, uint32_t q2, int j) {
+  const int shift = 8 * (j & 3);
+  const uint32_t s = q0 >> shift, m = q1 >> shift;
+  uint32_t scale, min;
   if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
+    scale = s & 63;
+    min = m & 63;
   } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    const uint32_t low = q2 >> shift;
+    scale = (low & 0xF) | ((s >> 6 & 3) << 4);
+    min = (low >> 4 & 0xF) | ((m >> 6 & 3) << 4);
   }
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(record);
-  return {half_bits_to_float(d[0]) * static_cast<float>(sc), -(half_bits_to_float(d[1]) * static_cast<float>(m))};
+  return {half_bits_to_float(static_cast<uint16_t>(d_dmin)) * static_cast<float>(scale),
+          -(half_bits_to_float(static_cast<uint16_t>(d_dmin >> 16)) * static_cast<float>(min))};
+}
+
+// The factors of the chunk at `col` of a Q4_K or Q5_K row (its records are 16 bytes, so word-aligned).
+LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
+  const uint32_t* record = reinterpret_cast<const uint32_t*>(row.scales + (col / kSuperBlock) * kQ4KRecord);
+  return k_record_scale(record[0], record[1], record[2], record[3], (col % kSuperBlock) / kPackedBlock);
 }
 
 template <>
@@ -369,7 +376,11 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     const uint8_t* record = row.scales + (col / kSuperBlock) * kQ6KRecord;
     const int8_t sc = static_cast<int8_t>(record[2 + (col % kSuperBlock) / 16]);
-    return {half_bits_to_float(*reinterpret_cast<const uint16_t*>(record)) * static_cast<float>(sc), 0.0f};
+    return factor(*reinterpret_cast<const uint16_t*>(record), sc);
+  }
+  // d * sc from the record's f16 d and a 16-weight run's int8 scale (also the lane ring's, mk_lane_ring.h).
+  LITHOS_DECODE static ChunkScale factor(uint16_t d, int8_t sc) {
+    return {half_bits_to_float(d) * static_cast<float>(sc), 0.0f};
   }
 };
 

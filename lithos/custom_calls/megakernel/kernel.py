@@ -49,6 +49,9 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
 DEFAULT_TILES = "gate_up"
+# Packed formats whose rows the one-token kernel streams through the lane ring on CUDA, 32 codes a lane's step
+# (csrc/mk_lane_ring.h kRingSideBytes).
+RING_PACKED = ("mxfp4", "q4_k", "q6_k")
 
 
 class WeightFormats(NamedTuple):
@@ -274,13 +277,14 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
     """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
-    an MXFP4 block of 32 through the lane ring (CUDA, one token), 16 of other packed rows (packed.h's chunk); and
-    the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the warps that share them."""
+    32 of the packed formats the lane ring reads (RING_PACKED, CUDA, one token), 16 of other packed rows (packed.h's
+    chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the warps that share
+    them."""
 
     def step(name: str) -> int:
         if name == "bfloat16":
             return BF16_LANE_STEP
-        return 32 if name == "mxfp4" and tokens == 1 and platform == "cuda" else 16
+        return 32 if name in RING_PACKED and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
     return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, tiled_ops(formats))

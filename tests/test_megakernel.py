@@ -138,6 +138,7 @@ def test_lane_steps_follow_the_weight_format():
     # the ring carries MXFP4, Q4_K and Q6_K at one token on CUDA only; elsewhere packed rows step by packed.h's 16
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 4, "cuda") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("q4_k", "k_mix", "bfloat16"), 1, "rocm") == LaneSteps(16, 16, 8)
+    assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(32, 16, 8)
     assert lane_steps(WeightFormats("mxfp4", "q4_1", "mxfp4"), 1, "rocm") == LaneSteps(16, 16, 16)
     shape = ModelShape(layers=1, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
 

@@ -214,7 +214,8 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
 def test_k_quants_become_k_mix_exactly(type_name):
     """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections): every value of
     every type, f16 edges included, the same as gguf's, but the sign of zero (a K_MIX zero is +0) and a Q6_K
-    super-block of infinite d (NaN in K_MIX: inf * q - inf * 32)."""
+    super-block of infinite d (NaN in K_MIX: inf * q - inf * 32). A Q6_K d of 2048 or more has no K_MIX form (its
+    B = -32 d overflows f16): refused, and a stack holding one arrives as exact float32."""
     gguf = require("gguf")
     qtype = gguf.GGMLQuantizationType[type_name]
     _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -223,14 +224,25 @@ def test_k_quants_become_k_mix_exactly(type_name):
     blocks = raw.reshape(64, 3, block_bytes)
     for at in F16_FACTORS[type_name]:
         blocks[: len(edges), 0, at : at + 2] = edges.view(np.uint8).reshape(-1, 2)
-        if type_name == "Q6_K":  # no other infinite d either
-            d = blocks[..., at : at + 2].copy().view(np.float16)
-            blocks[..., at : at + 2] = np.where(np.isinf(d), np.float16(1), d).view(np.uint8)
+    if type_name == "Q6_K":  # no other infinite d either, and none of 2048 or more (below)
+        at = F16_FACTORS[type_name][0]
+        d = blocks[..., at : at + 2].copy().view(np.float16)
+        big = np.isinf(d) | (np.abs(d) >= 2048)
+        blocks[..., at : at + 2] = np.where(big, np.float16(1), d).view(np.uint8)
     expected = gguf.quants.dequantize(raw, qtype)
     mixed = quant.layouts.to_k_mix(quant.from_gguf(raw, type_name, expected.shape))
-    assert mixed.format == quant.K_MIX and mixed.nbytes == 64 * 3 * (192 + 52)
+    assert mixed.format == quant.K_MIX and mixed.nbytes == 64 * 3 * (192 + 36)
     got = np.asarray(jax.jit(quant.dequantize)(mixed))
     np.testing.assert_array_equal(got, expected)  # -0 == +0, NaN == NaN
+    if type_name == "Q6_K":
+        blocks[5, 1, at : at + 2] = np.float16(-2048).reshape(1).view(np.uint8)
+        wide = quant.from_gguf(raw, type_name, expected.shape)
+        with pytest.raises(LithosError, match="no k_mix form"):
+            quant.layouts.to_k_mix(wide)
+        q4_k = quant.from_gguf(RNG.integers(0, 256, (64, 3 * 144), dtype=np.uint8), "Q4_K", expected.shape)
+        stacked = quant.layouts.stack([q4_k, wide])
+        assert isinstance(stacked, np.ndarray) and stacked.dtype == np.float32
+        np.testing.assert_array_equal(stacked[1], gguf.quants.dequantize(raw, qtype))
 
 
 def test_k_quant_planes_cost_what_the_gguf_blocks_cost():

@@ -23,7 +23,7 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
     q5_k          u8 [..., out, 5*in/8]      u8  [..., out, in/256, 16]  records   -
     q6_k          u8 [..., out, 3*in/4]      u8  [..., out, in/256, 18]  records   -
-    k_mix         u8 [..., out, 3*in/4]      u8  [..., out, in/256, 52]  records   -
+    k_mix         u8 [..., out, 3*in/4]      u8  [..., out, in/256, 36]  records   -
 
 4-bit data: element 2k of a row is the low nibble of byte k, element 2k+1 the high nibble (the
 OCP/GPT-OSS order). GGUF files store Q4 blocks with elements 0..15 in the low nibbles and 16..31 in
@@ -41,9 +41,11 @@ scales as one record, byte for byte as GGUF stores them, so they cost what they 
                   above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
     k_mix         a stack whose layers a GGUF holds in different K-quants (Q4_K_M keeps some layers' V and
                   down projections in Q6_K, the others in Q4_K), each layer's values exactly: q6_k's data (4-
-                  and 5-bit codes are 6-bit codes too); record f16 A, f16 B, 16 int8 a_i, 16 int16 b_i (one
-                  pair per 16 weights): from q6_k, A = B = d, a_i = sc_i, b_i = -32 sc_i; from q4_k and q5_k,
-                  A = d, B = dmin, and for the two runs of 16 of sub-block j, a_i = sc_j and b_i = -m_j
+                  and 5-bit codes are 6-bit codes too); record f16 A, f16 B, then 16 int8 pairs (a_i, b_i),
+                  one per 16 weights (so a kernel's 32 codes find their two pairs in one aligned word): from
+                  q6_k, A = d, B = -32 d, a_i = b_i = sc_i (a d of 2048 or more, whose B would overflow f16,
+                  has no k_mix form); from q4_k and q5_k, A = d, B = -dmin, and for the two runs of 16 of
+                  sub-block j, a_i = sc_j and b_i = m_j
 
 5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
 order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).
@@ -180,7 +182,7 @@ Q5_1 = QuantFormat("q5_1", "uint5", 5, (1, 32), "f16", has_min=True, origin="GGU
 Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q5_K = QuantFormat("q5_k", "uint5", 5, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
-K_MIX = QuantFormat("k_mix", "uint6", 6, (1, 256), "record", record=52, origin="GGUF K-quant layers of mixed types")
+K_MIX = QuantFormat("k_mix", "uint6", 6, (1, 256), "record", record=36, origin="GGUF K-quant layers of mixed types")
 
 FORMATS: dict[str, QuantFormat] = {
     f.name: f for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, K_MIX)
@@ -389,9 +391,8 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     if w.format.name == "q6_k":
         scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]
         return _unblock(_unblock((d * scales)[..., None] * (codes - 32).astype(jnp.float32)))
-    a = jax.lax.bitcast_convert_type(records[..., 4:20], jnp.int8).astype(jnp.float32)
-    b = jax.lax.bitcast_convert_type(_blocks(records[..., 20:52], 2), jnp.int16).astype(jnp.float32)
-    mul, add = d * a, _record_f16(records, 2)[..., None] * b
+    pairs = jax.lax.bitcast_convert_type(records[..., 4:36], jnp.int8).astype(jnp.float32)  # (a_i, b_i)
+    mul, add = d * pairs[..., 0::2], _record_f16(records, 2)[..., None] * pairs[..., 1::2]
     return _unblock(_unblock(mul[..., None] * codes.astype(jnp.float32) + add[..., None]))
 
 

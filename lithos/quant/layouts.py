@@ -120,17 +120,28 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
-    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats)."""
+    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats); a
+    CheckpointError for a Q6_K array with a finite d of 2048 or more, which has no K_MIX form (B = -32 d would
+    overflow f16)."""
     records = np.asarray(w.scales)
-    d = records[..., 0:2]
+    d = records[..., 0:2].copy().view(np.float16)
     if w.format.name == "q6_k":
-        a = records[..., 2:18].view(np.int8)
-        factors, b = np.concatenate([d, d], axis=-1), -32 * a.astype(np.int16)
+        with np.errstate(over="ignore"):
+            b_factor = d * np.float16(-32)  # exact where finite: a power of two
+        overflow = np.isinf(b_factor) & np.isfinite(d)
+        if overflow.any():
+            raise CheckpointError(
+                f"a q6_k super-block's d of {float(d[overflow][0])} is 2048 or more, so its layers have no k_mix "
+                "form (-32 d overflows f16)"
+            )
+        factors = np.concatenate([d, b_factor], axis=-1).view(np.uint8)
+        a = b = records[..., 2:18].view(np.int8)
     else:
         sc, m = (np.asarray(v) for v in q4_k_scales_and_mins(records[..., 4:16]))
-        a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), -np.repeat(m, 2, axis=-1).astype(np.int16)
-        factors = records[..., 0:4]
-    record = np.concatenate([factors, a.view(np.uint8), b.astype("<i2").view(np.uint8)], axis=-1)
+        a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), np.repeat(m, 2, axis=-1).astype(np.int8)
+        factors = np.concatenate([records[..., 0:2], records[..., 2:4] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
+    pairs = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 32)
+    record = np.concatenate([factors, pairs.view(np.uint8)], axis=-1)
     codes = np.asarray(k_quant_codes(w.data, w.format.name)).astype(np.uint8)
     data = _6bit_runs(codes.reshape(*codes.shape[:-1], -1, 256))
     return from_planes(K_MIX, {"data": data, "scales": record}, w.dtype)
@@ -231,7 +242,10 @@ def stack(arrays: list) -> np.ndarray | QuantizedArray:
     packed = [a for a in arrays if isinstance(a, QuantizedArray)]
     formats = {a.format.name for a in packed}
     if packed and len(packed) == len(arrays) and len(formats) > 1 and formats <= set(K_QUANTS):
-        packed = arrays = [to_k_mix(a) for a in packed]
+        try:
+            packed = arrays = [to_k_mix(a) for a in packed]
+        except CheckpointError:  # no K_MIX form: the values as f32 below
+            pass
     if packed and len(packed) == len(arrays) and len({a.format for a in packed}) == 1:
         first = packed[0]
         planes = {name: np.stack([np.asarray(a.planes()[name]) for a in packed]) for name in first.planes()}

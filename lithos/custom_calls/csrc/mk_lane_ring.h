@@ -13,8 +13,8 @@
 // gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets), and at T = 1 the packed
 // formats whose 16 bytes a lane are 32 codes and whose scales a step can copy beside them (its "side"): MXFP4
 // (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record)
-// and Q6_K (the codes' low nibbles; their 8 bytes of high bits and the aligned words holding d and the two
-// scales). The other packed formats and the larger buckets use the register path (at 4-16 tokens on tensor
+// and the 6-bit formats Q6_K and K_MIX (the codes' low nibbles; their 8 bytes of high bits and the aligned words
+// of the record that scale them). The other packed formats and the larger buckets use the register path (at 4-16 tokens on tensor
 // cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
 #pragma once
 
@@ -29,10 +29,6 @@
 #define LITHOS_MK_LANE_RING 4
 #endif
 #endif
-// Shared memory for a task's staged activations and RMSNorm weight.
-#ifndef LITHOS_MK_RING_INPUT_KB
-#define LITHOS_MK_RING_INPUT_KB 64
-#endif
 
 #if LITHOS_MK_LANE_RING && defined(LITHOS_HIP)
 #error "LITHOS_MK_LANE_RING needs per-lane asynchronous copies (CUDA cp.async); HIP builds stream weights through registers"
@@ -45,15 +41,16 @@ namespace lithos {
 namespace mk {
 
 constexpr int kRingStages = LITHOS_MK_LANE_RING;
-constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // Bytes a step copies beside a row's 16 bytes for a lane in format F (RingChunk<F>::copy_side), 0 for bf16 and the
-// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; Q6_K's high bits, d and scales).
+// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; the 6-bit formats' high bits and
+// the words of their records a step needs).
 template <WeightFormat F>
-constexpr int kRingSideBytes = F == WeightFormat::kMxfp4                                ? 4
-                               : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K ? 16
-                                                                                        : 0;
+constexpr int kRingSideBytes =
+    F == WeightFormat::kMxfp4                                                                    ? 4
+    : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K || F == WeightFormat::kKMix ? 16
+                                                                                         : 0;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>
@@ -75,6 +72,14 @@ constexpr int kRingSideWidest = kRingSideOf<kAttentionFormat> > kRingSideOf<kMlp
                                     : (kRingSideOf<kMlpFormat> > kRingSideOf<kHeadFormat> ? kRingSideOf<kMlpFormat>
                                                                                          : kRingSideOf<kHeadFormat>);
 constexpr int kRingSideStageBytes = kRowsPerWarp * kRingSideWidest * kMatvecThreads;
+// Shared memory for a task's staged activations and RMSNorm weight: 64 KB, or 56 KB (8B's 14336 inputs as floats)
+// where the side stages are 16 bytes a row, so that the block fits an SM's 227 KB beside the kernel's 35 KB of
+// static shared memory. A build may ask for another (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_INPUT_KB=32").
+#ifdef LITHOS_MK_RING_INPUT_KB
+constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
+#else
+constexpr int kRingInputBytes = (kRingSideWidest > 4 ? 56 : 64) * 1024;
+#endif
 // The dynamic shared memory that takes: the staged inputs, the stages, then (one token, in a build with packed
 // weights the ring reads) the side stages; none in a build without weights the ring reads.
 template <int TMAX>
@@ -206,8 +211,8 @@ struct RingChunk<WeightFormat::kBf16> {
 };
 
 // The packed formats' sides, read back as one row's 16 bytes of codes and its side (`Side`: a scale word, or 16
-// bytes), and their dot products with the step's 32 inputs xf (x_sum: their sum, for the formats with a min) added
-// to a row's sum `acc`.
+// bytes), and their dot products with the step's 32 inputs xf (x_sums: the sums of its two halves of 16, for the
+// formats with a min) added to a row's sum `acc`.
 template <>
 struct RingChunk<WeightFormat::kMxfp4> {
   static constexpr int kElements = kPackedBlock;  // one MX block: 32 codes, one E8M0 scale
@@ -227,7 +232,7 @@ struct RingChunk<WeightFormat::kMxfp4> {
     side[3] = words.w;
   }
   __device__ static float dot(const uint4& codes, Side word, const PackedRow& row, int k, const float (&xf)[32],
-                              float, float acc) {
+                              const float (&)[2], float acc) {
     const uint2 halves[2] = {make_uint2(codes.x, codes.y), make_uint2(codes.z, codes.w)};
     float even = 0.0f, odd = 0.0f;
 #pragma unroll
@@ -280,51 +285,79 @@ struct RingChunk<WeightFormat::kQ4_K> {
   }
   __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
   __device__ static float dot(const uint4& codes, const Side& record, const PackedRow&, int k, const float (&xf)[32],
-                              float x_sum, float acc) {
+                              const float (&x_sums)[2], float acc) {
     float sums[2];
     half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
       P::decode(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
     });
     const ChunkScale f = k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock);
-    return fmaf(x_sum, f.add, fmaf(sums[0] + sums[1], f.mul, acc));
+    return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
   }
 };
 
-// Q6_K: a lane's 16 bytes are 32 codes' low nibbles; the side is their 8 bytes of high bits (x, y), the aligned
-// word holding the record's f16 d (z) and the one holding the two int8 scales of the 32 (w: records are 18 bytes,
-// so where in each word is the record's address's to say).
-template <>
-struct RingChunk<WeightFormat::kQ6_K> {
+// The 6-bit formats (Q6_K, K_MIX): a lane's 16 bytes are 32 codes' low nibbles; its side their 8 bytes of high bits
+// (x, y) and two words of the record (z, w: RECORD bytes a super-block, where Format says).
+template <WeightFormat F, int RECORD>
+struct SixBitRing {
   static constexpr int kElements = kPackedBlock;
   using Side = uint4;
-  using P = Packed<WeightFormat::kQ6_K>;
+  using P = Packed<F>;
   __device__ static const uint8_t* super_block(const uint8_t* row, int k) {
     return row + (k / kSuperBlock) * kQ6KSuperBytes;
   }
-  __device__ static const uint8_t* record(const uint8_t* scales, int k) {
-    return scales + (k / kSuperBlock) * kQ6KRecord;
+  __device__ static const uint8_t* record(const uint8_t* scales, int k) { return scales + (k / kSuperBlock) * RECORD; }
+  __device__ static const void* data(const uint8_t* row, int k) { return super_block(row, k) + (k % kSuperBlock) / 2; }
+  __device__ static void copy_high_bits(uint8_t* side, const uint8_t* row, int k) {
+    async_copy8(side, super_block(row, k) + kSuperBlock / 2 + (k % kSuperBlock) / 4);
   }
+  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
+  __device__ static void half_dots(const uint4& codes, const Side& side, const float (&xf)[32], float (&sums)[2]) {
+    lithos::mk::half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
+      P::decode(h == 0 ? Raw6{make_uint2(codes.x, codes.y), side.x} : Raw6{make_uint2(codes.z, codes.w), side.y}, w);
+    });
+  }
+};
+
+// Q6_K: the record's words holding f16 d (z) and the 32 codes' two int8 scales (w). Its 18-byte records are only
+// 2-aligned, so where in each word they lie is the record's address's to say.
+template <>
+struct RingChunk<WeightFormat::kQ6_K> : SixBitRing<WeightFormat::kQ6_K, kQ6KRecord> {
   __device__ static const uint8_t* scale_pair(const uint8_t* scales, int k) {
     return record(scales, k) + 2 + (k % kSuperBlock) / 16;
   }
-  __device__ static const void* data(const uint8_t* row, int k) { return super_block(row, k) + (k % kSuperBlock) / 2; }
   __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
-    async_copy8(side, super_block(row, k) + kSuperBlock / 2 + (k % kSuperBlock) / 4);
+    copy_high_bits(side, row, k);
     async_copy_word_of(side + 8, record(scales, k));
     async_copy_word_of(side + 12, scale_pair(scales, k));  // an even byte: both scales in one word
   }
-  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
   __device__ static float dot(const uint4& codes, const Side& side, const PackedRow& row, int k, const float (&xf)[32],
-                              float, float acc) {
+                              const float (&)[2], float acc) {
     float sums[2];
-    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
-      P::decode(h == 0 ? Raw6{make_uint2(codes.x, codes.y), side.x} : Raw6{make_uint2(codes.z, codes.w), side.y}, w);
-    });
+    half_dots(codes, side, xf, sums);
     const uint32_t d = side.z >> (8 * (reinterpret_cast<uintptr_t>(record(row.scales, k)) & 3u));
     const uint32_t scales = side.w >> (8 * (reinterpret_cast<uintptr_t>(scale_pair(row.scales, k)) & 3u));
     const ChunkScale f0 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales));
     const ChunkScale f1 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales >> 8));
     return fmaf(sums[1], f1.mul, fmaf(sums[0], f0.mul, acc));
+  }
+};
+
+// K_MIX: the record's first word (f16 A and B, z) and the one holding the 32 codes' two (a_i, b_i) pairs (w).
+template <>
+struct RingChunk<WeightFormat::kKMix> : SixBitRing<WeightFormat::kKMix, kKMixRecord> {
+  __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
+    copy_high_bits(side, row, k);
+    const uint8_t* at = record(scales, k);  // 36-byte records: aligned words
+    async_copy_word_of(side + 8, at);
+    async_copy_word_of(side + 12, at + 4 + 2 * ((k % kSuperBlock) / 16));
+  }
+  __device__ static float dot(const uint4& codes, const Side& side, const PackedRow&, int, const float (&xf)[32],
+                              const float (&x_sums)[2], float acc) {
+    float sums[2];
+    half_dots(codes, side, xf, sums);
+    const ChunkScale f0 = P::factor(side.z, side.w), f1 = P::factor(side.z, side.w >> 16);
+    acc = fmaf(x_sums[0], f0.add, fmaf(sums[0], f0.mul, acc));
+    return fmaf(x_sums[1], f1.add, fmaf(sums[1], f1.mul, acc));
   }
 };
 
@@ -452,13 +485,13 @@ __device__ __forceinline__ void ring_rows_dot_packed(Stream& stream, int& stage,
         }
       }
     }
-    float x_sum = 0.0f;  // for a min's term
+    float x_sums[2] = {0.0f, 0.0f};  // for a min's term: each half's
     if constexpr (Chunk::P::kHasMin) {
 #pragma unroll
-      for (int c = 0; c < kPackedBlock; ++c) x_sum += xf[c];
+      for (int c = 0; c < kPackedBlock; ++c) x_sums[c / kChunk] += xf[c];
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = Chunk::dot(codes[r], side[r], rows[r], k, xf, x_sum, acc[r][0]);
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] = Chunk::dot(codes[r], side[r], rows[r], k, xf, x_sums, acc[r][0]);
   }
   warp_sum_rows(acc, in.tokens);
 }

@@ -47,8 +47,8 @@ constexpr int kMkPackedUnroll = Packed<F>::kUnroll < 2 ? Packed<F>::kUnroll : 2;
 // `before_epilogue(in)` runs once, by the whole block, after the first dot products (the RMSNorm
 // factor: its pass over the inputs then hits L1, or reads their staged copy).
 //
-// bf16 rows in the 1- and 2-token kernels and MXFP4, Q4_K and Q6_K rows in the 1-token kernel come through the lane
-// ring (mk_lane_ring.h: each lane's chunks copied into shared memory steps ahead, the task's first steps
+// bf16 rows in the 1- and 2-token kernels and MXFP4, Q4_K, Q6_K and K_MIX rows in the 1-token kernel come through
+// the lane ring (mk_lane_ring.h: each lane's chunks copied into shared memory steps ahead, the task's first steps
 // before its wait) and the inputs from a shared-memory copy when they fit; otherwise the warps stream
 // the rows through registers, and in the 4- to 16-token kernels (CUDA) multiply them on tensor cores
 // (mma_rowdot.h).

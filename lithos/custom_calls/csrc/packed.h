@@ -69,7 +69,7 @@ constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one 
 constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
 constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
 constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
-constexpr int kKMixRecord = 52;   // k_mix: f16 A, f16 B, 16 int8 a, 16 int16 b
+constexpr int kKMixRecord = 36;   // k_mix: f16 A, f16 B, 16 int8 pairs (a, b)
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 
 // ---------------------------------------------------------------------------------------------
@@ -385,7 +385,7 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
 };
 
 // K_MIX (a stack of K-quant layers of mixed types, lithos.quant.formats): w = (A * a_i) * c + B * b_i for the
-// int8 a_i and int16 b_i of its 16 weights.
+// int8 pair (a_i, b_i) of its 16 weights.
 template <>
 struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
@@ -395,12 +395,14 @@ struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true> {
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     const uint8_t* record = row.scales + (col / kSuperBlock) * kKMixRecord;
-    const int i = (col % kSuperBlock) / 16;
-    const uint16_t* factors = reinterpret_cast<const uint16_t*>(record);
-    const int8_t a = static_cast<int8_t>(record[4 + i]);
-    const int16_t b = reinterpret_cast<const int16_t*>(record + 20)[i];
-    const float A = half_bits_to_float(factors[0]), B = half_bits_to_float(factors[1]);
-    return {A * static_cast<float>(a), B * static_cast<float>(b)};
+    const uint8_t* pair = record + 4 + 2 * ((col % kSuperBlock) / 16);
+    return factor(*reinterpret_cast<const uint32_t*>(record), pair[0] | pair[1] << 8);
+  }
+  // The factors from the record's f16 A and B (`ab`: A in the low half) and a run's pair (a_i in the low byte);
+  // also the lane ring's (mk_lane_ring.h).
+  LITHOS_DECODE static ChunkScale factor(uint32_t ab, uint32_t pair) {
+    const float a = static_cast<int8_t>(pair), b = static_cast<int8_t>(pair >> 8);
+    return {half_bits_to_float(static_cast<uint16_t>(ab)) * a, half_bits_to_float(static_cast<uint16_t>(ab >> 16)) * b};
   }
 };
 

@@ -49,9 +49,10 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
 DEFAULT_TILES = "gate_up"
-# Packed formats whose rows the one-token kernel streams through the lane ring on CUDA, 32 codes a lane's step
-# (csrc/mk_lane_ring.h kRingSideBytes).
-RING_PACKED = ("mxfp4", "q4_k", "q6_k")
+# Packed formats whose rows the one-token kernel streams through the lane ring on CUDA, 32 codes a lane's step, and
+# those of them whose steps copy 16 bytes beside a row's (csrc/mk_lane_ring.h kRingSideBytes).
+RING_WIDE_SIDES = ("q4_k", "q6_k", "k_mix")
+RING_PACKED = ("mxfp4", *RING_WIDE_SIDES)
 
 
 class WeightFormats(NamedTuple):
@@ -161,7 +162,7 @@ def tiles_wanted(platform: str | None) -> frozenset[str]:
 def one_format_a_group(matrices: dict) -> dict:
     """The layer matrices `matrices` (a dict of ATTENTION_WEIGHTS' and MLP_WEIGHTS' names) with each group whose
     matrices mix K-quants (a Q4_K_M file's Q4_K beside its V and down projections, K_MIX) all in K_MIX, every value
-    the same: the megakernel reads one format a group, at 7.6 bits a weight where Q4_K takes 4.5. Anything else
+    the same: the megakernel reads one format a group, at 7.1 bits a weight where Q4_K takes 4.5. Anything else
     unchanged."""
     out = dict(matrices)
     for names in (ATTENTION_WEIGHTS, MLP_WEIGHTS):
@@ -197,8 +198,15 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
 
 
 # csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
-# an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h.
+# an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h. 56 KB in a build whose ring copies 16
+# bytes beside a row's (RING_WIDE_SIDES, on CUDA), so that its block fits an SM.
 TILE_STAGING_BYTES = 64 * 1024
+
+
+def staging_bytes(formats: WeightFormats) -> int:
+    """The lane ring's input area in the build that reads `formats` (csrc/mk_lane_ring.h kRingInputBytes)."""
+    wide = any(name in RING_WIDE_SIDES for name in formats[:3]) and _gpu_platform() != "rocm"
+    return 56 * 1024 if wide else TILE_STAGING_BYTES
 TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
@@ -228,31 +236,31 @@ def tiled_staging_bytes(op: Op, tiles: int, tokens: int, hidden: int) -> int:
     return operand + tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
 
 
-def check_tiled_staging(schedule: Schedule, tokens: int, ops: tuple[Op, ...]) -> None:
+def check_tiled_staging(schedule: Schedule, tokens: int, ops: tuple[Op, ...], room: int = TILE_STAGING_BYTES) -> None:
     """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles (and Q/K/V at one token its B) in
     the lane ring's input area: an error naming the fix where a task's would not fit (the kernel would abort the
     step)."""
     for op in ops:
         tiles = largest_task(schedule, op) // TILE_ROW_UNITS
         need = tiled_staging_bytes(op, tiles, tokens, schedule.shape.hidden)
-        if need > TILE_STAGING_BYTES:
+        if need > room:
             raise LithosError(
                 f"megakernel: {TILED_OPS[op]} in fragment tiles needs {need} bytes of staging a task ({tiles} tiles, "
-                f"{tokens} tokens), more than the {TILE_STAGING_BYTES} the kernel has; leave {TILED_OPS[op]} out of "
+                f"{tokens} tokens), more than the {room} the kernel has; leave {TILED_OPS[op]} out of "
                 "LITHOS_TILES or run on a GPU with more blocks"
             )
 
 
-def check_tile_staging(schedule: Schedule) -> None:
+def check_tile_staging(schedule: Schedule, room: int = TILE_STAGING_BYTES) -> None:
     """The one-token tiled gate/up task stages B and its sums in the lane ring's input area: an error naming the
     fix where a task's would not fit (the kernel would abort the step)."""
     s = schedule.shape
     tiles = largest_task(schedule, Op.GATE_UP) // TILE_UNITS
     need = tile_operand_bytes(s.hidden) + tiles * TILE_PIECE_BYTES
-    if need > TILE_STAGING_BYTES:
+    if need > room:
         raise LithosError(
             f"megakernel: gate/up in fragment tiles needs {need} bytes of staging a task (hidden {s.hidden}, {tiles} "
-            f"tile pairs), more than the {TILE_STAGING_BYTES} the kernel has; leave gate_up out of LITHOS_TILES"
+            f"tile pairs), more than the {room} the kernel has; leave gate_up out of LITHOS_TILES"
         )
 
 
@@ -445,8 +453,8 @@ def decode_step(
     def check():
         check_tokens("megakernel", h0.shape[0])
         if formats.gate_up_tiles and h0.shape[0] == 1:
-            check_tile_staging(schedule)
-        check_tiled_staging(schedule, h0.shape[0], tiled_ops(formats))
+            check_tile_staging(schedule, staging_bytes(formats))
+        check_tiled_staging(schedule, h0.shape[0], tiled_ops(formats), staging_bytes(formats))
         if formats.qkv_tiles and weights.wq.format.rotary_head != head_dim:
             raise LithosError(
                 f"megakernel: Q/K/V in rotary tiles of heads of {weights.wq.format.rotary_head}, the cache's heads "

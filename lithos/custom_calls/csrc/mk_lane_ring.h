@@ -14,8 +14,9 @@
 // formats whose 16 bytes a lane are 32 codes and whose scales a step can copy beside them (its "side"): MXFP4
 // (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record)
 // and the 6-bit formats Q6_K and K_MIX (the codes' low nibbles; their 8 bytes of high bits and the aligned words
-// of the record that scale them). The other packed formats and the larger buckets use the register path (at 4-16 tokens on tensor
-// cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
+// of the record that scale them; K_MIX where a build asks, below). The other packed formats and the larger
+// buckets use the register path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in that layout was
+// slower, NOTES.md run 48).
 #pragma once
 
 #include "mk_common.h"
@@ -28,6 +29,12 @@
 #else
 #define LITHOS_MK_LANE_RING 4
 #endif
+#endif
+
+// K_MIX rows through the ring: written, compiled and checked on the CPU, not yet run on a GPU (NOTES.md, "K_MIX
+// through the ring"); until then a build asks for it (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_K_MIX=1").
+#ifndef LITHOS_MK_RING_K_MIX
+#define LITHOS_MK_RING_K_MIX 0
 #endif
 
 #if LITHOS_MK_LANE_RING && defined(LITHOS_HIP)
@@ -48,9 +55,9 @@ constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // the words of their records a step needs).
 template <WeightFormat F>
 constexpr int kRingSideBytes =
-    F == WeightFormat::kMxfp4                                                                    ? 4
-    : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K || F == WeightFormat::kKMix ? 16
-                                                                                         : 0;
+    F == WeightFormat::kMxfp4                                                                                   ? 4
+    : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K || (F == WeightFormat::kKMix && LITHOS_MK_RING_K_MIX) ? 16
+                                                                                                                 : 0;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>

@@ -49,10 +49,6 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
 DEFAULT_TILES = "gate_up"
-# Packed formats whose rows the one-token kernel streams through the lane ring on CUDA, 32 codes a lane's step, and
-# those of them whose steps copy 16 bytes beside a row's (csrc/mk_lane_ring.h kRingSideBytes).
-RING_WIDE_SIDES = ("q4_k", "q6_k", "k_mix")
-RING_PACKED = ("mxfp4", *RING_WIDE_SIDES)
 
 
 class WeightFormats(NamedTuple):
@@ -199,13 +195,21 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
 
 # csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
 # an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h. 56 KB in a build whose ring copies 16
-# bytes beside a row's (RING_WIDE_SIDES, on CUDA), so that its block fits an SM.
+# bytes beside a row's (ring_wide_sides, on CUDA), so that its block fits an SM.
 TILE_STAGING_BYTES = 64 * 1024
+
+
+def ring_wide_sides() -> tuple[str, ...]:
+    """The packed formats whose rows the one-token kernel streams through the lane ring (CUDA) with 16 bytes of
+    their scales beside each row's 16 (csrc/mk_lane_ring.h kRingSideBytes): Q4_K and Q6_K, and K_MIX in a build
+    asked for it (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_K_MIX=1"; not yet run on a GPU)."""
+    asked = "LITHOS_MK_RING_K_MIX=1" in os.environ.get("LITHOS_KERNEL_DEFINES", "").split()
+    return ("q4_k", "q6_k", "k_mix") if asked else ("q4_k", "q6_k")
 
 
 def staging_bytes(formats: WeightFormats) -> int:
     """The lane ring's input area in the build that reads `formats` (csrc/mk_lane_ring.h kRingInputBytes)."""
-    wide = any(name in RING_WIDE_SIDES for name in formats[:3]) and _gpu_platform() != "rocm"
+    wide = any(name in ring_wide_sides() for name in formats[:3]) and _gpu_platform() != "rocm"
     return 56 * 1024 if wide else TILE_STAGING_BYTES
 TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
@@ -285,14 +289,14 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
     """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
-    32 of the packed formats the lane ring reads (RING_PACKED, CUDA, one token), 16 of other packed rows (packed.h's
-    chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the warps that share
-    them."""
+    32 of the packed formats the lane ring reads (MXFP4 and ring_wide_sides, CUDA, one token), 16 of other packed
+    rows (packed.h's chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the
+    warps that share them."""
 
     def step(name: str) -> int:
         if name == "bfloat16":
             return BF16_LANE_STEP
-        return 32 if name in RING_PACKED and tokens == 1 and platform == "cuda" else 16
+        return 32 if name in ("mxfp4", *ring_wide_sides()) and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
     return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, tiled_ops(formats))

@@ -1,0 +1,61 @@
+"""Build megakernel variants and the fused kernels for this machine's GPU, all at once (the GPU tests and
+`lithos bench` would build missing variants one by one, on first use, inside their time limits).
+
+    python3 benchmarks/build_variants.py gate_up gate_up,down q4_k:q6_k:bfloat16
+
+Each argument is a megakernel build: a LITHOS_TILES set of an MXFP4 build (attention and MLP in MXFP4, bf16 head), or
+the formats of attention, MLP and head separated by colons. The bf16 build and the fused kernels of the MXFP4 and
+K-quant benchmarks are always built. LITHOS_KERNEL_DEFINES and LITHOS_CACHE_DIR apply as to any build.
+"""
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from lithos.custom_calls import build
+from lithos.custom_calls.megakernel.kernel import TILE_GROUPS, WeightFormats
+
+FUSED = (
+    "matvec",
+    "qkv_rope",
+    "lm_head",
+    "attention",
+    "matvec_packed_mxfp4",
+    "matvec_packed_q4_k",
+    "matvec_packed_q6_k",
+    "matvec_packed_k_mix",
+)
+
+
+def megakernel_formats(arg: str) -> WeightFormats:
+    if ":" in arg:
+        return WeightFormats(*arg.split(":"))
+    groups = set(arg.split(","))
+    if not groups <= TILE_GROUPS.keys():
+        raise SystemExit(f"{arg!r}: name tile groups from {', '.join(TILE_GROUPS)}, or formats as attention:mlp:head")
+    tiles = {f"{group}_tiles": group in groups for group in TILE_GROUPS}
+    return WeightFormats("mxfp4", "mxfp4", "bfloat16", **tiles)
+
+
+def main(args: list[str]) -> int:
+    toolchain = build.toolchain("cuda")
+    jobs = [
+        ("megakernel", v)
+        for v in dict.fromkeys([WeightFormats().variant()] + [megakernel_formats(a).variant() for a in args])
+    ]
+    jobs += [(kernel, build.PLAIN) for kernel in FUSED]
+
+    def one(job) -> str:
+        kernel, variant = job
+        try:
+            return f"{kernel} {variant.suffix or 'plain'}: {build.build(kernel, variant.toolchain(toolchain)).name}"
+        except Exception as e:  # reported, and the rest go on: the tests name what is missing
+            return f"{kernel} {variant.suffix or 'plain'}: FAILED {e}"
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        lines = list(pool.map(one, jobs))
+    print("\n".join(lines))
+    return int(any("FAILED" in line for line in lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run 119 (the next device run, about 8 minutes on the H200): run it with the device tool as
+#   bash benchmarks/device_runs/run119.sh
+# It checks and times what was written after run 118 (lithos/custom_calls/NOTES.md, "Q4_K and Q6_K rows through the
+# lane ring" and "K_MIX through the ring"):
+# - K_MIX's 36-byte records on the fused kernels, and K_MIX rows through the megakernel's lane ring (asked for with
+#   LITHOS_MK_RING_K_MIX=1 until this run passes): the GPU cases;
+# - steps: 8B Q4_K_M (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel (their rows through the ring),
+#   and the MXFP4 groups in tiles not yet timed (gate/up + down, gate/up + down + O) beside the default.
+# Everything lands in $OUT/run119.tar.gz, rewritten after every step.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache LITHOS_KERNEL_DEFINES=LITHOS_MK_RING_K_MIX=1
+work=/tmp/r119
+mkdir -p "$work"
+save() { tar -C "$work" -czf "$OUT/run119.tar.gz" .; }
+start=$SECONDS
+log() { echo "== $* at $((SECONDS - start)) s"; }
+lithos=(python3 -c 'import sys; from lithos.cli import main; sys.exit(main())')
+gpu_pytest=(env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 python3 -m pytest -q
+  -p no:cacheprovider)
+
+log build  # every variant at once (about 2.5 minutes on 16 cores): the tests would build them one by one
+python3 benchmarks/build_variants.py gate_up gate_up,down gate_up,down,o q4_k:q4_k:bfloat16 q6_k:q6_k:bfloat16 \
+  k_mix:k_mix:bfloat16 q4_k:q6_k:q6_k q6_k:q4_k:bfloat16 q4_k:k_mix:bfloat16 q5_k:q5_k:q6_k >"$work/build.log" 2>&1
+grep FAILED "$work/build.log" | cut -c1-300
+
+log tests
+timeout 240 "${gpu_pytest[@]}" -n 6 tests/test_megakernel_gpu.py tests/test_custom_calls_packed_gpu.py \
+  -k "(q4_k or q5_k or q6_k or k_mix) and megakernel_equals or k_mix or mixed or q4_k_m" >"$work/tests.log" 2>&1
+grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -30
+save
+
+step() {  # step TILES SHAPE FORMAT KERNELS
+  local tiles=$1 shape=$2 fmt=$3 kernels=$4
+  local tag=run119-${shape##*-}-$fmt-${tiles//,/+}
+  LITHOS_TILES=$tiles timeout 150 "${lithos[@]}" bench --shape "$shape" --context 1024 --weight-format "$fmt" \
+    --kernels "$kernels" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
+  grep -E "^$shape" "$work/$tag.log" | sed "s/^/$tiles /"
+  save
+}
+log steps
+step gate_up llama-3.1-8b q4_k_m fused,megakernel
+step gate_up llama-3.1-8b q6_k megakernel
+step gate_up llama-3.2-1b q4_k megakernel
+step gate_up llama-3.1-8b mxfp4 megakernel
+step gate_up,down llama-3.1-8b mxfp4 megakernel
+step gate_up,down,o llama-3.1-8b mxfp4 megakernel
+log done

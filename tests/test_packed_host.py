@@ -1,8 +1,10 @@
 """The packed kernels' host-side code and decoders (csrc/packed.h), run on the CPU. For every packed format:
 the planes lithos.quant lays out pass `packed_weight`'s checks with their own strides (bytes a row, a row's
 scales, a layer), and another format's planes are refused with a message; and `Packed<F>`'s load, decode and
-scale, the code the kernels run per chunk of 16 weights, give the reference dequantisation's values bit for bit.
-The driver is host code compiled by nvcc (no GPU runs it); the kernels' loops are checked on the GPU."""
+scale, the code the kernels run per chunk of 16 weights, give the reference dequantisation's values bit for bit; so
+do the megakernel lane ring's steps of 32 codes (`Step32<F>`: the side pieces a step copies beside its codes, and the
+dot products read from them). The driver is host code compiled by nvcc (no GPU runs it); the kernels' loops and
+copies are checked on the GPU."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ LAYERS, ROWS, INPUTS = 2, 8, 512
 DRIVER = r"""
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include "packed.h"
 using namespace lithos;
 namespace ffi = xla::ffi;
@@ -68,6 +71,48 @@ static void decode_row(const char* name, const uint8_t* data, const uint8_t* sca
   std::printf("\n");
 }
 
+// Every weight of a row as the megakernel's lane ring forms it (Step32<F>): a step's codes and the side its pieces
+// copy (a 4-byte piece: the aligned word holding its byte; every piece aligned to its size, as cp.async needs),
+// then the dot product with each one-hot input.
+template <WeightFormat F>
+static void ring_row(const char* name, const uint8_t* data, const uint8_t* scales, int n_in) {
+  using S = Step32<F>;
+  const PackedRow row{data, scales, nullptr};
+  std::printf("%s", name);
+  for (int k = 0; k < n_in; k += kPackedBlock) {
+    uint4 codes;
+    if (reinterpret_cast<uintptr_t>(S::codes(data, k)) % 16 != 0) std::printf(" misaligned-codes");
+    std::memcpy(&codes, S::codes(data, k), 16);
+    SidePiece pieces[S::kPieces];
+    S::side_pieces(data, scales, k, pieces);
+    uint8_t side[16] = {};
+    for (int i = 0, at = 0; i < S::kPieces; at += pieces[i].bytes, ++i) {
+      const uintptr_t from = reinterpret_cast<uintptr_t>(pieces[i].from);
+      if (pieces[i].bytes != 4 && from % pieces[i].bytes != 0) std::printf(" misaligned-side");
+      std::memcpy(side + at, reinterpret_cast<const uint8_t*>(pieces[i].bytes == 4 ? from & ~uintptr_t{3} : from),
+                  pieces[i].bytes);
+    }
+    typename S::Side values;
+    std::memcpy(&values, side, sizeof(values));
+    for (int v = 0; v < kPackedBlock; ++v) {
+      float xf[kPackedBlock] = {};
+      xf[v] = 1.0f;
+      const float x_sums[2] = {v < kChunk ? 1.0f : 0.0f, v < kChunk ? 0.0f : 1.0f};
+      std::printf(" %a", S::dot(codes, values, row, k, xf, x_sums, 0.0f));
+    }
+  }
+  std::printf("\n");
+}
+
+static void ring(const char* name, int32_t code, const uint8_t* data, const uint8_t* scales, int n_in) {
+  const ffi::Error error = with_weight_format(code, [&](auto format) {
+    constexpr WeightFormat F = decltype(format)::value;
+    if constexpr (Step32<F>::kSideBytes > 0) ring_row<F>(name, data, scales, n_in);
+    return ffi::Error::Success();
+  });
+  if (error.failure()) std::printf("%s error %s\n", name, error.message().c_str());
+}
+
 static void decode(const char* name, int32_t code, const uint8_t* data, const uint8_t* scales, const uint8_t* mins,
                    int n_in) {
   const ffi::Error error = with_weight_format(code, [&](auto format) {
@@ -106,7 +151,7 @@ def _bytes(name: str, plane) -> str:
     if plane is None:
         return f"  const uint8_t* {name} = nullptr;"
     raw = np.ascontiguousarray(plane).view(np.uint8).reshape(-1)
-    return f"  static const uint8_t {name}[] = {{{', '.join(str(b) for b in raw)}}};"
+    return f"  alignas(16) static const uint8_t {name}[] = {{{', '.join(str(b) for b in raw)}}};"
 
 
 def _decode_case(fmt_name: str) -> str:
@@ -120,6 +165,21 @@ def _decode_case(fmt_name: str) -> str:
         lines += [_bytes(f"{label}_{name}", row_planes.get(name)) for name in ("data", "scales", "mins")]
         args = ", ".join(f"{label}_{name}" for name in ("data", "scales", "mins"))
         lines.append(f'  decode("{label}", {FORMAT_CODES[fmt_name]}, {args}, {INPUTS});')
+    return "\n".join(lines)
+
+
+RING_FORMATS = ("mxfp4", "q4_k", "q6_k", "k_mix")  # csrc/packed.h Step32
+
+
+def _ring_case(fmt_name: str) -> str:
+    """Each row of `_planes(fmt_name)`'s first layer through the ring's steps, as "<format>_ring_<row> values...": the
+    layer's planes as one aligned array each, so that every row and record lies where it would on the GPU."""
+    planes = {name: plane[0] for name, plane in _planes(fmt_name).items()}
+    lines = [_bytes(f"{fmt_name}_ring_{name}", planes[name]) for name in ("data", "scales")]
+    row_bytes = {name: planes[name].nbytes // ROWS for name in ("data", "scales")}
+    for row in range(ROWS):
+        data, scales = (f"{fmt_name}_ring_{name} + {row * row_bytes[name]}" for name in ("data", "scales"))
+        lines.append(f'  ring("{fmt_name}_ring_{row}", {FORMAT_CODES[fmt_name]}, {data}, {scales}, {INPUTS});')
     return "\n".join(lines)
 
 
@@ -150,6 +210,7 @@ def checked(tmp_path_factory):
         other = _differently_shaped(name)
         cases.append(_case(f"{name}_as_{other}", FORMAT_CODES[name], _planes(other), INPUTS))
     cases += [_decode_case(name) for name in PACKED_FORMATS]
+    cases += [_ring_case(name) for name in RING_FORMATS]
     out = tmp_path_factory.mktemp("planes")
     source = out / "driver.cu"
     source.write_text(DRIVER.replace("CASES", "\n".join(cases)))
@@ -194,5 +255,22 @@ def test_the_kernels_decoders_give_the_reference_values(checked, fmt_name):
         # Bit for bit, but for the sign of zero: the driver adds a chunk's offset to every weight, and + 0.0
         # makes -0 +0 (the kernels add offsets to sums, where it is the same).
         same = (got.view(np.uint32) == expected[row].view(np.uint32)) | ((got == 0) & (expected[row] == 0))
+        bad = np.flatnonzero(~same)
+        assert not bad.size, (row, bad[:4], got[bad[:4]], expected[row][bad[:4]])
+
+
+@pytest.mark.parametrize("fmt_name", RING_FORMATS)
+def test_the_lane_ring_s_steps_give_the_reference_values(checked, fmt_name):
+    """The megakernel's one-token steps of 32 codes (csrc/packed.h Step32): from the pieces of the scale records and
+    high bits each step copies beside its codes, every weight as the reference's, bit for bit (but the sign of zero).
+    A wrong piece (a record's other word, a half's high bits) or a misaligned copy fails here."""
+    w = random_packed(fmt_name, (LAYERS, ROWS, INPUTS), np.random.default_rng(0))
+    expected = np.asarray(dequantize(w, np.float32))[0]
+    for row in range(ROWS):
+        words = checked[f"{fmt_name}_ring_{row}"]
+        assert not any(word.startswith(("misaligned", "error")) for word in words), " ".join(words[:8])
+        got = np.array([float.fromhex(v) for v in words], np.float32)
+        same = (got.view(np.uint32) == expected[row].view(np.uint32)) | ((got == 0) & (expected[row] == 0))
+        same |= np.isnan(got) & np.isnan(expected[row])
         bad = np.flatnonzero(~same)
         assert not bad.size, (row, bad[:4], got[bad[:4]], expected[row][bad[:4]])

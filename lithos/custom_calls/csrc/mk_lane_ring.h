@@ -54,10 +54,7 @@ constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; the 6-bit formats' high bits and
 // the words of their records a step needs).
 template <WeightFormat F>
-constexpr int kRingSideBytes =
-    F == WeightFormat::kMxfp4                                                                                   ? 4
-    : F == WeightFormat::kQ4_K || F == WeightFormat::kQ6_K || (F == WeightFormat::kKMix && LITHOS_MK_RING_K_MIX) ? 16
-                                                                                                                 : 0;
+constexpr int kRingSideBytes = F == WeightFormat::kKMix && !LITHOS_MK_RING_K_MIX ? 0 : Step32<F>::kSideBytes;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>
@@ -208,164 +205,44 @@ __device__ inline const float* ring_stage_products(const TokenRows& in) {
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
 // What a ring step copies of a row in format F: 16 bytes (kElements elements) at input element k, and for the
-// packed formats kRingSideBytes<F> beside them (`copy_side`); `dot` multiplies one row's step with the inputs.
+// packed formats (packed.h Step32<F>, whose dot products the steps run) their side beside them.
 template <WeightFormat F>
-struct RingChunk;
+struct RingChunk : Step32<F> {
+  using Step = Step32<F>;
+  static constexpr int kElements = kPackedBlock;
+  __device__ static const void* data(const uint8_t* row, int k) { return Step::codes(row, k); }
+  __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
+    SidePiece pieces[Step::kPieces];
+    Step::side_pieces(row, scales, k, pieces);
+#pragma unroll
+    for (int i = 0, at = 0; i < Step::kPieces; at += pieces[i].bytes, ++i) {
+      if (pieces[i].bytes == 16) {
+        async_copy16(side + at, pieces[i].from);
+      } else if (pieces[i].bytes == 8) {
+        async_copy8(side + at, pieces[i].from);
+      } else {
+        async_copy_word_of(side + at, pieces[i].from);
+      }
+    }
+  }
+  // A stage's sides as `Side`s, one a row: 4-byte sides are one 16-byte unit for the 4 rows (one read).
+  __device__ static void read_sides(int stage, typename Step::Side (&side)[kRowsPerWarp]) {
+    if constexpr (Step::kSideBytes == 4) {
+      const uint4 words = *reinterpret_cast<const uint4*>(ring_side<4>(stage, 0));
+      side[0] = words.x;
+      side[1] = words.y;
+      side[2] = words.z;
+      side[3] = words.w;
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) side[r] = *reinterpret_cast<const uint4*>(ring_side<16>(stage, r));
+    }
+  }
+};
 template <>
 struct RingChunk<WeightFormat::kBf16> {
   static constexpr int kElements = 8;
   __device__ static const void* data(const uint8_t* row, int k) { return reinterpret_cast<const bf16_t*>(row) + k; }
-};
-
-// The packed formats' sides, read back as one row's 16 bytes of codes and its side (`Side`: a scale word, or 16
-// bytes), and their dot products with the step's 32 inputs xf (x_sums: the sums of its two halves of 16, for the
-// formats with a min) added to a row's sum `acc`.
-template <>
-struct RingChunk<WeightFormat::kMxfp4> {
-  static constexpr int kElements = kPackedBlock;  // one MX block: 32 codes, one E8M0 scale
-  using Side = uint32_t;
-  using P = Packed<WeightFormat::kMxfp4>;
-  __device__ static const void* data(const uint8_t* row, int k) { return row + k / 2; }
-  __device__ static const uint8_t* scale(const uint8_t* scales, int k) { return scales + k / kPackedBlock; }
-  __device__ static void copy_side(uint8_t* side, const uint8_t*, const uint8_t* scales, int k) {
-    async_copy_word_of(side, scale(scales, k));
-  }
-  // A stage's 4 rows' words are one 16-byte unit: one read.
-  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) {
-    const uint4 words = *reinterpret_cast<const uint4*>(ring_side<4>(stage, 0));
-    side[0] = words.x;
-    side[1] = words.y;
-    side[2] = words.z;
-    side[3] = words.w;
-  }
-  __device__ static float dot(const uint4& codes, Side word, const PackedRow& row, int k, const float (&xf)[32],
-                              const float (&)[2], float acc) {
-    const uint2 halves[2] = {make_uint2(codes.x, codes.y), make_uint2(codes.z, codes.w)};
-    float even = 0.0f, odd = 0.0f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float w[kChunk];
-      P::decode(halves[h], w);
-#pragma unroll
-      for (int v = 0; v < kChunk; v += 2) {
-        even = fmaf(w[v], xf[h * kChunk + v], even);
-        odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
-      }
-    }
-    const uint32_t byte = (word >> (8 * (reinterpret_cast<uintptr_t>(scale(row.scales, k)) & 3u))) & 0xFFu;
-    return fmaf((even + odd) * P::kPre, e8m0_to_float(byte), acc);
-  }
-};
-
-// The 16-byte sides, one unit a row.
-__device__ __forceinline__ void read_wide_sides(int stage, uint4 (&side)[kRowsPerWarp]) {
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) side[r] = *reinterpret_cast<const uint4*>(ring_side<16>(stage, r));
-}
-
-// Sums of the 16 codes of each half of a step's 32 (decoded by DECODE(h, w)) times the inputs.
-template <class Decode>
-__device__ __forceinline__ void half_dots(const float (&xf)[32], float (&sums)[2], Decode decode) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float w[kChunk];
-    decode(h, w);
-    float even = 0.0f, odd = 0.0f;  // two chains: half the dependent-FMA latency
-#pragma unroll
-    for (int v = 0; v < kChunk; v += 2) {
-      even = fmaf(w[v], xf[h * kChunk + v], even);
-      odd = fmaf(w[v + 1], xf[h * kChunk + v + 1], odd);
-    }
-    sums[h] = even + odd;
-  }
-}
-
-// Q4_K: a lane's 16 bytes are one sub-block (32 codes, one scale and min); the side is its super-block's record.
-template <>
-struct RingChunk<WeightFormat::kQ4_K> {
-  static constexpr int kElements = kPackedBlock;
-  using Side = uint4;
-  using P = Packed<WeightFormat::kQ4_K>;
-  __device__ static const void* data(const uint8_t* row, int k) { return row + k / 2; }
-  __device__ static void copy_side(uint8_t* side, const uint8_t*, const uint8_t* scales, int k) {
-    async_copy16(side, scales + (k / kSuperBlock) * kQ4KRecord);  // records are 16 bytes: aligned
-  }
-  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
-  __device__ static float dot(const uint4& codes, const Side& record, const PackedRow&, int k, const float (&xf)[32],
-                              const float (&x_sums)[2], float acc) {
-    float sums[2];
-    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
-      P::decode(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
-    });
-    const ChunkScale f = k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock);
-    return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
-  }
-};
-
-// The 6-bit formats (Q6_K, K_MIX): a lane's 16 bytes are 32 codes' low nibbles; its side their 8 bytes of high bits
-// (x, y) and two words of the record (z, w: RECORD bytes a super-block, where Format says).
-template <WeightFormat F, int RECORD>
-struct SixBitRing {
-  static constexpr int kElements = kPackedBlock;
-  using Side = uint4;
-  using P = Packed<F>;
-  __device__ static const uint8_t* super_block(const uint8_t* row, int k) {
-    return row + (k / kSuperBlock) * kQ6KSuperBytes;
-  }
-  __device__ static const uint8_t* record(const uint8_t* scales, int k) { return scales + (k / kSuperBlock) * RECORD; }
-  __device__ static const void* data(const uint8_t* row, int k) { return super_block(row, k) + (k % kSuperBlock) / 2; }
-  __device__ static void copy_high_bits(uint8_t* side, const uint8_t* row, int k) {
-    async_copy8(side, super_block(row, k) + kSuperBlock / 2 + (k % kSuperBlock) / 4);
-  }
-  __device__ static void read_sides(int stage, Side (&side)[kRowsPerWarp]) { read_wide_sides(stage, side); }
-  __device__ static void half_dots(const uint4& codes, const Side& side, const float (&xf)[32], float (&sums)[2]) {
-    lithos::mk::half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
-      P::decode(h == 0 ? Raw6{make_uint2(codes.x, codes.y), side.x} : Raw6{make_uint2(codes.z, codes.w), side.y}, w);
-    });
-  }
-};
-
-// Q6_K: the record's words holding f16 d (z) and the 32 codes' two int8 scales (w). Its 18-byte records are only
-// 2-aligned, so where in each word they lie is the record's address's to say.
-template <>
-struct RingChunk<WeightFormat::kQ6_K> : SixBitRing<WeightFormat::kQ6_K, kQ6KRecord> {
-  __device__ static const uint8_t* scale_pair(const uint8_t* scales, int k) {
-    return record(scales, k) + 2 + (k % kSuperBlock) / 16;
-  }
-  __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
-    copy_high_bits(side, row, k);
-    async_copy_word_of(side + 8, record(scales, k));
-    async_copy_word_of(side + 12, scale_pair(scales, k));  // an even byte: both scales in one word
-  }
-  __device__ static float dot(const uint4& codes, const Side& side, const PackedRow& row, int k, const float (&xf)[32],
-                              const float (&)[2], float acc) {
-    float sums[2];
-    half_dots(codes, side, xf, sums);
-    const uint32_t d = side.z >> (8 * (reinterpret_cast<uintptr_t>(record(row.scales, k)) & 3u));
-    const uint32_t scales = side.w >> (8 * (reinterpret_cast<uintptr_t>(scale_pair(row.scales, k)) & 3u));
-    const ChunkScale f0 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales));
-    const ChunkScale f1 = P::factor(static_cast<uint16_t>(d), static_cast<int8_t>(scales >> 8));
-    return fmaf(sums[1], f1.mul, fmaf(sums[0], f0.mul, acc));
-  }
-};
-
-// K_MIX: the record's first word (f16 A and B, z) and the one holding the 32 codes' two (a_i, b_i) pairs (w).
-template <>
-struct RingChunk<WeightFormat::kKMix> : SixBitRing<WeightFormat::kKMix, kKMixRecord> {
-  __device__ static void copy_side(uint8_t* side, const uint8_t* row, const uint8_t* scales, int k) {
-    copy_high_bits(side, row, k);
-    const uint8_t* at = record(scales, k);  // 36-byte records: aligned words
-    async_copy_word_of(side + 8, at);
-    async_copy_word_of(side + 12, at + 4 + 2 * ((k % kSuperBlock) / 16));
-  }
-  __device__ static float dot(const uint4& codes, const Side& side, const PackedRow&, int, const float (&xf)[32],
-                              const float (&x_sums)[2], float acc) {
-    float sums[2];
-    half_dots(codes, side, xf, sums);
-    const ChunkScale f0 = P::factor(side.z, side.w), f1 = P::factor(side.z, side.w >> 16);
-    acc = fmaf(x_sums[0], f0.add, fmaf(sums[0], f0.mul, acc));
-    return fmaf(x_sums[1], f1.add, fmaf(sums[1], f1.mul, acc));
-  }
 };
 
 template <WeightFormat F, class RowsOf>

@@ -245,6 +245,11 @@ struct RingChunk<WeightFormat::kBf16> {
   __device__ static const void* data(const uint8_t* row, int k) { return reinterpret_cast<const bf16_t*>(row) + k; }
 };
 
+// One warp's weight stream over a task: the chunks of its row group in each round (groups base + slot
+// for base = first, first + slots, ...), 16 bytes of each of the 4 rows per step (and their sides), at input
+// element k0 + s * step of step s. `issue()` copies the next step into the ring and closes a group (an empty
+// one past the task's end, so that every step's wait counts the same); `rows_of(unit, rows)` is the
+// task's row map (mk_weight_rows.h).
 template <WeightFormat F, class RowsOf>
 struct RingStream {
   using Chunk = RingChunk<F>;

@@ -460,6 +460,13 @@ def test_groups_of_mixed_k_quants_are_laid_out_in_k_mix_for_the_megakernel():
     mega, mega_tokens = step_logits(cfg, laid_out, "megakernel", 40, 3)
     np.testing.assert_allclose(mega, ref, atol=2e-4 * np.abs(ref).max(), rtol=1e-4)
     np.testing.assert_array_equal(mega_tokens, ref_tokens)
+    # a Q6_K V with a d of 4096 has no K_MIX form: refused with the way out
+    wv = pack(quant.dequantize(params.layers.wv), "q6_k", rng)
+    records = np.asarray(wv.scales).copy()
+    records[0, 0, 0, 0:2] = np.float16(4096).reshape(1).view(np.uint8)
+    wide = params.replace(layers=params.layers.replace(wv=wv.replace(scales=jnp.asarray(records))))
+    with pytest.raises(lithos.LithosError, match="no k_mix form.*kernels='fused'"):
+        llama.params_for_kernels(wide, cfg, "megakernel")
 
 
 def test_weight_formats_choose_the_build():

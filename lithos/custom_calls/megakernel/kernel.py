@@ -30,7 +30,7 @@ from lithos.custom_calls.megakernel.schedule import (
 )
 from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
-from lithos.errors import LithosError
+from lithos.errors import CheckpointError, LithosError
 from lithos.quant import K_MIX, MXFP4, QuantizedArray, to_tiles
 from lithos.quant.layouts import K_QUANTS, to_k_mix
 from lithos.quant.tiles import TILE_ROWS
@@ -167,7 +167,11 @@ def one_format_a_group(matrices: dict) -> dict:
             continue
         formats = {w.format.name for w in ws}
         if len(formats) > 1 and formats <= {*K_QUANTS, K_MIX.name}:
-            mixed = [w if w.format == K_MIX else jax.tree_util.tree_map(jnp.asarray, to_k_mix(w)) for w in ws]
+            try:
+                mixed = [w if w.format == K_MIX else jax.tree_util.tree_map(jnp.asarray, to_k_mix(w)) for w in ws]
+            except CheckpointError as e:
+                group = "/".join(names)
+                raise LithosError(f"megakernel: the {group} matrices mix K-quants, but {e}; use kernels='fused'") from e
             out.update(zip(names, mixed, strict=True))
     return out
 
@@ -197,6 +201,7 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
 # an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h. 56 KB in a build whose ring copies 16
 # bytes beside a row's (ring_wide_sides, on CUDA), so that its block fits an SM.
 TILE_STAGING_BYTES = 64 * 1024
+TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
 def ring_wide_sides() -> tuple[str, ...]:
@@ -211,7 +216,6 @@ def staging_bytes(formats: WeightFormats) -> int:
     """The lane ring's input area in the build that reads `formats` (csrc/mk_lane_ring.h kRingInputBytes)."""
     wide = any(name in ring_wide_sides() for name in formats[:3]) and _gpu_platform() != "rocm"
     return 56 * 1024 if wide else TILE_STAGING_BYTES
-TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
 # csrc/mk_tiled_matvec.h: a single-matrix tiled task's sums of a tile from each warp, for each n-block of tokens (8 a

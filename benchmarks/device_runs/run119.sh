@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Run 119 (the next device run, about 8 minutes on the H200): run it with the device tool as
-#   bash benchmarks/device_runs/run119.sh
+# Run 119 (the next device run, about 9 minutes on the H200, so two calls of the device tool's 10 at most):
+#   bash benchmarks/device_runs/run119.sh tests    (builds, then the GPU cases: about 5 minutes)
+#   bash benchmarks/device_runs/run119.sh steps    (the steps: about 4.5 minutes; builds again what the machine lost)
 # It checks and times what was written after run 118 (lithos/custom_calls/NOTES.md, "Q4_K and Q6_K rows through the
 # lane ring" and "K_MIX through the ring"):
 # - K_MIX's 36-byte records on the fused kernels, and K_MIX rows through the megakernel's lane ring (asked for with
 #   LITHOS_MK_RING_K_MIX=1 until this run passes): the GPU cases;
 # - steps: 8B Q4_K_M (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel (their rows through the ring),
 #   and the MXFP4 groups in tiles not yet timed (gate/up + down, gate/up + down + O) beside the default.
-# Everything lands in $OUT/run119.tar.gz, rewritten after every step.
+# Everything lands in $OUT/run119-<phase>.tar.gz, rewritten after every step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+phase=${1:?usage: run119.sh tests|steps}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache LITHOS_KERNEL_DEFINES=LITHOS_MK_RING_K_MIX=1
 work=/tmp/r119
 mkdir -p "$work"
-save() { tar -C "$work" -czf "$OUT/run119.tar.gz" .; }
+save() { tar -C "$work" -czf "$OUT/run119-$phase.tar.gz" .; }
 start=$SECONDS
 log() { echo "== $* at $((SECONDS - start)) s"; }
 lithos=(python3 -c 'import sys; from lithos.cli import main; sys.exit(main())')
@@ -25,11 +27,15 @@ python3 benchmarks/build_variants.py gate_up gate_up,down gate_up,down,o q4_k:q4
   k_mix:k_mix:bfloat16 q4_k:q6_k:q6_k q6_k:q4_k:bfloat16 q4_k:k_mix:bfloat16 q5_k:q5_k:q6_k >"$work/build.log" 2>&1
 grep FAILED "$work/build.log" | cut -c1-300
 
-log tests
-timeout 240 "${gpu_pytest[@]}" -n 6 tests/test_megakernel_gpu.py tests/test_custom_calls_packed_gpu.py \
-  -k "(q4_k or q5_k or q6_k or k_mix) and megakernel_equals or k_mix or mixed or q4_k_m" >"$work/tests.log" 2>&1
-grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -30
-save
+if [ "$phase" = tests ]; then
+  log tests
+  timeout 240 "${gpu_pytest[@]}" -n 6 tests/test_megakernel_gpu.py tests/test_custom_calls_packed_gpu.py \
+    -k "(q4_k or q5_k or q6_k or k_mix) and megakernel_equals or k_mix or mixed or q4_k_m" >"$work/tests.log" 2>&1
+  grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -30
+  save
+  log done
+  exit 0
+fi
 
 step() {  # step TILES SHAPE FORMAT KERNELS
   local tiles=$1 shape=$2 fmt=$3 kernels=$4

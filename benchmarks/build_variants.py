@@ -4,8 +4,10 @@
     python3 benchmarks/build_variants.py gate_up gate_up,down q4_k:q6_k:bfloat16
 
 Each argument is a megakernel build: a LITHOS_TILES set of an MXFP4 build (attention and MLP in MXFP4, bf16 head), or
-the formats of attention, MLP and head separated by colons. The bf16 build and the fused kernels of the MXFP4 and
-K-quant benchmarks are always built. LITHOS_KERNEL_DEFINES and LITHOS_CACHE_DIR apply as to any build.
+the formats of Q/K/V, gate/up and the head, and of O and down where theirs differ, separated by colons
+(k_mix:q4_k:bfloat16:q4_k:k_mix is how the megakernel reads a Q4_K_M file). The bf16 build and the fused kernels
+of the MXFP4 and K-quant benchmarks are always built. LITHOS_KERNEL_DEFINES and LITHOS_CACHE_DIR apply as to any
+build.
 """
 
 import sys
@@ -28,7 +30,9 @@ FUSED = (
 
 def megakernel_formats(arg: str) -> WeightFormats:
     if ":" in arg:
-        return WeightFormats(*arg.split(":"))
+        attention, mlp, head, *own = arg.split(":")
+        o, down = (own + [None, None])[:2]
+        return WeightFormats(attention, mlp, head, o=o if o != attention else None, down=down if down != mlp else None)
     groups = set(arg.split(","))
     if not groups <= TILE_GROUPS.keys():
         raise SystemExit(f"{arg!r}: name tile groups from {', '.join(TILE_GROUPS)}, or formats as attention:mlp:head")

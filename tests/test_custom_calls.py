@@ -351,8 +351,17 @@ def test_build_variant_compiles(define, kernel):
         ("mxfp4", "mxfp4", "bfloat16", True, True),
         ("mxfp4", "mxfp4", "bfloat16", True, False, True, True),
         ("mxfp4", "mxfp4", "bfloat16", True, True, True, True),
+        ("k_mix", "q4_k", "bfloat16", False, False, False, False, "q4_k", "k_mix"),
     ],
-    ids=["q4_1", "mxfp4", "mxfp4-tiles", "mxfp4-tiles-down-tiles", "mxfp4-tiles-qkv-o-tiles", "mxfp4-all-tiles"],
+    ids=[
+        "q4_1",
+        "mxfp4",
+        "mxfp4-tiles",
+        "mxfp4-tiles-down-tiles",
+        "mxfp4-tiles-qkv-o-tiles",
+        "mxfp4-all-tiles",
+        "q4_k_m",
+    ],
 )
 def test_packed_megakernel_compiles(toolchain, formats):
     """The megakernel over packed weights, for both vendors: in the build the default model needs (Q4_1
@@ -360,7 +369,7 @@ def test_packed_megakernel_compiles(toolchain, formats):
     benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token), and with its gate and up
     in fragment tiles (tensor cores on CUDA, the decode to f32 on HIP and where B does not fit), and with down, or
     Q/K/V and O, or all three in tiles too (each form of the projections' dispatch; tensor cores on CUDA, HIP builds
-    refuse them at the FFI). Every other
+    refuse them at the FFI), and with O and down in formats of their own (a Q4_K_M file's). Every other
     format triple instantiates the register path's templates with decoders the fused packed sources compile
     (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats

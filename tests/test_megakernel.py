@@ -409,10 +409,15 @@ def packed_params(params, groups: dict[str, str], seed: int = 0):
 
 
 def packed_step_weights(weights: StepWeights, groups: dict[str, str], seed: int = 0) -> StepWeights:
-    """`weights` with the matrices of `groups` ("attention", "mlp", "lm_head") packed."""
+    """`weights` with the matrices of `groups` ("attention", "mlp", "lm_head", or one matrix's name, which then
+    overrides its group's format: {"attention": "k_mix", "wo": "q4_k"}) packed."""
     rng = np.random.default_rng(seed)
-    names = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down"), "lm_head": ("lm_head",)}
-    packed = {name: pack(getattr(weights, name), fmt, rng) for group, fmt in groups.items() for name in names[group]}
+    names = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
+    packed = {
+        name: pack(getattr(weights, name), fmt, rng)
+        for group, fmt in groups.items()
+        for name in names.get(group, (group,))
+    }
     return weights._replace(**packed)
 
 
@@ -431,9 +436,9 @@ def test_megakernel_path_on_packed_weights_equals_reference_forward(case):
 
 
 def test_groups_of_mixed_k_quants_are_laid_out_in_k_mix_for_the_megakernel():
-    """A Q4_K_M file's groups mix Q4_K with K_MIX (its V and down projections); the megakernel reads one format a
-    group, so params_for_kernels lays each such group out in K_MIX, the same values, and the step equals the
-    reference path's on the params as loaded."""
+    """A Q4_K_M file's Q/K/V mix Q4_K with K_MIX (its V); the megakernel reads one format a group (Q/K/V, gate/up;
+    O and down each their own), so params_for_kernels lays Q/K/V out in K_MIX, the same values, and keeps O, gate,
+    up and down as they are; the step equals the reference path's on the params as loaded."""
     sizes = PACKED_SIZES["k_quants"]
     cfg = dataclasses.replace(config_of(SHAPES["tiny"]), head_dim=64, **sizes)
     params = llama.init_params(cfg, jax.random.key(5), jnp.float32)
@@ -449,12 +454,12 @@ def test_groups_of_mixed_k_quants_are_laid_out_in_k_mix_for_the_megakernel():
     }
     layers = params.layers.replace(**{n: pack(getattr(params.layers, n), f, rng) for n, f in q4_k_m.items()})
     params = params.replace(layers=layers)
-    with pytest.raises(lithos.LithosError, match="attention matrices must share one format.*params_for_kernels"):
+    with pytest.raises(lithos.LithosError, match="Q/K/V matrices must share one format.*params_for_kernels"):
         step_logits(cfg, params, "megakernel", 40, 3)
     laid_out = llama.params_for_kernels(params, cfg, "megakernel")
-    for name in q4_k_m:
+    for name, fmt in q4_k_m.items():
         w, mixed = getattr(params.layers, name), getattr(laid_out.layers, name)
-        assert mixed.format == quant.K_MIX
+        assert mixed.format == (quant.K_MIX if name in ("wq", "wk", "wv") else quant.get_format(fmt)), name
         np.testing.assert_array_equal(np.asarray(quant.dequantize(mixed)), np.asarray(quant.dequantize(w)))
     ref, ref_tokens = step_logits(cfg, params, "reference", 40, 3)
     mega, mega_tokens = step_logits(cfg, laid_out, "megakernel", 40, 3)
@@ -470,8 +475,9 @@ def test_groups_of_mixed_k_quants_are_laid_out_in_k_mix_for_the_megakernel():
 
 
 def test_weight_formats_choose_the_build():
-    """Each (attention, MLP, head) format triple is its own build, registered under its own name; bf16
-    weights take the plain build, and a group of mixed formats is an error that names the fix."""
+    """Each (Q/K/V, gate/up, head) format triple, and O's and down's where they differ, is its own build, registered
+    under its own name; bf16 weights take the plain build, and a group of mixed formats is an error that names the
+    fix."""
     from lithos.custom_calls import build
 
     weights, *_ = random_step(SHAPES["tiny"], 1, 8, jnp.bfloat16)
@@ -482,9 +488,18 @@ def test_weight_formats_choose_the_build():
     variant = formats.variant()
     assert variant.defines == ("LITHOS_MK_ATTENTION_FORMAT=2", "LITHOS_MK_MLP_FORMAT=6", "LITHOS_MK_HEAD_FORMAT=4")
     assert variant.target("LithosMegakernel") == "LithosMegakernel_mxfp8_q4_1_q8_0"
-    mixed = packed._replace(wo=weights.wo)
-    with pytest.raises(lithos.LithosError, match="attention matrices must share one format"):
-        weight_formats(mixed)
+    # O and down in formats of their own (a Q4_K_M file's O in Q4_K beside a K_MIX Q/K/V): defines of their own
+    split = packed._replace(wo=weights.wo, w_down=packed.wq)
+    formats = weight_formats(split)
+    assert formats == WeightFormats("mxfp8", "q4_1", "q8_0", o="bfloat16", down="mxfp8")
+    assert formats.every_format == ("mxfp8", "bfloat16", "q4_1", "mxfp8", "q8_0")
+    assert formats.variant().defines[3:] == ("LITHOS_MK_O_FORMAT=0", "LITHOS_MK_DOWN_FORMAT=2")
+    assert formats.variant().suffix == "mxfp8_q4_1_q8_0_o_bfloat16_down_mxfp8"
+    assert lane_steps(formats, 1, "cuda") == LaneSteps(16, 16, 16, o=8, down=16)
+    with pytest.raises(lithos.LithosError, match="Q/K/V matrices must share one format"):
+        weight_formats(packed._replace(wv=weights.wv))
+    with pytest.raises(lithos.LithosError, match="gate/up matrices must share one format"):
+        weight_formats(packed._replace(w_up=weights.w_up))
 
 
 def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda") -> StepWeights:

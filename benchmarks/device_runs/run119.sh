@@ -4,8 +4,9 @@
 #   bash benchmarks/device_runs/run119.sh steps    (the steps: about 4.5 minutes; builds again what the machine lost)
 # It checks and times what was written after run 118 (lithos/custom_calls/NOTES.md, "Q4_K and Q6_K rows through the
 # lane ring" and "K_MIX through the ring"):
-# - K_MIX's 36-byte records on the fused kernels, and K_MIX rows through the megakernel's lane ring (asked for with
-#   LITHOS_MK_RING_K_MIX=1 until this run passes): the GPU cases;
+# - K_MIX's 36-byte records on the fused kernels, K_MIX rows through the megakernel's lane ring (asked for with
+#   LITHOS_MK_RING_K_MIX=1 until this run passes), and O and down in formats of their own (a Q4_K_M file as the
+#   megakernel now reads it: Q/K/V and down in K_MIX, O, gate and up in Q4_K): the GPU cases;
 # - steps: 8B Q4_K_M (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel (their rows through the ring),
 #   and the MXFP4 groups in tiles not yet timed (gate/up + down, gate/up + down + O) beside the default.
 # Everything lands in $OUT/run119-<phase>.tar.gz, rewritten after every step.
@@ -24,7 +25,7 @@ gpu_pytest=(env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTI
 
 log build  # every variant at once (about 2.5 minutes on 16 cores): the tests would build them one by one
 python3 benchmarks/build_variants.py gate_up gate_up,down gate_up,down,o q4_k:q4_k:bfloat16 q6_k:q6_k:bfloat16 \
-  k_mix:k_mix:bfloat16 q4_k:q6_k:q6_k q6_k:q4_k:bfloat16 q4_k:k_mix:bfloat16 q5_k:q5_k:q6_k >"$work/build.log" 2>&1
+  k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q6_k:q6_k q6_k:q4_k:bfloat16 q4_k:k_mix:bfloat16 q5_k:q5_k:q6_k >"$work/build.log" 2>&1
 grep FAILED "$work/build.log" | cut -c1-300
 
 if [ "$phase" = tests ]; then

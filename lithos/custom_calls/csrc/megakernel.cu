@@ -78,19 +78,19 @@ __device__ __forceinline__ bool any_projection_task(const Args& a, const Task& t
   if constexpr (kDownTiles || kOTiles) {
 #if LITHOS_MK_TILE_MMA
     if constexpr (!kDownTiles) {
-      if (task.op == kOpDown) return projection_task<kMlpFormat, TMAX>(a, task, index);
+      if (task.op == kOpDown) return projection_task<kDownFormat, TMAX>(a, task, index);
     } else if constexpr (!kOTiles) {
-      if (task.op == kOpOProj) return projection_task<kAttentionFormat, TMAX>(a, task, index);
+      if (task.op == kOpOProj) return projection_task<kOFormat, TMAX>(a, task, index);
     }
     return tiled_matvec_task<TMAX, ProjectionTiles>(a, task, index);
 #else
     return no_form(a, index);
 #endif
-  } else if constexpr (kAttentionFormat == kMlpFormat) {
-    return projection_task<kMlpFormat, TMAX>(a, task, index);
+  } else if constexpr (kOFormat == kDownFormat) {
+    return projection_task<kDownFormat, TMAX>(a, task, index);
   } else {
-    return task.op == kOpOProj ? projection_task<kAttentionFormat, TMAX>(a, task, index)
-                               : projection_task<kMlpFormat, TMAX>(a, task, index);
+    return task.op == kOpOProj ? projection_task<kOFormat, TMAX>(a, task, index)
+                               : projection_task<kDownFormat, TMAX>(a, task, index);
   }
 }
 
@@ -293,9 +293,8 @@ bool same_elements(const ffi::Buffer<ffi::BF16>& buffer, int64_t expected) {
 // mins), in this order; the formats this build reads them in.
 constexpr int kWeights = 8;
 constexpr const char* kWeightNames[kWeights] = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"};
-constexpr WeightFormat kWeightFormats[kWeights] = {kAttentionFormat, kAttentionFormat, kAttentionFormat,
-                                                   kAttentionFormat, kMlpFormat,       kMlpFormat,
-                                                   kMlpFormat,       kHeadFormat};
+constexpr WeightFormat kWeightFormats[kWeights] = {kAttentionFormat, kAttentionFormat, kAttentionFormat, kOFormat,
+                                                   kMlpFormat,       kMlpFormat,       kDownFormat,      kHeadFormat};
 
 // Weight i's planes, checked against this build's format for it, as a PackedWeight over n_in inputs
 // (stacked [layers, out, in / elements per byte]; the head [1, vocab, ...]).

@@ -71,9 +71,21 @@ constexpr int64_t kMaxPolls = int64_t{1} << 22;
 constexpr WeightFormat kAttentionFormat = static_cast<WeightFormat>(LITHOS_MK_ATTENTION_FORMAT);
 constexpr WeightFormat kMlpFormat = static_cast<WeightFormat>(LITHOS_MK_MLP_FORMAT);
 constexpr WeightFormat kHeadFormat = static_cast<WeightFormat>(LITHOS_MK_HEAD_FORMAT);
+// The O and down projections' formats where they differ from their group's (Q/K/V, gate/up): a Q4_K_M file keeps O
+// and gate/up in Q4_K where its V and down mix Q4_K with Q6_K layers (read as K_MIX).
+#ifndef LITHOS_MK_O_FORMAT
+#define LITHOS_MK_O_FORMAT LITHOS_MK_ATTENTION_FORMAT
+#endif
+#ifndef LITHOS_MK_DOWN_FORMAT
+#define LITHOS_MK_DOWN_FORMAT LITHOS_MK_MLP_FORMAT
+#endif
+constexpr WeightFormat kOFormat = static_cast<WeightFormat>(LITHOS_MK_O_FORMAT);
+constexpr WeightFormat kDownFormat = static_cast<WeightFormat>(LITHOS_MK_DOWN_FORMAT);
 static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= kLastWeightFormat &&
                   LITHOS_MK_MLP_FORMAT >= 0 && LITHOS_MK_MLP_FORMAT <= kLastWeightFormat &&
-                  LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= kLastWeightFormat,
+                  LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= kLastWeightFormat &&
+                  LITHOS_MK_O_FORMAT >= 0 && LITHOS_MK_O_FORMAT <= kLastWeightFormat &&
+                  LITHOS_MK_DOWN_FORMAT >= 0 && LITHOS_MK_DOWN_FORMAT <= kLastWeightFormat,
               "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
 
 // The MLP's gate and up matrices in MXFP4 fragment tiles (lithos/quant/tiles.py, mk_gate_up_tiles.h), a build
@@ -97,8 +109,9 @@ static_assert(!kGateUpTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold M
 constexpr bool kDownTiles = LITHOS_MK_DOWN_TILES != 0;
 constexpr bool kOTiles = LITHOS_MK_O_TILES != 0;
 constexpr bool kQkvTiles = LITHOS_MK_QKV_TILES != 0;
-static_assert(!kDownTiles || LITHOS_MK_MLP_FORMAT == 1, "fragment tiles hold MXFP4 down rows");
-static_assert(!(kOTiles || kQkvTiles) || LITHOS_MK_ATTENTION_FORMAT == 1, "fragment tiles hold MXFP4 attention rows");
+static_assert(!kDownTiles || LITHOS_MK_DOWN_FORMAT == 1, "fragment tiles hold MXFP4 down rows");
+static_assert(!kOTiles || LITHOS_MK_O_FORMAT == 1, "fragment tiles hold MXFP4 O rows");
+static_assert(!kQkvTiles || LITHOS_MK_ATTENTION_FORMAT == 1, "fragment tiles hold MXFP4 Q/K/V rows");
 
 struct Args {
   const Task* tasks;
@@ -109,7 +122,8 @@ struct Args {
   const bf16_t* attn_norm;   // [layers, hidden]
   const bf16_t* mlp_norm;    // [layers, hidden]
   const bf16_t* final_norm;  // [hidden]
-  // Weights, bf16 or packed (kAttentionFormat, kMlpFormat, kHeadFormat), as planes stacked by layer:
+  // Weights, bf16 or packed (kAttentionFormat for Q/K/V, kOFormat, kMlpFormat for gate/up, kDownFormat,
+  // kHeadFormat), as planes stacked by layer:
   PackedWeight wq;           // [layers, heads * head_dim, hidden]
   PackedWeight wk;           // [layers, kv_heads * head_dim, hidden]
   PackedWeight wv;

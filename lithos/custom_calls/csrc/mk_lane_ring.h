@@ -19,6 +19,8 @@
 // slower, NOTES.md run 48).
 #pragma once
 
+#include <algorithm>
+
 #include "mk_common.h"
 #include "rowdot.h"
 
@@ -63,18 +65,15 @@ constexpr bool kRingFormat = kRingStages > 0 && ((F == WeightFormat::kBf16 && TM
 // The memory is also where the tiled gate/up task stages B for 2-16 tokens (mk_gate_up_tiles.h) and the tiled
 // single-matrix tasks keep their warps' sums (mk_tiled_matvec.h).
 template <int TMAX>
-constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kMlpFormat, TMAX> ||
+constexpr bool kRingFor = kRingFormat<kAttentionFormat, TMAX> || kRingFormat<kOFormat, TMAX> ||
+                          kRingFormat<kMlpFormat, TMAX> || kRingFormat<kDownFormat, TMAX> ||
                           kRingFormat<kHeadFormat, TMAX> ||
                           (kRingStages > 0 && (kGateUpTiles || kDownTiles || kOTiles || kQkvTiles) && TMAX > 1);
 // One step's sides, for every lane: as wide as the widest side of the build's formats the ring reads at one token.
 template <WeightFormat F>
 constexpr int kRingSideOf = kRingFormat<F, 1> ? kRingSideBytes<F> : 0;
-constexpr int kRingSideWidest = kRingSideOf<kAttentionFormat> > kRingSideOf<kMlpFormat>
-                                    ? (kRingSideOf<kAttentionFormat> > kRingSideOf<kHeadFormat>
-                                           ? kRingSideOf<kAttentionFormat>
-                                           : kRingSideOf<kHeadFormat>)
-                                    : (kRingSideOf<kMlpFormat> > kRingSideOf<kHeadFormat> ? kRingSideOf<kMlpFormat>
-                                                                                         : kRingSideOf<kHeadFormat>);
+constexpr int kRingSideWidest = std::max({kRingSideOf<kAttentionFormat>, kRingSideOf<kOFormat>, kRingSideOf<kMlpFormat>,
+                                          kRingSideOf<kDownFormat>, kRingSideOf<kHeadFormat>});
 constexpr int kRingSideStageBytes = kRowsPerWarp * kRingSideWidest * kMatvecThreads;
 // Shared memory for a task's staged activations and RMSNorm weight: 64 KB, or 56 KB (8B's 14336 inputs as floats)
 // where the side stages are 16 bytes a row, so that the block fits an SM's 227 KB beside the kernel's 35 KB of

@@ -9,7 +9,7 @@
 namespace lithos {
 namespace mk {
 
-// F: the format of the task's matrix (kAttentionFormat for O, kMlpFormat for down).
+// F: the format of the task's matrix (kOFormat for O, kDownFormat for down).
 template <WeightFormat F, int TMAX>
 __device__ bool projection_task(const Args& a, const Task& task, int index) {
   const bool o_proj = task.op == kOpOProj;

@@ -43,6 +43,8 @@ HEADS = (None, "argmax", "logits")
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wo")
 MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 MATRICES = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS, "lm_head")
+# The matrices a build reads in one format (csrc/mk_common.h kAttentionFormat, kMlpFormat); O and down have their own.
+QKV_WEIGHTS, GATE_UP_WEIGHTS = ("wq", "wk", "wv"), ("w_gate", "w_up")
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragment tiles (csrc kTileUnits)
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
@@ -52,9 +54,10 @@ DEFAULT_TILES = "gate_up"
 
 
 class WeightFormats(NamedTuple):
-    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names), and which MXFP4 matrix
-    groups it reads in fragment tiles (lithos.quant.tiles: csrc/mk_gate_up_tiles.h for gate and up,
-    csrc/mk_tiled_matvec.h for down, O and Q/K/V)."""
+    """The formats a megakernel build reads (lithos.custom_calls.packed_weights names): Q/K/V (`attention`), gate
+    and up (`mlp`), the head, and O and down where theirs differ (None: the group's); and which MXFP4 matrix groups
+    it reads in fragment tiles (lithos.quant.tiles: csrc/mk_gate_up_tiles.h for gate and up, csrc/mk_tiled_matvec.h
+    for down, O and Q/K/V)."""
 
     attention: str = "bfloat16"
     mlp: str = "bfloat16"
@@ -63,14 +66,22 @@ class WeightFormats(NamedTuple):
     down_tiles: bool = False
     qkv_tiles: bool = False
     o_tiles: bool = False
+    o: str | None = None
+    down: str | None = None
+
+    @property
+    def every_format(self) -> tuple[str, ...]:
+        """Every format the build reads."""
+        return (self.attention, self.o or self.attention, self.mlp, self.down or self.mlp, self.head)
 
     def variant(self) -> build.Variant:
         """The build that reads these formats: the plain one for bf16 weights."""
         if self == WeightFormats():  # bf16 throughout
             return build.PLAIN
-        groups = zip(("ATTENTION", "MLP", "HEAD"), self[:3], strict=True)
+        groups = [("ATTENTION", self.attention), ("MLP", self.mlp), ("HEAD", self.head)]
+        groups += [(group, name) for group, name in (("O", self.o), ("DOWN", self.down)) if name is not None]
         defines = tuple(f"LITHOS_MK_{group}_FORMAT={FORMAT_CODES[name]}" for group, name in groups)
-        suffix = "_".join(self[:3])
+        suffix = "_".join(self[:3]) + "".join(f"_{group.lower()}_{name}" for group, name in groups[3:])
         for flag, define, name in (
             (self.gate_up_tiles, "GATE_UP_TILES", "tiles"),
             (self.down_tiles, "DOWN_TILES", "down_tiles"),
@@ -92,7 +103,7 @@ def _layout(w) -> str:
 
 
 def weight_formats(weights: StepWeights) -> WeightFormats:
-    """The formats of `weights`; an error when the matrices of one group (attention, MLP) differ, or a group's
+    """The formats of `weights`; an error when the matrices of one group (Q/K/V, gate/up) differ, or a group's
     matrices are not laid out as the megakernel reads them."""
 
     def format_of(w) -> str:  # a dense array's dtype is checked with the activations'
@@ -123,14 +134,18 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 
     if _layout(weights.lm_head) != "rows":
         raise LithosError("megakernel: the LM head is in fragment tiles; it reads the head in rows (quant.from_tiles)")
+    attention, mlp = group_format("Q/K/V", QKV_WEIGHTS), group_format("gate/up", GATE_UP_WEIGHTS)
+    o, down = format_of(weights.wo), format_of(weights.w_down)
     return WeightFormats(
-        group_format("attention", ATTENTION_WEIGHTS),
-        group_format("MLP", MLP_WEIGHTS),
+        attention,
+        mlp,
         format_of(weights.lm_head),
         tiled("gate_up"),
         tiled("down"),
         tiled("qkv"),
         tiled("o"),
+        None if o == attention else o,
+        None if down == mlp else down,
     )
 
 
@@ -157,11 +172,11 @@ def tiles_wanted(platform: str | None) -> frozenset[str]:
 
 def one_format_a_group(matrices: dict) -> dict:
     """The layer matrices `matrices` (a dict of ATTENTION_WEIGHTS' and MLP_WEIGHTS' names) with each group whose
-    matrices mix K-quants (a Q4_K_M file's Q4_K beside its V and down projections, K_MIX) all in K_MIX, every value
-    the same: the megakernel reads one format a group, at 7.1 bits a weight where Q4_K takes 4.5. Anything else
-    unchanged."""
+    matrices mix K-quants (a Q4_K_M file's Q4_K Q and K beside its V, K_MIX) all in K_MIX, every value the same:
+    the megakernel reads one format a group (Q/K/V, gate/up; O and down each their own), at 7.1 bits a weight where
+    Q4_K takes 4.5. Anything else unchanged."""
     out = dict(matrices)
-    for names in (ATTENTION_WEIGHTS, MLP_WEIGHTS):
+    for names in (QKV_WEIGHTS, GATE_UP_WEIGHTS):
         ws = [matrices[name] for name in names]
         if not all(isinstance(w, QuantizedArray) for w in ws):
             continue
@@ -214,7 +229,7 @@ def ring_wide_sides() -> tuple[str, ...]:
 
 def staging_bytes(formats: WeightFormats) -> int:
     """The lane ring's input area in the build that reads `formats` (csrc/mk_lane_ring.h kRingInputBytes)."""
-    wide = any(name in ring_wide_sides() for name in formats[:3]) and _gpu_platform() != "rocm"
+    wide = any(name in ring_wide_sides() for name in formats.every_format) and _gpu_platform() != "rocm"
     return 56 * 1024 if wide else TILE_STAGING_BYTES
 
 
@@ -303,7 +318,10 @@ def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> Lan
         return 32 if name in ("mxfp4", *ring_wide_sides()) and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
-    return LaneSteps(step(formats.attention), step(formats.mlp), step(formats.head), units, team, tiled_ops(formats))
+    o, down = (None if name is None else step(name) for name in (formats.o, formats.down))
+    return LaneSteps(
+        step(formats.attention), step(formats.mlp), step(formats.head), units, team, tiled_ops(formats), o, down
+    )
 
 
 def tiled_ops(formats: WeightFormats) -> tuple[Op, ...]:

@@ -53,9 +53,16 @@ class LaneSteps:
     # Task kinds whose single matrix group is in MXFP4 fragment tiles (Q/K/V, O, down: csrc/mk_tiled_matvec.h): a
     # task takes whole 16-row tiles (TILE_ROW_UNITS row groups), shared by the block's 8 warps at every token count.
     tiled: tuple[Op, ...] = ()
+    # The O and down projections' lane steps where their formats differ from their groups' (None: the group's).
+    o: int | None = None
+    down: int | None = None
 
     def of(self, op: Op) -> int:
         """The lane step of the rows task kind `op` reads."""
+        if op == Op.O_PROJ and self.o is not None:
+            return self.o
+        if op == Op.DOWN and self.down is not None:
+            return self.down
         if op in (Op.QKV, Op.O_PROJ):
             return self.attention
         return self.head if op == Op.HEAD else self.mlp

@@ -124,8 +124,8 @@ def to_k_mix(w: QuantizedArray) -> QuantizedArray:
     CheckpointError for a Q6_K array with a finite d of 2048 or more, which has no K_MIX form (B = -32 d would
     overflow f16)."""
     records = np.asarray(w.scales)
-    d = records[..., 0:2].copy().view(np.float16)
     if w.format.name == "q6_k":
+        d = records[..., 0:2].copy().view(np.float16)
         with np.errstate(over="ignore"):
             b_factor = d * np.float16(-32)  # exact where finite: a power of two
         overflow = np.isinf(b_factor) & np.isfinite(d)

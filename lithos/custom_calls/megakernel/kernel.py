@@ -49,7 +49,7 @@ FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragment tiles (csrc kTileUnits)
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
-TILE_GROUPS = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
+TILE_GROUPS = {"qkv": QKV_WEIGHTS, "o": ("wo",), "gate_up": GATE_UP_WEIGHTS, "down": ("w_down",)}
 DEFAULT_TILES = "gate_up"
 
 
@@ -478,9 +478,10 @@ def decode_step(
 
     def check():
         check_tokens("megakernel", h0.shape[0])
+        room = staging_bytes(formats)
         if formats.gate_up_tiles and h0.shape[0] == 1:
-            check_tile_staging(schedule, staging_bytes(formats))
-        check_tiled_staging(schedule, h0.shape[0], tiled_ops(formats), staging_bytes(formats))
+            check_tile_staging(schedule, room)
+        check_tiled_staging(schedule, h0.shape[0], tiled_ops(formats), room)
         if formats.qkv_tiles and weights.wq.format.rotary_head != head_dim:
             raise LithosError(
                 f"megakernel: Q/K/V in rotary tiles of heads of {weights.wq.format.rotary_head}, the cache's heads "

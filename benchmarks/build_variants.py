@@ -23,6 +23,7 @@ FUSED = (
     "attention",
     "matvec_packed_mxfp4",
     "matvec_packed_q4_k",
+    "matvec_packed_q5_k",
     "matvec_packed_q6_k",
     "matvec_packed_k_mix",
 )

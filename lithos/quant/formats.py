@@ -31,11 +31,14 @@ the high nibbles (Q4_K: 0..31 and 32..63 of each 64); the loader reorders them l
 every 4-bit format unpacks alike.
 
 The K-quants (llama.cpp) scale super-blocks of 256 weights in two levels, and keep each super-block's
-scales as one record, byte for byte as GGUF stores them, so they cost what they cost there:
+scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost what they cost there:
 
     q4_k record   f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks of 32
                   (llama.cpp's get_scale_min_k4 packing)
-    q5_k record   as q4_k's
+    q5_k record   f16 d, f16 dmin, then the same pairs as 12-bit fields, scale | min << 6 for sub-block j at
+                  bits 12j..12j+11 of bytes 4..15 (little-endian): the one re-packing of a record, so that a
+                  sub-block's pair lies in two adjacent aligned words (the megakernel's lane ring copies a step's
+                  scales beside its codes as 4-byte pieces, and q5_k's high bits take one of its four)
     q6_k record   f16 d, then 16 int8 scales, one per 16 weights
     q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
                   above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
@@ -367,6 +370,31 @@ def unpack_5bit(data: jax.Array, group: int) -> jax.Array:
     return _unblock(low | (high.reshape(low.shape) << 4))
 
 
+def q5_k_scales_and_mins(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 8 sub-blocks' 6-bit scales and mins from a q5_k record's 12 bytes `[..., 12]`: sub-block j's pair
+    scale | min << 6 at bits 12j..12j+11 (an even j's in byte 3i and the low nibble of byte 3i + 1, j = 2i; an odd
+    j's in the high nibble of byte 3i + 1 and byte 3i + 2)."""
+    q = packed.astype(jnp.int32)
+    b0, b1, b2 = q[..., 0::3], q[..., 1::3], q[..., 2::3]  # [..., 4] each: the pairs 2i and 2i + 1
+    pairs = jnp.stack([b0 | (b1 & 0xF) << 8, b1 >> 4 | b2 << 4], axis=-1).reshape(*q.shape[:-1], 8)
+    return pairs & 63, pairs >> 6
+
+
+def q5_k_pack_pairs(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """The 12 bytes `[..., 12]` u8 of a q5_k record that hold the 6-bit `scales` and `mins` `[..., 8]`
+    (q5_k_scales_and_mins' inverse)."""
+    pairs = (np.asarray(scales, np.uint16) & 63) | (np.asarray(mins, np.uint16) & 63) << 6
+    even, odd = pairs[..., 0::2], pairs[..., 1::2]
+    packed = np.stack([even & 0xFF, even >> 8 | (odd & 0xF) << 4, odd >> 4], axis=-1)
+    return packed.reshape(*pairs.shape[:-1], 12).astype(np.uint8)
+
+
+def k_scales_and_mins(records: jax.Array, fmt_name: str) -> tuple[jax.Array, jax.Array]:
+    """The 8 sub-blocks' 6-bit scales and mins `[..., 8]` int32 from q4_k or q5_k records `[..., 16]`."""
+    unpack = q4_k_scales_and_mins if fmt_name == "q4_k" else q5_k_scales_and_mins
+    return unpack(records[..., 4:16])
+
+
 def k_quant_codes(data: jax.Array, fmt_name: str) -> jax.Array:
     """The codes `[..., n]` int32 of K-quant data (q4_k, q5_k, q6_k, k_mix: the layouts in the module docstring)."""
     if fmt_name == "q4_k":
@@ -383,7 +411,7 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     d = _record_f16(records, 0)[..., None]
     if w.format.name in ("q4_k", "q5_k"):
         codes = _blocks(k_quant_codes(w.data, w.format.name), 32)  # [..., sub-blocks, 32]
-        scales, mins = q4_k_scales_and_mins(records[..., 4:16])  # [..., super-blocks, 8]
+        scales, mins = k_scales_and_mins(records, w.format.name)  # [..., super-blocks, 8]
         scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         return _unblock(scale * codes.astype(jnp.float32) - low)

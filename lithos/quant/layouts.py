@@ -5,7 +5,8 @@
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
 - GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights, 144, 176 and 210 bytes): their scales stay one
-  record per super-block (lithos.quant.formats), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
+  record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields), their
+  codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
   Q5_K) keep GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants
   becomes K_MIX, each layer's values exactly.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
@@ -35,7 +36,9 @@ from lithos.quant.formats import (
     QuantizedArray,
     from_planes,
     k_quant_codes,
+    k_scales_and_mins,
     q4_k_scales_and_mins,
+    q5_k_pack_pairs,
 )
 
 # GGUF tensor type name -> (format, weights per block, bytes per block).
@@ -89,13 +92,15 @@ def _5bit_runs(low_codes: np.ndarray, high_bits: np.ndarray) -> np.ndarray:
 
 def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q5_K super-blocks `[..., n, 176]` (Q4_K's 16-byte record, 32 bytes of high bits: element 32s + l's at bit s
-    of byte l, then Q4_K's 128 code bytes) -> planes."""
+    of byte l, then Q4_K's 128 code bytes) -> planes (the record's pairs re-packed as q5_k keeps them)."""
     qs = blocks[..., 48:].reshape(*blocks.shape[:-1], 4, 32)
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(*blocks.shape[:-1], 256)
     high = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [..., n, l, s]
     high = np.swapaxes(high, -1, -2).reshape(*blocks.shape[:-1], 256)  # element 32s + l
     high_bytes = np.packbits(high.reshape(*high.shape[:-1], 32, 8), axis=-1, bitorder="little")[..., 0]
-    return {"scales": np.ascontiguousarray(blocks[..., :16]), "data": _5bit_runs(low, high_bytes)}
+    sc, m = (np.asarray(v) for v in q4_k_scales_and_mins(blocks[..., 4:16]))
+    record = np.concatenate([blocks[..., :4], q5_k_pack_pairs(sc, m)], axis=-1)  # the pairs re-packed
+    return {"scales": record, "data": _5bit_runs(low, high_bytes)}
 
 
 def _6bit_runs(codes: np.ndarray) -> np.ndarray:
@@ -137,7 +142,7 @@ def to_k_mix(w: QuantizedArray) -> QuantizedArray:
         factors = np.concatenate([d, b_factor], axis=-1).view(np.uint8)
         a = b = records[..., 2:18].view(np.int8)
     else:
-        sc, m = (np.asarray(v) for v in q4_k_scales_and_mins(records[..., 4:16]))
+        sc, m = (np.asarray(v) for v in k_scales_and_mins(records, w.format.name))
         a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), np.repeat(m, 2, axis=-1).astype(np.int8)
         factors = np.concatenate([records[..., 0:2], records[..., 2:4] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
     pairs = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 32)

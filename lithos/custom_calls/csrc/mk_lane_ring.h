@@ -12,11 +12,11 @@
 // equivalent, buffer loads with LDS as their destination, has no form for 16 bytes a lane before
 // gfx950). bf16 rows at T <= 2 (the decode step and the first speculative buckets), and at T = 1 the packed
 // formats whose 16 bytes a lane are 32 codes and whose scales a step can copy beside them (its "side"): MXFP4
-// (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record)
-// and the 6-bit formats Q6_K and K_MIX (the codes' low nibbles; their 8 bytes of high bits and the aligned words
-// of the record that scale them; K_MIX where a build asks, below). The other packed formats and the larger
-// buckets use the register path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in that layout was
-// slower, NOTES.md run 48).
+// (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record),
+// Q5_K (a sub-block's low nibbles; their high bits and the record's words that scale them) and the 6-bit formats
+// Q6_K and K_MIX (the codes' low nibbles; their 8 bytes of high bits and the aligned words of the record that scale
+// them); K_MIX and Q5_K where a build asks, below. The other packed formats and the larger buckets use the register
+// path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
 #pragma once
 
 #include <algorithm>
@@ -33,10 +33,11 @@
 #endif
 #endif
 
-// K_MIX rows through the ring: written, compiled and checked on the CPU, not yet run on a GPU (NOTES.md, "K_MIX
-// through the ring"); until then a build asks for it (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_K_MIX=1").
-#ifndef LITHOS_MK_RING_K_MIX
-#define LITHOS_MK_RING_K_MIX 0
+// The formats whose steps through the ring are written, compiled and checked on the CPU but have not yet run on a GPU:
+// K_MIX and Q5_K (NOTES.md, "K_MIX through the ring", "Q5_K through the ring"); until they have, a build asks for
+// them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1") and others read them through registers.
+#ifndef LITHOS_MK_RING_NEW
+#define LITHOS_MK_RING_NEW 0
 #endif
 
 #if LITHOS_MK_LANE_RING && defined(LITHOS_HIP)
@@ -53,10 +54,11 @@ constexpr int kRingStages = LITHOS_MK_LANE_RING;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // Bytes a step copies beside a row's 16 bytes for a lane in format F (RingChunk<F>::copy_side), 0 for bf16 and the
-// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; the 6-bit formats' high bits and
-// the words of their records a step needs).
+// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; Q5_K's and the 6-bit formats' high
+// bits and the words of their records a step needs).
 template <WeightFormat F>
-constexpr int kRingSideBytes = F == WeightFormat::kKMix && !LITHOS_MK_RING_K_MIX ? 0 : Step32<F>::kSideBytes;
+constexpr int kRingSideBytes =
+    (F == WeightFormat::kKMix || F == WeightFormat::kQ5_K) && !LITHOS_MK_RING_NEW ? 0 : Step32<F>::kSideBytes;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>

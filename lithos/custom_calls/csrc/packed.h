@@ -68,6 +68,7 @@ constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX a
 constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one scale
 constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
 constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
+constexpr int kQ5KSuperBytes = 160;  // q5_k data of a super-block: 128 bytes of low nibbles, 32 of high bits
 constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
 constexpr int kKMixRecord = 36;   // k_mix: f16 A, f16 B, 16 int8 pairs (a, b)
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
@@ -297,11 +298,11 @@ struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true> {
   }
 };
 
-// Q4_K and Q5_K: w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights) of a super-block, its 6-bit
-// scale and min read from the record's four words (f16 d and dmin, then 12 bytes q) as llama.cpp's
-// get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of q bytes 0..3 (scales) and 4..7 (mins), 4..7 in the
-// nibbles of q bytes 8..11 with their top bits in the top bits of q bytes 0..7. Shifts by j, no byte indexing:
-// the lane ring (mk_lane_ring.h) holds the record in registers.
+// Q4_K (and Q5_K, whose pairs lie otherwise: below): w = (d * sc_j) * c - dmin * m_j for sub-block j (32 weights)
+// of a super-block, its 6-bit scale and min read from the record's four words (f16 d and dmin, then 12 bytes q) as
+// llama.cpp's get_scale_min_k4 does: sub-blocks 0..3 in the low 6 bits of q bytes 0..3 (scales) and 4..7 (mins),
+// 4..7 in the nibbles of q bytes 8..11 with their top bits in the top bits of q bytes 0..7. Shifts by j, no byte
+// indexing: the lane ring (mk_lane_ring.h) holds the record in registers.
 LITHOS_DECODE ChunkScale k_record_scale(uint32_t d_dmin, uint32_t q0, uint32_t q1, uint32_t q2, int j) {
   const int shift = 8 * (j & 3);
   const uint32_t s = q0 >> shift, m = q1 >> shift;
@@ -318,7 +319,7 @@ LITHOS_DECODE ChunkScale k_record_scale(uint32_t d_dmin, uint32_t q0, uint32_t q
           -(half_bits_to_float(static_cast<uint16_t>(d_dmin >> 16)) * static_cast<float>(min))};
 }
 
-// The factors of the chunk at `col` of a Q4_K or Q5_K row (its records are 16 bytes, so word-aligned).
+// The factors of the chunk at `col` of a Q4_K row (its records are 16 bytes, so word-aligned).
 LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
   const uint32_t* record = reinterpret_cast<const uint32_t*>(row.scales + (col / kSuperBlock) * kQ4KRecord);
   return k_record_scale(record[0], record[1], record[2], record[3], (col % kSuperBlock) / kPackedBlock);
@@ -466,7 +467,9 @@ struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true> {
   }
 };
 
-// Q5_K: Q4_K's scales over 5-bit codes.
+// Q5_K: Q4_K's factors over 5-bit codes, sub-block j's 6-bit scale and min as the 12-bit pair scale | min << 6 at
+// bit 12j of the record's words 1..3 (lithos.quant.formats re-packs GGUF's), so that one pair lies in two adjacent
+// words: 1 and 2 for j < 4, else 2 and 3 (pair_word's).
 template <>
 struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
@@ -474,7 +477,20 @@ struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true> {
     decode_5bit_chunk<0>(r, w);
     return false;
   }
-  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) { return k_sub_block_scale(row, col); }
+  // The first of the two record words holding sub-block j's pair.
+  LITHOS_DECODE static int pair_word(int j) { return j < 4 ? 1 : 2; }
+  // The factors from the record's first word (f16 d and dmin) and words pair_word(j), pair_word(j) + 1.
+  LITHOS_DECODE static ChunkScale factor(uint32_t d_dmin, uint32_t low, uint32_t high, int j) {
+    const uint64_t words = static_cast<uint64_t>(high) << 32 | low;
+    const uint32_t pair = static_cast<uint32_t>(words >> (12 * j - 32 * (pair_word(j) - 1))) & 0xFFF;
+    return {half_bits_to_float(static_cast<uint16_t>(d_dmin)) * static_cast<float>(pair & 63),
+            -(half_bits_to_float(static_cast<uint16_t>(d_dmin >> 16)) * static_cast<float>(pair >> 6))};
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    const uint32_t* record = reinterpret_cast<const uint32_t*>(row.scales + (col / kSuperBlock) * kQ4KRecord);
+    const int j = (col % kSuperBlock) / kPackedBlock, at = pair_word(j);
+    return factor(record[0], record[at], record[at + 1], j);
+  }
 };
 
 // 8-bit rows: bytes 0 and 2 of a word share a half2, and bytes 1 and 3.
@@ -628,6 +644,41 @@ struct Step32<WeightFormat::kQ4_K> {
       P::decode(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
     });
     const ChunkScale f = k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock);
+    return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
+  }
+};
+
+// Q5_K: a sub-block's low nibbles (32 codes); the side is their 4 bytes of high bits (x), the record's word of f16 d
+// and dmin (y) and the two words holding the sub-block's pair (z, w). 4-byte pieces, each aligned: a super-block's
+// data is 160 bytes, its record 16.
+template <>
+struct Step32<WeightFormat::kQ5_K> {
+  static constexpr int kSideBytes = 16, kPieces = 4;
+  using Side = uint4;
+  using P = Packed<WeightFormat::kQ5_K>;
+  LITHOS_DECODE static const uint8_t* super_block(const uint8_t* row, int k) {
+    return row + (k / kSuperBlock) * kQ5KSuperBytes;
+  }
+  LITHOS_DECODE static const uint8_t* codes(const uint8_t* row, int k) {
+    return super_block(row, k) + (k % kSuperBlock) / 2;
+  }
+  LITHOS_DECODE static void side_pieces(const uint8_t* row, const uint8_t* scales, int k,
+                                        SidePiece (&pieces)[kPieces]) {
+    const uint8_t* record = scales + (k / kSuperBlock) * kQ4KRecord;
+    const int at = 4 * P::pair_word((k % kSuperBlock) / kPackedBlock);
+    pieces[0] = {super_block(row, k) + kSuperBlock / 2 + (k % kSuperBlock) / 8, 4};
+    pieces[1] = {record, 4};
+    pieces[2] = {record + at, 4};
+    pieces[3] = {record + at + 4, 4};
+  }
+  LITHOS_DECODE static float dot(const uint4& codes, const Side& side, const PackedRow&, int k, const float (&xf)[32],
+                                 const float (&x_sums)[2], float acc) {
+    float sums[2];
+    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
+      P::decode(h == 0 ? Raw5{make_uint2(codes.x, codes.y), side.x} : Raw5{make_uint2(codes.z, codes.w), side.x >> 16},
+                w);
+    });
+    const ChunkScale f = P::factor(side.y, side.z, side.w, (k % kSuperBlock) / kPackedBlock);
     return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
   }
 };

@@ -221,10 +221,10 @@ TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 def ring_wide_sides() -> tuple[str, ...]:
     """The packed formats whose rows the one-token kernel streams through the lane ring (CUDA) with 16 bytes of
-    their scales beside each row's 16 (csrc/mk_lane_ring.h kRingSideBytes): Q4_K and Q6_K, and K_MIX in a build
-    asked for it (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_K_MIX=1"; not yet run on a GPU)."""
-    asked = "LITHOS_MK_RING_K_MIX=1" in os.environ.get("LITHOS_KERNEL_DEFINES", "").split()
-    return ("q4_k", "q6_k", "k_mix") if asked else ("q4_k", "q6_k")
+    their scales beside each row's 16 (csrc/mk_lane_ring.h kRingSideBytes): Q4_K and Q6_K, and K_MIX and Q5_K in a
+    build asked for them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1"; not yet run on a GPU)."""
+    asked = "LITHOS_MK_RING_NEW=1" in os.environ.get("LITHOS_KERNEL_DEFINES", "").split()
+    return ("q4_k", "q6_k", "k_mix", "q5_k") if asked else ("q4_k", "q6_k")
 
 
 def staging_bytes(formats: WeightFormats) -> int:

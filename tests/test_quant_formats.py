@@ -176,7 +176,11 @@ F16_FACTORS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
 }
+# K-quants whose K_MIX form scales d by a power of two (B = -32 d, -4 d): the d at which B overflows f16.
+D_LIMITS = {"Q6_K": 2048, "Q3_K": 16384}
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf scales too
@@ -210,36 +214,42 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf factors too
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"])
 def test_k_quants_become_k_mix_exactly(type_name):
-    """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections): every value of
-    every type, f16 edges included, the same as gguf's, but the sign of zero (a K_MIX zero is +0) and a Q6_K
-    super-block of infinite d (NaN in K_MIX: inf * q - inf * 32). A Q6_K d of 2048 or more has no K_MIX form (its
-    B = -32 d overflows f16): refused, and a stack holding one arrives as exact float32."""
+    """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections), and Q2_K and Q3_K,
+    which have no format of their own, load as K_MIX: every value of every type, f16 edges included, the same as
+    gguf's, but the sign of zero (a K_MIX zero is +0) and a Q6_K or Q3_K super-block of infinite d (NaN in K_MIX:
+    inf * q - inf * 32). A Q6_K d of 2048 or more (Q3_K: 16384) has no K_MIX form (its B = -32 d, -4 d, overflows
+    f16): refused, and a stack holding one arrives as exact float32."""
     gguf = require("gguf")
     qtype = gguf.GGMLQuantizationType[type_name]
     _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = RNG.integers(0, 256, (64, 3 * block_bytes), dtype=np.uint8)
-    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7E00] + [0x7C00] * (type_name != "Q6_K"), np.uint16)
+    limit = D_LIMITS.get(type_name)
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7E00] + [0x7C00] * (limit is None), np.uint16)
     blocks = raw.reshape(64, 3, block_bytes)
     for at in F16_FACTORS[type_name]:
         blocks[: len(edges), 0, at : at + 2] = edges.view(np.uint8).reshape(-1, 2)
-    if type_name == "Q6_K":  # no other infinite d either, and none of 2048 or more (below)
+    if limit is not None:  # no other infinite d either, and none at the limit or above (below)
         at = F16_FACTORS[type_name][0]
         d = blocks[..., at : at + 2].copy().view(np.float16)
-        big = np.isinf(d) | (np.abs(d) >= 2048)
+        big = np.isinf(d) | (np.abs(d) >= limit)
         blocks[..., at : at + 2] = np.where(big, np.float16(1), d).view(np.uint8)
     expected = gguf.quants.dequantize(raw, qtype)
     mixed = quant.layouts.to_k_mix(quant.from_gguf(raw, type_name, expected.shape))
     assert mixed.format == quant.K_MIX and mixed.nbytes == 64 * 3 * (192 + 36)
     got = np.asarray(jax.jit(quant.dequantize)(mixed))
     np.testing.assert_array_equal(got, expected)  # -0 == +0, NaN == NaN
-    if type_name == "Q6_K":
-        blocks[5, 1, at : at + 2] = np.float16(-2048).reshape(1).view(np.uint8)
+    if limit is not None:
+        blocks[5, 1, at : at + 2] = np.float16(-limit).reshape(1).view(np.uint8)
+        q4_k = quant.from_gguf(RNG.integers(0, 256, (64, 3 * 144), dtype=np.uint8), "Q4_K", expected.shape)
+        if type_name == "Q3_K":  # K_MIX as it loads: the load keeps it as float32 (tests/test_quant_model.py)
+            with pytest.raises(quant.layouts.NoPackedForm, match="no k_mix form"):
+                quant.from_gguf(raw, type_name, expected.shape)
+            return
         wide = quant.from_gguf(raw, type_name, expected.shape)
         with pytest.raises(LithosError, match="no k_mix form"):
             quant.layouts.to_k_mix(wide)
-        q4_k = quant.from_gguf(RNG.integers(0, 256, (64, 3 * 144), dtype=np.uint8), "Q4_K", expected.shape)
         stacked = quant.layouts.stack([q4_k, wide])
         assert isinstance(stacked, np.ndarray) and stacked.dtype == np.float32
         np.testing.assert_array_equal(stacked[1], gguf.quants.dequantize(raw, qtype))

@@ -189,8 +189,15 @@ def test_gguf_packed_equals_dequantized_load(smollm2_gguf):
         np.testing.assert_array_equal(values, dense[name], err_msg=name)
 
 
-# GGUF K-quant super-blocks: bytes each, and where their f16 factors (d, then dmin) sit.
-K_QUANT_BLOCKS = {"Q2_K": (84, (80, 82)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+# GGUF super-blocks of 256 weights: bytes each, and where their f16 factors (d, then dmin) sit.
+K_QUANT_BLOCKS = {
+    "Q2_K": (84, (80, 82)),
+    "Q3_K": (110, (108,)),
+    "Q4_K": (144, (0, 2)),
+    "Q5_K": (176, (0, 2)),
+    "Q6_K": (210, (208,)),
+    "IQ4_XS": (136, (0,)),  # a type lithos has no packed layout for
+}
 # Q4_K_M's choice of types (llama.cpp): Q6_K for the value and down projections where it keeps more bits,
 # and for the output; Q4_K elsewhere.
 Q4_K_M = {
@@ -206,10 +213,10 @@ Q4_K_M = {
 }
 
 
-def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1):
+def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1, d: float = 0.0004, large_d: str | None = None):
     """A llama GGUF of `layers` layers (hidden and ffn 256, 4 heads of 64, byte-level tokenizer of 32 tokens)
-    with the tensors of `types` in those GGUF types (random super-blocks, factors that keep weights below 1),
-    the rest float32."""
+    with the tensors of `types` in those GGUF types (random super-blocks, factors `d` and d / 2 that keep weights
+    below 1, but one super-block of tensor `large_d` whose d is 2^14), the rest float32."""
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
     hidden, ffn, vocab = 256, 256, 32
@@ -249,8 +256,10 @@ def _write_k_quant_gguf(path, types: dict[str, str], layers: int = 1):
             continue
         block_bytes, factors = K_QUANT_BLOCKS[types[name]]
         blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, block_bytes), dtype=np.uint8)
-        for at, d in zip(factors, (0.0004, 0.0002), strict=False):
-            blocks[..., at : at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        for at, factor in zip(factors, (d, d / 2), strict=False):
+            blocks[..., at : at + 2] = np.frombuffer(np.float16(factor).tobytes(), np.uint8)
+        if name == large_d:
+            blocks[1, 0, factors[0] : factors[0] + 2] = np.frombuffer(np.float16(2**14).tobytes(), np.uint8)
         writer.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType[types[name]])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -337,24 +346,57 @@ def test_tensors_whose_layers_mix_types_load_exact_and_the_fused_path_runs_them(
 
 
 def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path, monkeypatch):
-    """Types without a packed layout (Q2_K) arrive dequantized; stored as bf16 their values round, and the
+    """Types without a packed layout (IQ4_XS) arrive dequantized; stored as bf16 their values round, and the
     load says so and names the fix, again when the converted copy is loaded; stored as float32 they are
     exact and nothing is said."""
     import warnings
 
     from lithos.checkpoint import gguf_file, load_checkpoint
 
-    path = tmp_path / "tiny-q2_k.gguf"
-    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "Q2_K"})["blk.0.ffn_up.weight"]
+    path = tmp_path / "tiny-iq4_xs.gguf"
+    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "IQ4_XS"}, d=0.002)["blk.0.ffn_up.weight"]
     _, flat, _, unpacked = gguf_file.load(path)
-    assert unpacked == {"Q2_K": 1}
+    assert unpacked == {"IQ4_XS": 1}
     np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
     assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
     monkeypatch.setenv("LITHOS_CACHE", str(tmp_path / "cache"))
     for source in ("the GGUF", "its converted copy"):
-        with pytest.warns(UserWarning, match=r"\(1 Q2_K\).*stored as bfloat16.*dtype='float32'"):
+        with pytest.warns(UserWarning, match=r"\(1 IQ4_XS\).*stored as bfloat16.*dtype='float32'"):
             assert load_checkpoint(path, dtype="bfloat16").restored == (source == "its converted copy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exact = load_checkpoint(path, dtype="float32", use_cache=False)
     np.testing.assert_array_equal(np.asarray(exact.params.layers.w_up[0]), expected)
+
+
+def test_q2_k_and_q3_k_load_as_k_mix_exactly(tmp_path):
+    """Q2_K and Q3_K have no packed format of their own: they load as K_MIX, every value gguf's; a stack whose layers
+    mix them with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K) is K_MIX too. A Q3_K tensor with a d that
+    K_MIX cannot hold (2^14: its B = -4 d overflows f16) arrives as exact float32 and is counted as unpacked; the
+    reference path over the packed load gives the dense load's logits."""
+    from lithos.checkpoint import gguf_file
+
+    path = tmp_path / "tiny-q3_k_m.gguf"
+    kinds = {
+        "attn_q.weight": ("Q3_K", "Q3_K"),
+        "attn_k.weight": ("Q2_K", "Q2_K"),
+        "attn_v.weight": ("Q3_K", "Q5_K"),
+        "ffn_down.weight": ("Q4_K", "Q3_K"),
+        "ffn_up.weight": ("Q3_K", "Q3_K"),
+    }
+    types = {f"blk.{i}.{name}": pair[i] for name, pair in kinds.items() for i in range(2)}
+    _write_k_quant_gguf(path, types, layers=2, large_d="blk.1.ffn_up.weight")
+    cfg, flat, _, unpacked = gguf_file.load(path)
+    _, dense, _, _ = gguf_file.load(path, dequantize=True)  # gguf's values, Q and K rows un-permuted
+    assert unpacked == {"Q3_K": 1}
+    for name in ("layers.wq", "layers.wk", "layers.wv", "layers.w_down"):
+        assert flat[name].format == quant.K_MIX, name
+    assert not quant.is_quantized(flat["layers.w_up"])
+    for name, w in flat.items():
+        values = np.asarray(jax.jit(quant.dequantize)(w)) if quant.is_quantized(w) else w
+        np.testing.assert_array_equal(values, dense[name], err_msg=name)  # -0 == +0
+    params = load_checkpoint(path, dtype="float32", use_cache=False).params
+    dense_params = load_checkpoint(path, dtype="float32", use_cache=False, dequantize=True).params
+    assert params.layers.wq.format == quant.K_MIX
+    want = logits_of(dense_params, cfg)
+    np.testing.assert_allclose(logits_of(params, cfg), want, rtol=0, atol=1e-5 * np.abs(want).max())

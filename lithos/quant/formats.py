@@ -48,7 +48,10 @@ scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost wha
                   one per 16 weights (so a kernel's 32 codes find their two pairs in one aligned word): from
                   q6_k, A = d, B = -32 d, a_i = b_i = sc_i (a d of 2048 or more, whose B would overflow f16,
                   has no k_mix form); from q4_k and q5_k, A = d, B = -dmin, and for the two runs of 16 of
-                  sub-block j, a_i = sc_j and b_i = m_j
+                  sub-block j, a_i = sc_j and b_i = m_j. GGUF's Q2_K and Q3_K, which have no format here, load as
+                  k_mix: from Q2_K A = d, B = -dmin, (a_i, b_i) = its 4-bit (scale, min); from Q3_K A = d,
+                  B = -4 d, a_i = b_i = its 6-bit scale - 32 (its 3-bit codes c: w = d (sc - 32) (c - 4); a d of
+                  16384 or more has no k_mix form)
 
 5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
 order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).

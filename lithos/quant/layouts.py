@@ -8,7 +8,8 @@
   record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields), their
   codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
   Q5_K) keep GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants
-  becomes K_MIX, each layer's values exactly.
+  becomes K_MIX, each layer's values exactly. Q2_K and Q3_K (84 and 110 bytes), which have no format of their own
+  here, become K_MIX too, exactly (7.1 bits a weight where the file spends 2.6 and 3.4).
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -52,7 +53,15 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q4_K": (Q4_K, 256, 144),
     "Q5_K": (Q5_K, 256, 176),
     "Q6_K": (Q6_K, 256, 210),
+    # no packed format of their own: as K_MIX, every value exactly, at 7.1 bits a weight (the file's: 2.6, 3.4)
+    "Q2_K": (K_MIX, 256, 84),
+    "Q3_K": (K_MIX, 256, 110),
 }
+
+
+class NoPackedForm(CheckpointError):
+    """Values a packed format cannot hold exactly (a K-quant d so large that K_MIX's B would overflow f16): the
+    loader keeps them as float32 instead."""
 
 
 def _field(blocks: np.ndarray, start: int, stop: int, dtype) -> np.ndarray:
@@ -103,6 +112,64 @@ def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": record, "data": _5bit_runs(low, high_bytes)}
 
 
+def _k_mix_planes(codes: np.ndarray, factors: np.ndarray, pairs: np.ndarray) -> dict[str, np.ndarray]:
+    """K_MIX planes from codes `[..., n, 256]` (0..63), the f16 (A, B) `[..., n, 2]` and the int8 (a_i, b_i) `[..., n,
+    16, 2]` of each super-block."""
+    record = np.concatenate([factors.view(np.uint8), pairs.reshape(*pairs.shape[:-2], 32).view(np.uint8)], axis=-1)
+    return {"data": _6bit_runs(codes.astype(np.uint8)), "scales": record}
+
+
+def _2bit_codes(qs: np.ndarray) -> np.ndarray:
+    """A Q2_K or Q3_K super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j + 16t + l
+    at bits 2j) -> `[..., n, 2, 4, 2, 16]` (h, j, t, l: element order)."""
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    return (qs.reshape(*qs.shape[:-1], 2, 1, 2, 16) >> shifts) & 3
+
+
+def _q2_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K super-blocks `[..., n, 84]` (16 bytes of 4-bit scale | min << 4, one per 16 weights; 64 of 2-bit codes;
+    f16 d and dmin; w = (d sc_i) c - dmin m_i) -> K_MIX planes: A = d, B = -dmin, (a_i, b_i) = (sc_i, m_i)."""
+    lead = blocks.shape[:-1]
+    scales = blocks[..., :16]
+    pairs = np.stack([scales & 0x0F, scales >> 4], axis=-1)
+    factors = np.concatenate([blocks[..., 80:82], blocks[..., 82:84] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
+    return _k_mix_planes(_2bit_codes(blocks[..., 16:80]).reshape(*lead, 256), factors.view(np.float16), pairs)
+
+
+def _q3_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q3_K super-blocks `[..., n, 110]` (32 bytes of high bits: element 128h + 32j + 16t + l's at bit 4h + j of byte
+    16t + l; 64 of low 2 bits as Q2_K's; 12 of 6-bit scales; f16 d; w = d (sc_i - 32) (c - 4) for the 3-bit code c)
+    -> K_MIX planes: A = d, B = -4 d, a_i = b_i = sc_i - 32. The scales' packing is llama.cpp's: scale 4q + k has
+    its low 4 bits in byte k (q = 0, 2) or 4 + k (q = 1, 3), that byte's low nibble for q < 2 and its high one
+    above, and its top 2 bits at bits 2q of byte 8 + k. A NoPackedForm for a finite d of 16384 or more, whose B
+    overflows f16."""
+    lead = blocks.shape[:-1]
+    high_shifts = np.arange(8, dtype=np.uint8).reshape(2, 4, 1, 1)
+    high = (blocks[..., :32].reshape(*lead, 1, 1, 2, 16) >> high_shifts) & 1
+    codes = (_2bit_codes(blocks[..., 32:96]) | high << 2).reshape(*lead, 256)
+    s = blocks[..., 96:108].astype(np.int16)
+    low = np.stack([s[..., 0:4] & 0xF, s[..., 4:8] & 0xF, s[..., 0:4] >> 4, s[..., 4:8] >> 4], axis=-2)
+    top = (s[..., None, 8:12] >> (2 * np.arange(4, dtype=np.int16))[:, None]) & 3  # [..., q, k]
+    scales = ((low | top << 4) - 32).reshape(*lead, 16).astype(np.int8)
+    d = blocks[..., 108:110].copy().view(np.float16)
+    factors = np.concatenate([d, _b_factor(d, -4, "q3_k")], axis=-1)
+    return _k_mix_planes(codes, factors, np.stack([scales, scales], axis=-1))
+
+
+def _b_factor(d: np.ndarray, times: int, fmt_name: str) -> np.ndarray:
+    """K_MIX's B = `times` * d in f16 (exact where finite: `times` is a power of two); a NoPackedForm where a finite
+    d of `fmt_name` overflows."""
+    with np.errstate(over="ignore"):
+        b = d * np.float16(times)
+    overflow = np.isinf(b) & np.isfinite(d)
+    if overflow.any():
+        raise NoPackedForm(
+            f"a {fmt_name} super-block's d of {float(d[overflow][0])} is {65536 // abs(times)} or more, so it has no "
+            f"k_mix form ({times} d overflows f16)"
+        )
+    return b
+
+
 def _6bit_runs(codes: np.ndarray) -> np.ndarray:
     """6-bit codes `[..., n, 256]` -> `[..., n * 192]`: each super-block's low nibbles in the common 4-bit order,
     then its high 2 bits (element 4k + i at bits 2i of byte k)."""
@@ -125,31 +192,24 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
-    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats); a
-    CheckpointError for a Q6_K array with a finite d of 2048 or more, which has no K_MIX form (B = -32 d would
-    overflow f16)."""
+    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX array
+    as it is); a NoPackedForm for a Q6_K array with a finite d of 2048 or more, which has no K_MIX form (B = -32 d
+    would overflow f16)."""
+    if w.format == K_MIX:
+        return w
     records = np.asarray(w.scales)
     if w.format.name == "q6_k":
         d = records[..., 0:2].copy().view(np.float16)
-        with np.errstate(over="ignore"):
-            b_factor = d * np.float16(-32)  # exact where finite: a power of two
-        overflow = np.isinf(b_factor) & np.isfinite(d)
-        if overflow.any():
-            raise CheckpointError(
-                f"a q6_k super-block's d of {float(d[overflow][0])} is 2048 or more, so its layers have no k_mix "
-                "form (-32 d overflows f16)"
-            )
-        factors = np.concatenate([d, b_factor], axis=-1).view(np.uint8)
+        factors = np.concatenate([d, _b_factor(d, -32, "q6_k")], axis=-1)
         a = b = records[..., 2:18].view(np.int8)
     else:
         sc, m = (np.asarray(v) for v in k_scales_and_mins(records, w.format.name))
         a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), np.repeat(m, 2, axis=-1).astype(np.int8)
         factors = np.concatenate([records[..., 0:2], records[..., 2:4] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
-    pairs = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 32)
-    record = np.concatenate([factors, pairs.view(np.uint8)], axis=-1)
-    codes = np.asarray(k_quant_codes(w.data, w.format.name)).astype(np.uint8)
-    data = _6bit_runs(codes.reshape(*codes.shape[:-1], -1, 256))
-    return from_planes(K_MIX, {"data": data, "scales": record}, w.dtype)
+        factors = factors.view(np.float16)
+    codes = np.asarray(k_quant_codes(w.data, w.format.name))
+    planes = _k_mix_planes(codes.reshape(*codes.shape[:-1], -1, 256), factors, np.stack([a, b], axis=-1))
+    return from_planes(K_MIX, planes, w.dtype)
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.float32) -> QuantizedArray:
@@ -178,6 +238,10 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
         planes = _q5_k_planes(blocks)
     elif type_name == "Q6_K":
         planes = _q6_k_planes(blocks)
+    elif type_name == "Q2_K":
+        planes = _q2_k_planes(blocks)
+    elif type_name == "Q3_K":
+        planes = _q3_k_planes(blocks)
     elif type_name == "Q8_0":
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
         planes["data"] = planes["data"].reshape(*lead, cols)
@@ -242,14 +306,14 @@ K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 def stack(arrays: list) -> np.ndarray | QuantizedArray:
     """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane; K-quants
-    of several (Q4_K_M's V and down projections) as K_MIX, exactly; any other mix (a GGUF whose layers use
-    different types) falls back to exact f32 values."""
+    of several (Q4_K_M's V and down projections; Q2_K and Q3_K arrive as K_MIX) as K_MIX, exactly; any other mix (a
+    GGUF whose layers use different types, or a layer with no K_MIX form) falls back to exact f32 values."""
     packed = [a for a in arrays if isinstance(a, QuantizedArray)]
     formats = {a.format.name for a in packed}
-    if packed and len(packed) == len(arrays) and len(formats) > 1 and formats <= set(K_QUANTS):
+    if packed and len(packed) == len(arrays) and len(formats) > 1 and formats <= {*K_QUANTS, K_MIX.name}:
         try:
             packed = arrays = [to_k_mix(a) for a in packed]
-        except CheckpointError:  # no K_MIX form: the values as f32 below
+        except NoPackedForm:  # the values as f32 below
             pass
     if packed and len(packed) == len(arrays) and len({a.format for a in packed}) == 1:
         first = packed[0]

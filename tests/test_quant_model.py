@@ -369,11 +369,12 @@ def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(
     np.testing.assert_array_equal(np.asarray(exact.params.layers.w_up[0]), expected)
 
 
-def test_q2_k_and_q3_k_load_as_k_mix_exactly(tmp_path):
-    """Q2_K and Q3_K have no packed format of their own: they load as K_MIX, every value gguf's; a stack whose layers
-    mix them with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K) is K_MIX too. A Q3_K tensor with a d that
-    K_MIX cannot hold (2^14: its B = -4 d overflows f16) arrives as exact float32 and is counted as unpacked; the
-    reference path over the packed load gives the dense load's logits."""
+def test_q3_k_and_q2_k_load_packed_exactly(tmp_path):
+    """Q3_K stays packed (its scales unpacked to bytes) and Q2_K, which has no format of its own, loads as K_MIX:
+    every value gguf's; a stack whose layers mix them with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K)
+    is K_MIX. A Q3_K layer with a d that K_MIX cannot hold (2^14: its B = -4 d overflows f16) beside a Q4_K one
+    arrives as exact float32, counted as unpacked; the reference path over the packed load gives the dense load's
+    logits."""
     from lithos.checkpoint import gguf_file
 
     path = tmp_path / "tiny-q3_k_m.gguf"
@@ -382,14 +383,15 @@ def test_q2_k_and_q3_k_load_as_k_mix_exactly(tmp_path):
         "attn_k.weight": ("Q2_K", "Q2_K"),
         "attn_v.weight": ("Q3_K", "Q5_K"),
         "ffn_down.weight": ("Q4_K", "Q3_K"),
-        "ffn_up.weight": ("Q3_K", "Q3_K"),
+        "ffn_up.weight": ("Q3_K", "Q4_K"),
     }
     types = {f"blk.{i}.{name}": pair[i] for name, pair in kinds.items() for i in range(2)}
-    _write_k_quant_gguf(path, types, layers=2, large_d="blk.1.ffn_up.weight")
+    _write_k_quant_gguf(path, types, layers=2, large_d="blk.0.ffn_up.weight")
     cfg, flat, _, unpacked = gguf_file.load(path)
     _, dense, _, _ = gguf_file.load(path, dequantize=True)  # gguf's values, Q and K rows un-permuted
-    assert unpacked == {"Q3_K": 1}
-    for name in ("layers.wq", "layers.wk", "layers.wv", "layers.w_down"):
+    assert unpacked == {"Q3_K/Q4_K mixed across layers": 1}
+    assert flat["layers.wq"].format == quant.Q3_K
+    for name in ("layers.wk", "layers.wv", "layers.w_down"):
         assert flat[name].format == quant.K_MIX, name
     assert not quant.is_quantized(flat["layers.w_up"])
     for name, w in flat.items():
@@ -397,6 +399,6 @@ def test_q2_k_and_q3_k_load_as_k_mix_exactly(tmp_path):
         np.testing.assert_array_equal(values, dense[name], err_msg=name)  # -0 == +0
     params = load_checkpoint(path, dtype="float32", use_cache=False).params
     dense_params = load_checkpoint(path, dtype="float32", use_cache=False, dequantize=True).params
-    assert params.layers.wq.format == quant.K_MIX
+    assert params.layers.wq.format == quant.Q3_K
     want = logits_of(dense_params, cfg)
     np.testing.assert_allclose(logits_of(params, cfg), want, rtol=0, atol=1e-5 * np.abs(want).max())

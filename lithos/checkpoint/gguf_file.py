@@ -16,7 +16,7 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
-from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, map_planes, stack
+from lithos.quant.layouts import GGUF_FORMATS, from_gguf, map_planes, stack
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -76,13 +76,12 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
-    Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K and Q6_K stay packed (lithos.quant.QuantizedArray
-    with numpy planes) unless `dequantize`, and Q2_K and Q3_K become K_MIX; every other tensor arrives as float32.
-    `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although `dequantize` was not
-    asked for (types lithos has no packed layout for, such as IQ4_XS, tensors whose layers mix types other than the
-    K-quants, and K-quant scales too large for K_MIX): their exact values are float32. A tensor whose layers mix
-    K-quants (Q4_K_M's V and down projections) is K_MIX.
-    """
+    Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q3_K, Q4_K, Q5_K and Q6_K stay packed
+    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`, and Q2_K's become K_MIX; every other tensor
+    arrives as float32. `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although
+    `dequantize` was not asked for (types lithos has no packed layout for, such as IQ4_XS, and tensors whose layers
+    mix types other than the K-quants, or K-quants with a d too large for K_MIX): their exact values are float32. A
+    tensor whose layers mix K-quants (Q4_K_M's V and down projections) is K_MIX."""
     import gguf
 
     reader = open_reader(path)
@@ -102,13 +101,9 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         expected = tuple(int(d) for d in reversed(t.shape))
         kind = t.tensor_type.name
         try:
-            w = None
             if not dequantize and kind in GGUF_FORMATS and len(expected) == 2:
-                try:
-                    w = from_gguf(t.data, kind, expected)
-                except NoPackedForm:  # values no packed format holds exactly: float32 below
-                    pass
-            if w is None:
+                w = from_gguf(t.data, kind, expected)
+            else:
                 w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
                 if not dequantize and kind not in FLOAT_TYPES:
                     unpacked[kind] = unpacked.get(kind, 0) + 1
@@ -136,12 +131,7 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
             raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
         flat[name] = stack(layers)  # K-quants of several types (Q4_K_M's V and down) as K_MIX
         kinds = layer_kinds[name]
-        if (
-            len(kinds) > 1
-            and kinds & set(GGUF_FORMATS)
-            and not dequantize
-            and not isinstance(flat[name], QuantizedArray)
-        ):
+        if kinds & set(GGUF_FORMATS) and not dequantize and not isinstance(flat[name], QuantizedArray):
             # Packed layers of types no one format holds (Q4_0 beside Q8_0) arrive as float32.
             mixed = "/".join(sorted(kinds)) + " mixed across layers"
             unpacked[mixed] = unpacked.get(mixed, 0) + 1

@@ -4,12 +4,12 @@
   (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
-- GGUF K-quant super-blocks (Q4_K, Q5_K, Q6_K: 256 weights, 144, 176 and 210 bytes): their scales stay one
-  record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields), their
-  codes are reordered as above. 5-bit codes (Q5_0, Q5_1,
-  Q5_K) keep GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants
-  becomes K_MIX, each layer's values exactly. Q2_K and Q3_K (84 and 110 bytes), which have no format of their own
-  here, become K_MIX too, exactly (7.1 bits a weight where the file spends 2.6 and 3.4).
+- GGUF K-quant super-blocks (Q3_K, Q4_K, Q5_K, Q6_K: 256 weights, 110, 144, 176 and 210 bytes): their scales stay
+  one record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields, Q3_K's
+  6-bit scales unpacked to bytes: 114), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1, Q5_K) keep
+  GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants becomes K_MIX, each
+  layer's values exactly. Q2_K (84 bytes), which has no format of its own here, becomes K_MIX, exactly (7.1 bits a
+  weight where the file spends 2.6).
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -25,6 +25,7 @@ from lithos.quant.formats import (
     FP8_BLOCK128,
     K_MIX,
     MXFP4,
+    Q3_K,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -53,9 +54,8 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q4_K": (Q4_K, 256, 144),
     "Q5_K": (Q5_K, 256, 176),
     "Q6_K": (Q6_K, 256, 210),
-    # no packed format of their own: as K_MIX, every value exactly, at 7.1 bits a weight (the file's: 2.6, 3.4)
-    "Q2_K": (K_MIX, 256, 84),
-    "Q3_K": (K_MIX, 256, 110),
+    "Q3_K": (Q3_K, 256, 110),
+    "Q2_K": (K_MIX, 256, 84),  # no packed format of its own: as K_MIX, every value exactly, at 7.1 bits a weight
 }
 
 
@@ -139,10 +139,10 @@ def _q2_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 def _q3_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q3_K super-blocks `[..., n, 110]` (32 bytes of high bits: element 128h + 32j + 16t + l's at bit 4h + j of byte
     16t + l; 64 of low 2 bits as Q2_K's; 12 of 6-bit scales; f16 d; w = d (sc_i - 32) (c - 4) for the 3-bit code c)
-    -> K_MIX planes: A = d, B = -4 d, a_i = b_i = sc_i - 32. The scales' packing is llama.cpp's: scale 4q + k has
-    its low 4 bits in byte k (q = 0, 2) or 4 + k (q = 1, 3), that byte's low nibble for q < 2 and its high one
-    above, and its top 2 bits at bits 2q of byte 8 + k. A NoPackedForm for a finite d of 16384 or more, whose B
-    overflows f16."""
+    -> planes: the codes' low 2 bits and high bits (lithos.quant.formats), and a record of d and the scales less
+    32 as int8. The scales' packing is llama.cpp's: scale 4q + k has its low 4 bits in byte k (q = 0, 2) or 4 + k
+    (q = 1, 3), that byte's low nibble for q < 2 and its high one above, and its top 2 bits at bits 2q of byte
+    8 + k."""
     lead = blocks.shape[:-1]
     high_shifts = np.arange(8, dtype=np.uint8).reshape(2, 4, 1, 1)
     high = (blocks[..., :32].reshape(*lead, 1, 1, 2, 16) >> high_shifts) & 1
@@ -151,9 +151,18 @@ def _q3_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     low = np.stack([s[..., 0:4] & 0xF, s[..., 4:8] & 0xF, s[..., 0:4] >> 4, s[..., 4:8] >> 4], axis=-2)
     top = (s[..., None, 8:12] >> (2 * np.arange(4, dtype=np.int16))[:, None]) & 3  # [..., q, k]
     scales = ((low | top << 4) - 32).reshape(*lead, 16).astype(np.int8)
-    d = blocks[..., 108:110].copy().view(np.float16)
-    factors = np.concatenate([d, _b_factor(d, -4, "q3_k")], axis=-1)
-    return _k_mix_planes(codes, factors, np.stack([scales, scales], axis=-1))
+    record = np.concatenate([blocks[..., 108:110], scales.view(np.uint8)], axis=-1)
+    return {"scales": record, "data": _3bit_runs(codes)}
+
+
+def _3bit_runs(codes: np.ndarray) -> np.ndarray:
+    """3-bit codes `[..., n, 256]` -> `[..., n * 96]`: each super-block's low 2 bits (element 4k + i at bits 2i of
+    byte k), then its high bits (element i at bit i % 8 of byte i // 8)."""
+    low = codes & 3
+    low_bytes = low[..., 0::4] | (low[..., 1::4] << 2) | (low[..., 2::4] << 4) | (low[..., 3::4] << 6)
+    high_bytes = np.packbits((codes >> 2).reshape(*codes.shape[:-1], 32, 8) & 1, axis=-1, bitorder="little")[..., 0]
+    runs = np.concatenate([low_bytes.astype(np.uint8), high_bytes], axis=-1)
+    return runs.reshape(*runs.shape[:-2], -1)
 
 
 def _b_factor(d: np.ndarray, times: int, fmt_name: str) -> np.ndarray:
@@ -192,15 +201,15 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
-    """A Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX array
-    as it is); a NoPackedForm for a Q6_K array with a finite d of 2048 or more, which has no K_MIX form (B = -32 d
-    would overflow f16)."""
+    """A Q3_K, Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX
+    array as it is); a NoPackedForm for a Q6_K (Q3_K) array with a finite d of 2048 (16384) or more, which has no
+    K_MIX form (B = -32 d, -4 d, would overflow f16)."""
     if w.format == K_MIX:
         return w
     records = np.asarray(w.scales)
-    if w.format.name == "q6_k":
+    if w.format.name in ("q3_k", "q6_k"):
         d = records[..., 0:2].copy().view(np.float16)
-        factors = np.concatenate([d, _b_factor(d, -32, "q6_k")], axis=-1)
+        factors = np.concatenate([d, _b_factor(d, -4 if w.format.name == "q3_k" else -32, w.format.name)], axis=-1)
         a = b = records[..., 2:18].view(np.int8)
     else:
         sc, m = (np.asarray(v) for v in k_scales_and_mins(records, w.format.name))
@@ -301,12 +310,12 @@ def map_planes(fn, w):
     return fn(w)
 
 
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def stack(arrays: list) -> np.ndarray | QuantizedArray:
     """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane; K-quants
-    of several (Q4_K_M's V and down projections; Q2_K and Q3_K arrive as K_MIX) as K_MIX, exactly; any other mix (a
+    of several (Q4_K_M's V and down projections; Q2_K arrives as K_MIX) as K_MIX, exactly; any other mix (a
     GGUF whose layers use different types, or a layer with no K_MIX form) falls back to exact f32 values."""
     packed = [a for a in arrays if isinstance(a, QuantizedArray)]
     formats = {a.format.name for a in packed}

@@ -28,10 +28,12 @@ def random_packed(
             if fmt.element == "e4m3":
                 codes = np.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).astype(np.uint8)
             plane = codes.view(plane_dtype)
-        elif fmt.record:  # K-quant records: random 6-bit (q4_k, q5_k) or int8 (q6_k, k_mix's a_i and b_i) scales
+        elif fmt.record:  # K-quant records: random 6-bit (q4_k, q5_k) or int8 (q3_k, q6_k, k_mix's pairs) scales
             plane = rng.integers(0, 256, plane_shape, dtype=np.uint8)
-            factors = 1 if fmt.name == "q6_k" else 2  # f16 d (and dmin, or A and B)
-            span = spread * {"q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}[fmt.name]
+            if fmt.name == "q3_k":  # GGUF's 6-bit scales less 32
+                plane = (rng.integers(-32, 32, plane_shape) & 0xFF).astype(np.uint8)
+            factors = 1 if fmt.name in ("q3_k", "q6_k") else 2  # f16 d (and dmin, or A and B)
+            span = spread * {"q3_k": 0.01, "q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}[fmt.name]
             d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
             plane[..., : 2 * factors] = d.view(np.uint8)
         elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0

@@ -60,8 +60,9 @@ enum class WeightFormat : int32_t {
   kQ5_1 = 10,
   kQ5_K = 11,
   kKMix = 12,
+  kQ3_K = 13,
 };
-constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kKMix);
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ3_K);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
@@ -69,9 +70,10 @@ constexpr int kFp8Tile = 128;     // fp8_block128: rows and columns sharing one 
 constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scale record
 constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
 constexpr int kQ5KSuperBytes = 160;  // q5_k data of a super-block: 128 bytes of low nibbles, 32 of high bits
-constexpr int kQ6KRecord = 18;    // q6_k: f16 d, 16 int8 scales
+constexpr int kQ6KRecord = 18;    // q6_k and q3_k: f16 d, 16 int8 scales
 constexpr int kKMixRecord = 36;   // k_mix: f16 A, f16 B, 16 int8 pairs (a, b)
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
+constexpr int kQ3KSuperBytes = 96;   // q3_k data of a super-block: 64 bytes of low 2 bits, 32 of high bits
 
 // ---------------------------------------------------------------------------------------------
 // Loads and conversions
@@ -382,6 +384,42 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
   // d * sc from the record's f16 d and a 16-weight run's int8 scale (also the lane ring's, mk_lane_ring.h).
   LITHOS_DECODE static ChunkScale factor(uint16_t d, int8_t sc) {
     return {half_bits_to_float(d) * static_cast<float>(sc), 0.0f};
+  }
+};
+
+// 3-bit rows (Q3_K): per super-block, 64 bytes of low 2 bits (element 4k + i at bits 2i of byte k), then 32 of high
+// bits (element i at bit i). A chunk is the word of its 16 codes' low bits and the 2 bytes of their high bits.
+struct Raw3 {
+  uint32_t low;
+  uint32_t high;
+};
+
+LITHOS_DECODE Raw3 load_3bit_chunk(const uint8_t* row, int col) {
+  const uint8_t* super = row + (col / kSuperBlock) * kQ3KSuperBytes;
+  const int at = col % kSuperBlock;
+  return {stream_u32(super + at / 4), stream_u16(super + kSuperBlock / 4 + at / 8)};
+}
+
+// Q3_K: w = (d * s_i) * (c - 4) for a 3-bit code c and the int8 scale of its 16 weights (GGUF's 6-bit scale less
+// 32): Q6_K's record.
+template <>
+struct Packed<WeightFormat::kQ3_K> : IntegerChunks<Raw3, false> {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_3bit_chunk(row, col); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
+    constexpr uint32_t kMinus = (0x6400u + 4) * 0x00010001u;  // fp16 1024 + 4 in both halves
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {  // elements e and e + 8
+      const uint32_t low = (r.low >> (2 * e)) & 0x00030003u;
+      const uint32_t high = r.high >> e;  // element e's bit at 0, e + 8's at 8
+      const uint32_t codes = low | ((high & 0x1u) << 2) | ((high & 0x100u) << 10);
+      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+      w[e] = v.x;
+      w[e + 8] = v.y;
+    }
+    return false;
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    return Packed<WeightFormat::kQ6_K>::scale(row, col);
   }
 };
 
@@ -929,6 +967,7 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kQ5_1: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_1>{});
     case WeightFormat::kQ5_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_K>{});
     case WeightFormat::kKMix: return f(std::integral_constant<WeightFormat, WeightFormat::kKMix>{});
+    case WeightFormat::kQ3_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ3_K>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -957,9 +996,9 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t from, size_t to) {
 // The K-quants' scales: one u8 record a super-block, stacked [outer, (inner,) rows, super-blocks, record].
 inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, const ffi::AnyBuffer& scales, size_t lead,
                                   int64_t n_in, ffi::Span<const int64_t> dd, PackedWeight& w) {
-  const int64_t record = format == WeightFormat::kQ6_K   ? kQ6KRecord
-                         : format == WeightFormat::kKMix ? kKMixRecord
-                                                         : kQ4KRecord;
+  const int64_t record = format == WeightFormat::kQ6_K || format == WeightFormat::kQ3_K ? kQ6KRecord
+                         : format == WeightFormat::kKMix                                 ? kKMixRecord
+                                                                                         : kQ4KRecord;
   auto sd = scales.dimensions();
   if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
       product(sd, 0, lead) != product(dd, 0, lead) || scales.element_type() != ffi::DataType::U8)
@@ -988,15 +1027,20 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
                         format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
   const bool five_bit = format == WeightFormat::kQ5_0 || format == WeightFormat::kQ5_1 || format == WeightFormat::kQ5_K;
   const bool six_bit = format == WeightFormat::kQ6_K || format == WeightFormat::kKMix;
-  const bool k_quant = format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
+  const bool three_bit = format == WeightFormat::kQ3_K;
+  const bool k_quant = three_bit || format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
   if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
-  // Values a row holds: bytes x 2 (4-bit), x 8/5 (5-bit), x 4/3 (6-bit), else one a byte (or bf16 element).
+  // Values a row holds: bytes x 2 (4-bit), x 8/3 (3-bit), x 8/5 (5-bit), x 4/3 (6-bit), else one a byte (or bf16).
   const int64_t bytes = dd[lead + 1];
-  const int64_t cols = six_bit ? bytes * 4 / 3 : five_bit ? bytes * 8 / 5 : bytes * (four_bit ? 2 : 1);
-  if (cols != n_in || n_in % kChunk != 0 || (six_bit && bytes % 3 != 0) || (five_bit && bytes % 5 != 0))
+  const int64_t cols = six_bit     ? bytes * 4 / 3
+                       : five_bit  ? bytes * 8 / 5
+                       : three_bit ? bytes * 8 / 3
+                                   : bytes * (four_bit ? 2 : 1);
+  if (cols != n_in || n_in % kChunk != 0 || ((six_bit || three_bit) && bytes % 3 != 0) ||
+      (five_bit && bytes % 5 != 0))
     return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
                    std::to_string(n_in) + " (a multiple of 16 is required)");
   if (k_quant && n_in % kSuperBlock != 0)

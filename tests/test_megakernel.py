@@ -391,7 +391,7 @@ PACKED_CASES = {
     # GGUF K-quants, as in Q4_K_M files (Q6_K where more bits are kept, the output among them).
     "k_quants": {"attention": "q4_k", "mlp": "q6_k", "embed": "q6_k"},
     "k_quants_5": {"attention": "q5_k", "mlp": "k_mix", "embed": "q5_k"},
-    "k_quants_3": {"attention": "q3_k", "mlp": "q3_k", "embed": "q6_k"},  # as in Q3_K_M files
+    "k_quants_3": {"attention": "q3_k", "mlp": "q2_k", "embed": "q6_k"},  # as in Q3_K_M and Q2_K files
     # GGUF's 5-bit blocks of 32, where K-quant files fall back for rows of no whole super-blocks (SmolLM2's 576).
     "gguf_5": {"attention": "q5_0", "mlp": "q5_1", "embed": "q8_0"},
 }

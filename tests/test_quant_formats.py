@@ -183,8 +183,11 @@ F16_FACTORS = {
 D_LIMITS = {"Q6_K": 2048, "Q3_K": 16384}
 
 
+GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf scales too
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_blocks_match_gguf_dequantize(type_name):
     """Random bytes cover every f16 factor (zero, -0, subnormal, 65504, inf, NaN) and every code (and every
     6-bit K-quant scale and min, every Q6_K int8 scale)."""
@@ -214,13 +217,12 @@ def test_gguf_blocks_match_gguf_dequantize(type_name):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf factors too
-@pytest.mark.parametrize("type_name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_become_k_mix_exactly(type_name):
-    """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections), and Q2_K, which has
-    no format of its own, loads as K_MIX: every value of every type, f16 edges included, the same as gguf's, but the
-    sign of zero (a K_MIX zero is +0) and a Q6_K or Q3_K super-block of infinite d (NaN in K_MIX: inf * q - inf *
-    32). A Q6_K d of 2048 or more (Q3_K: 16384) has no K_MIX form (its B = -32 d, -4 d, overflows f16): refused,
-    and a stack holding one arrives as exact float32."""
+    """A stack of K-quant layers of several types is K_MIX (Q4_K_M's V and down projections): every value of every
+    type, f16 edges included, the same as gguf's, but the sign of zero (a K_MIX zero is +0) and a Q6_K or Q3_K
+    super-block of infinite d (NaN in K_MIX: inf * q - inf * 32). A Q6_K d of 2048 or more (Q3_K: 16384) has no
+    K_MIX form (its B = -32 d, -4 d, overflows f16): refused, and a stack holding one arrives as exact float32."""
     gguf = require("gguf")
     qtype = gguf.GGMLQuantizationType[type_name]
     _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -253,9 +255,10 @@ def test_k_quants_become_k_mix_exactly(type_name):
 
 def test_k_quant_planes_cost_what_the_gguf_blocks_cost():
     """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 5.5 for Q5_K, 6.5625 for Q6_K (Q6_K's
-    record holds its d before its 16 scales: the same 18 bytes); Q3_K's 6-bit scales take a byte each (3.5625 bits
-    a weight against the file's 3.4375). Their rows split only in whole super-blocks."""
-    for fmt, block_bytes in ((quant.Q3_K, 114), (quant.Q4_K, 144), (quant.Q5_K, 176), (quant.Q6_K, 210)):
+    record holds its d before its 16 scales: the same 18 bytes), 2.625 for Q2_K; Q3_K's 6-bit scales take a byte
+    each (3.5625 bits a weight against the file's 3.4375). Their rows split only in whole super-blocks."""
+    sizes = ((quant.Q2_K, 84), (quant.Q3_K, 114), (quant.Q4_K, 144), (quant.Q5_K, 176), (quant.Q6_K, 210))
+    for fmt, block_bytes in sizes:
         planes = fmt.plane_shapes((3, 512))
         assert sum(np.prod(shape) * dtype.itemsize for shape, dtype in planes.values()) == 3 * 2 * block_bytes
         assert fmt.bits_per_weight() == block_bytes * 8 / 256

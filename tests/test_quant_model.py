@@ -370,11 +370,10 @@ def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(
 
 
 def test_q3_k_and_q2_k_load_packed_exactly(tmp_path):
-    """Q3_K stays packed (its scales unpacked to bytes) and Q2_K, which has no format of its own, loads as K_MIX:
-    every value gguf's; a stack whose layers mix them with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K)
-    is K_MIX. A Q3_K layer with a d that K_MIX cannot hold (2^14: its B = -4 d overflows f16) beside a Q4_K one
-    arrives as exact float32, counted as unpacked; the reference path over the packed load gives the dense load's
-    logits."""
+    """Q3_K (its scales unpacked to bytes) and Q2_K stay packed, every value gguf's; a stack whose layers mix them
+    with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K) is K_MIX. A Q3_K layer with a d that K_MIX cannot
+    hold (2^14: its B = -4 d overflows f16) beside a Q4_K one arrives as exact float32, counted as unpacked; the
+    reference path over the packed load gives the dense load's logits."""
     from lithos.checkpoint import gguf_file
 
     path = tmp_path / "tiny-q3_k_m.gguf"
@@ -390,8 +389,8 @@ def test_q3_k_and_q2_k_load_packed_exactly(tmp_path):
     cfg, flat, _, unpacked = gguf_file.load(path)
     _, dense, _, _ = gguf_file.load(path, dequantize=True)  # gguf's values, Q and K rows un-permuted
     assert unpacked == {"Q3_K/Q4_K mixed across layers": 1}
-    assert flat["layers.wq"].format == quant.Q3_K
-    for name in ("layers.wk", "layers.wv", "layers.w_down"):
+    assert flat["layers.wq"].format == quant.Q3_K and flat["layers.wk"].format == quant.Q2_K
+    for name in ("layers.wv", "layers.w_down"):
         assert flat[name].format == quant.K_MIX, name
     assert not quant.is_quantized(flat["layers.w_up"])
     for name, w in flat.items():

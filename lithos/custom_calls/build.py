@@ -44,7 +44,7 @@ CSRC = Path(__file__).parent / "csrc"
 PACKED_SOURCES = (
     *("mxfp4", "mxfp8", "fp8_block128"),
     *("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
-    *("q3_k", "q4_k", "q5_k", "q6_k", "k_mix"),
+    *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "k_mix"),
 )
 
 # Kernel source (csrc/<name>.cu) -> the FFI handler symbols it defines, each registered under its

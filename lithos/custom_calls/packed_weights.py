@@ -37,6 +37,7 @@ FORMAT_CODES: dict[str, int] = {
     "q5_k": 11,
     "k_mix": 12,
     "q3_k": 13,
+    "q2_k": 14,
 }
 PACKED_FORMATS = tuple(name for name in FORMAT_CODES if name != "bfloat16")
 

@@ -20,6 +20,7 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q4_1          u8 [..., out, in/2]        f16 [..., out, in/32]                 f16 [..., out, in/32]
     q5_0          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 -
     q5_1          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 f16 [..., out, in/32]
+    q2_k          u8 [..., out, in/4]        u8  [..., out, in/256, 20]  records   -
     q3_k          u8 [..., out, 3*in/8]      u8  [..., out, in/256, 18]  records   -
     q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
     q5_k          u8 [..., out, 5*in/8]      u8  [..., out, in/256, 16]  records   -
@@ -41,6 +42,9 @@ scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost wha
                   sub-block's pair lies in two adjacent aligned words (the megakernel's lane ring copies a step's
                   scales beside its codes as 4-byte pieces, and q5_k's high bits take one of its four)
     q6_k record   f16 d, then 16 int8 scales, one per 16 weights
+    q2_k record   f16 d, f16 dmin, then 16 bytes scale | min << 4, one per 16 weights (GGUF's bytes, the
+                  factors moved first)
+    q2_k data     element 4k + i at bits 2i of byte k
     q3_k record   as q6_k's: f16 d, then the 16 scales less 32 as int8 (GGUF packs them as 6-bit fields in 12
                   bytes, 110 bytes a super-block where this takes 114: the scales unpacked once at load, so
                   that a kernel reads a chunk's scale as one byte)
@@ -55,8 +59,7 @@ scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost wha
                   q6_k, A = d, B = -32 d, a_i = b_i = sc_i (a d of 2048 or more, whose B would overflow f16,
                   has no k_mix form); from q3_k, A = d, B = -4 d, a_i = b_i = s_i (a d of 16384 or more has no
                   k_mix form); from q4_k and q5_k, A = d, B = -dmin, and for the two runs of 16 of sub-block j,
-                  a_i = sc_j and b_i = m_j. GGUF's Q2_K, which has no format here, loads as k_mix: A = d,
-                  B = -dmin, (a_i, b_i) = its 4-bit (scale, min)
+                  a_i = sc_j and b_i = m_j; from q2_k, A = d, B = -dmin, (a_i, b_i) = (sc_i, m_i)
 
 5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
 order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).
@@ -74,6 +77,7 @@ Values (f32, exact):
     q4_k, q5_k     (d * sc_j) * code - (dmin * m_j)    (sub-block j = column // 32 of the super-block)
     q6_k           (d * sc_i) * (code - 32)            (i = column // 16 of the super-block; sc signed)
     q3_k           (d * s_i) * (code - 4)              (the same i; s_i = GGUF's 6-bit scale - 32)
+    q2_k           (d * sc_i) * code - (dmin * m_i)    (the same i; 4-bit scale and min)
     k_mix          (A * a_i) * code + (B * b_i)        (the same i: every product exact, one rounding; a q6_k
                                                         layer's values but the sign of zero, and NaN for inf d)
 
@@ -111,8 +115,8 @@ class QuantFormat:
     """
 
     name: str
-    element: str  # "e2m1", "e4m3", "int8", "uint3", "uint4", "uint5", "uint6"
-    element_bits: int  # 3, 4, 5, 6 or 8
+    element: str  # "e2m1", "e4m3", "int8", "uint2" ... "uint6"
+    element_bits: int  # 2 to 6, or 8
     block: tuple[int, int]
     scale: str  # "e8m0" (u8 biased exponent), "f16", "f32", "record" (u8 records of `record` bytes a block)
     has_min: bool = False
@@ -191,16 +195,17 @@ Q4_0 = QuantFormat("q4_0", "uint4", 4, (1, 32), "f16", origin="GGUF (llama.cpp)"
 Q4_1 = QuantFormat("q4_1", "uint4", 4, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
 Q5_0 = QuantFormat("q5_0", "uint5", 5, (1, 32), "f16", origin="GGUF (llama.cpp)")
 Q5_1 = QuantFormat("q5_1", "uint5", 5, (1, 32), "f16", has_min=True, origin="GGUF (llama.cpp)")
+Q2_K = QuantFormat("q2_k", "uint2", 2, (1, 256), "record", record=20, origin="GGUF (llama.cpp K-quants)")
 Q3_K = QuantFormat("q3_k", "uint3", 3, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
 Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q5_K = QuantFormat("q5_k", "uint5", 5, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
 K_MIX = QuantFormat("k_mix", "uint6", 6, (1, 256), "record", record=36, origin="GGUF K-quant layers of mixed types")
 
-FORMATS: dict[str, QuantFormat] = {
-    f.name: f
-    for f in (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, K_MIX)
-}
+MX_AND_FP8 = (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128)
+GGUF_BLOCKS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+K_QUANT_FORMATS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, K_MIX)
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (*MX_AND_FP8, *GGUF_BLOCKS, *K_QUANT_FORMATS)}
 
 
 def get_format(name: str) -> QuantFormat:
@@ -406,18 +411,24 @@ def k_scales_and_mins(records: jax.Array, fmt_name: str) -> tuple[jax.Array, jax
     return unpack(records[..., 4:16])
 
 
+def unpack_2bit(data: jax.Array) -> jax.Array:
+    """2-bit codes `[..., 4n]` int32 from bytes `[..., n]`: element 4k + i at bits 2i of byte k."""
+    codes = (data.astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
+    return codes.reshape(*data.shape[:-1], 4 * data.shape[-1])
+
+
 def k_quant_codes(data: jax.Array, fmt_name: str) -> jax.Array:
-    """The codes `[..., n]` int32 of K-quant data (q3_k, q4_k, q5_k, q6_k, k_mix: the layouts in the module
-    docstring)."""
+    """The codes `[..., n]` int32 of K-quant data (q2_k ... q6_k, k_mix: the layouts in the module docstring)."""
     if fmt_name == "q4_k":
         return unpack_nibbles(data)
     if fmt_name == "q5_k":
         return unpack_5bit(data, 256)
+    if fmt_name == "q2_k":
+        return unpack_2bit(data)
     if fmt_name == "q3_k":
         blocks = _blocks(data, 96)  # [..., super-blocks, 96]
-        low = (blocks[..., :64].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
         high = (blocks[..., 64:].astype(jnp.int32)[..., None] >> jnp.arange(8, dtype=jnp.int32)) & 1
-        return _unblock(low.reshape(*low.shape[:-2], 256) | high.reshape(*high.shape[:-2], 256) << 2)
+        return _unblock(unpack_2bit(blocks[..., :64]) | high.reshape(*high.shape[:-2], 256) << 2)
     blocks = _blocks(data, 192)  # q6_k, k_mix: [..., super-blocks, 192]
     high = (blocks[..., 128:].astype(jnp.int32)[..., None] >> jnp.array([0, 2, 4, 6], jnp.int32)) & 3
     return _unblock(unpack_nibbles(blocks[..., :128]) | (high.reshape(*high.shape[:-2], 256) << 4))
@@ -432,7 +443,11 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
         scale = (d * scales.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         low = (_record_f16(records, 2)[..., None] * mins.astype(jnp.float32)).reshape(codes.shape[:-1])[..., None]
         return _unblock(scale * codes.astype(jnp.float32) - low)
-    codes = _blocks(_blocks(k_quant_codes(w.data, w.format.name), 256), 16)  # q3_k, q6_k, k_mix: [..., sb, 16, 16]
+    codes = _blocks(_blocks(k_quant_codes(w.data, w.format.name), 256), 16)  # the rest: [..., sb, 16, 16]
+    if w.format.name == "q2_k":
+        scales, mins = records[..., 4:20] & 0x0F, records[..., 4:20] >> 4  # [..., 16]
+        mul, sub_ = d * scales.astype(jnp.float32), _record_f16(records, 2)[..., None] * mins.astype(jnp.float32)
+        return _unblock(_unblock(mul[..., None] * codes.astype(jnp.float32) - sub_[..., None]))
     if w.format.name in ("q3_k", "q6_k"):
         offset = 4 if w.format.name == "q3_k" else 32
         scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]

@@ -4,12 +4,11 @@
   (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
-- GGUF K-quant super-blocks (Q3_K, Q4_K, Q5_K, Q6_K: 256 weights, 110, 144, 176 and 210 bytes): their scales stay
-  one record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields, Q3_K's
+- GGUF K-quant super-blocks (Q2_K ... Q6_K: 256 weights, 84, 110, 144, 176 and 210 bytes): their scales stay one
+  record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields, Q3_K's
   6-bit scales unpacked to bytes: 114), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1, Q5_K) keep
   GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants becomes K_MIX, each
-  layer's values exactly. Q2_K (84 bytes), which has no format of its own here, becomes K_MIX, exactly (7.1 bits a
-  weight where the file spends 2.6).
+  layer's values exactly.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -25,6 +24,7 @@ from lithos.quant.formats import (
     FP8_BLOCK128,
     K_MIX,
     MXFP4,
+    Q2_K,
     Q3_K,
     Q4_0,
     Q4_1,
@@ -55,7 +55,7 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q5_K": (Q5_K, 256, 176),
     "Q6_K": (Q6_K, 256, 210),
     "Q3_K": (Q3_K, 256, 110),
-    "Q2_K": (K_MIX, 256, 84),  # no packed format of its own: as K_MIX, every value exactly, at 7.1 bits a weight
+    "Q2_K": (Q2_K, 256, 84),
 }
 
 
@@ -112,13 +112,6 @@ def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": record, "data": _5bit_runs(low, high_bytes)}
 
 
-def _k_mix_planes(codes: np.ndarray, factors: np.ndarray, pairs: np.ndarray) -> dict[str, np.ndarray]:
-    """K_MIX planes from codes `[..., n, 256]` (0..63), the f16 (A, B) `[..., n, 2]` and the int8 (a_i, b_i) `[..., n,
-    16, 2]` of each super-block."""
-    record = np.concatenate([factors.view(np.uint8), pairs.reshape(*pairs.shape[:-2], 32).view(np.uint8)], axis=-1)
-    return {"data": _6bit_runs(codes.astype(np.uint8)), "scales": record}
-
-
 def _2bit_codes(qs: np.ndarray) -> np.ndarray:
     """A Q2_K or Q3_K super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j + 16t + l
     at bits 2j) -> `[..., n, 2, 4, 2, 16]` (h, j, t, l: element order)."""
@@ -128,12 +121,17 @@ def _2bit_codes(qs: np.ndarray) -> np.ndarray:
 
 def _q2_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Q2_K super-blocks `[..., n, 84]` (16 bytes of 4-bit scale | min << 4, one per 16 weights; 64 of 2-bit codes;
-    f16 d and dmin; w = (d sc_i) c - dmin m_i) -> K_MIX planes: A = d, B = -dmin, (a_i, b_i) = (sc_i, m_i)."""
-    lead = blocks.shape[:-1]
-    scales = blocks[..., :16]
-    pairs = np.stack([scales & 0x0F, scales >> 4], axis=-1)
-    factors = np.concatenate([blocks[..., 80:82], blocks[..., 82:84] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
-    return _k_mix_planes(_2bit_codes(blocks[..., 16:80]).reshape(*lead, 256), factors.view(np.float16), pairs)
+    f16 d and dmin; w = (d sc_i) c - dmin m_i) -> planes: the codes in element order, and a record of d, dmin and
+    the 16 scale bytes."""
+    codes = _2bit_codes(blocks[..., 16:80]).reshape(*blocks.shape[:-1], 256)
+    record = np.concatenate([blocks[..., 80:84], blocks[..., :16]], axis=-1)
+    return {"scales": record, "data": _2bit_bytes(codes).reshape(*blocks.shape[:-2], -1)}
+
+
+def _2bit_bytes(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes `[..., 4n]` -> bytes `[..., n]`: element 4k + i at bits 2i of byte k."""
+    packed = codes[..., 0::4] | (codes[..., 1::4] << 2) | (codes[..., 2::4] << 4) | (codes[..., 3::4] << 6)
+    return packed.astype(np.uint8)
 
 
 def _q3_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
@@ -158,10 +156,8 @@ def _q3_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 def _3bit_runs(codes: np.ndarray) -> np.ndarray:
     """3-bit codes `[..., n, 256]` -> `[..., n * 96]`: each super-block's low 2 bits (element 4k + i at bits 2i of
     byte k), then its high bits (element i at bit i % 8 of byte i // 8)."""
-    low = codes & 3
-    low_bytes = low[..., 0::4] | (low[..., 1::4] << 2) | (low[..., 2::4] << 4) | (low[..., 3::4] << 6)
     high_bytes = np.packbits((codes >> 2).reshape(*codes.shape[:-1], 32, 8) & 1, axis=-1, bitorder="little")[..., 0]
-    runs = np.concatenate([low_bytes.astype(np.uint8), high_bytes], axis=-1)
+    runs = np.concatenate([_2bit_bytes(codes & 3), high_bytes], axis=-1)
     return runs.reshape(*runs.shape[:-2], -1)
 
 
@@ -182,9 +178,7 @@ def _b_factor(d: np.ndarray, times: int, fmt_name: str) -> np.ndarray:
 def _6bit_runs(codes: np.ndarray) -> np.ndarray:
     """6-bit codes `[..., n, 256]` -> `[..., n * 192]`: each super-block's low nibbles in the common 4-bit order,
     then its high 2 bits (element 4k + i at bits 2i of byte k)."""
-    high = codes >> 4
-    high_bytes = high[..., 0::4] | (high[..., 1::4] << 2) | (high[..., 2::4] << 4) | (high[..., 3::4] << 6)
-    runs = np.concatenate([pack_nibbles(codes & 0x0F), high_bytes.astype(np.uint8)], axis=-1)
+    runs = np.concatenate([pack_nibbles(codes & 0x0F), _2bit_bytes(codes >> 4)], axis=-1)
     return runs.reshape(*runs.shape[:-2], -1)
 
 
@@ -201,7 +195,7 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
-    """A Q3_K, Q4_K, Q5_K or Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX
+    """A Q2_K ... Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX
     array as it is); a NoPackedForm for a Q6_K (Q3_K) array with a finite d of 2048 (16384) or more, which has no
     K_MIX form (B = -32 d, -4 d, would overflow f16)."""
     if w.format == K_MIX:
@@ -211,14 +205,20 @@ def to_k_mix(w: QuantizedArray) -> QuantizedArray:
         d = records[..., 0:2].copy().view(np.float16)
         factors = np.concatenate([d, _b_factor(d, -4 if w.format.name == "q3_k" else -32, w.format.name)], axis=-1)
         a = b = records[..., 2:18].view(np.int8)
+    elif w.format.name == "q2_k":
+        factors = np.concatenate([records[..., 0:2], records[..., 2:4] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
+        factors = factors.view(np.float16)
+        a, b = records[..., 4:20] & 0x0F, records[..., 4:20] >> 4
     else:
         sc, m = (np.asarray(v) for v in k_scales_and_mins(records, w.format.name))
         a, b = np.repeat(sc, 2, axis=-1).astype(np.int8), np.repeat(m, 2, axis=-1).astype(np.int8)
         factors = np.concatenate([records[..., 0:2], records[..., 2:4] ^ np.uint8([0, 0x80])], axis=-1)  # B = -dmin
         factors = factors.view(np.float16)
-    codes = np.asarray(k_quant_codes(w.data, w.format.name))
-    planes = _k_mix_planes(codes.reshape(*codes.shape[:-1], -1, 256), factors, np.stack([a, b], axis=-1))
-    return from_planes(K_MIX, planes, w.dtype)
+    pairs = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 32)
+    record = np.concatenate([factors.view(np.uint8), pairs.view(np.uint8)], axis=-1)
+    codes = np.asarray(k_quant_codes(w.data, w.format.name)).astype(np.uint8)
+    data = _6bit_runs(codes.reshape(*codes.shape[:-1], -1, 256))
+    return from_planes(K_MIX, {"data": data, "scales": record}, w.dtype)
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.float32) -> QuantizedArray:
@@ -310,12 +310,12 @@ def map_planes(fn, w):
     return fn(w)
 
 
-K_QUANTS = ("q3_k", "q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def stack(arrays: list) -> np.ndarray | QuantizedArray:
     """Stack per-layer tensors on a new leading axis. Packed tensors of one format stack plane by plane; K-quants
-    of several (Q4_K_M's V and down projections; Q2_K arrives as K_MIX) as K_MIX, exactly; any other mix (a
+    of several (Q4_K_M's V and down projections) as K_MIX, exactly; any other mix (a
     GGUF whose layers use different types, or a layer with no K_MIX form) falls back to exact f32 values."""
     packed = [a for a in arrays if isinstance(a, QuantizedArray)]
     formats = {a.format.name for a in packed}

@@ -33,7 +33,8 @@ def random_packed(
             if fmt.name == "q3_k":  # GGUF's 6-bit scales less 32
                 plane = (rng.integers(-32, 32, plane_shape) & 0xFF).astype(np.uint8)
             factors = 1 if fmt.name in ("q3_k", "q6_k") else 2  # f16 d (and dmin, or A and B)
-            span = spread * {"q3_k": 0.01, "q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}[fmt.name]
+            spans = {"q2_k": 0.02, "q3_k": 0.01, "q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}
+            span = spread * spans[fmt.name]
             d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
             plane[..., : 2 * factors] = d.view(np.uint8)
         elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0

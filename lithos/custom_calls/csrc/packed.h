@@ -61,8 +61,9 @@ enum class WeightFormat : int32_t {
   kQ5_K = 11,
   kKMix = 12,
   kQ3_K = 13,
+  kQ2_K = 14,
 };
-constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ3_K);
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ2_K);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
@@ -71,6 +72,7 @@ constexpr int kSuperBlock = 256;  // K-quants: weights of a row sharing one scal
 constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales and mins
 constexpr int kQ5KSuperBytes = 160;  // q5_k data of a super-block: 128 bytes of low nibbles, 32 of high bits
 constexpr int kQ6KRecord = 18;    // q6_k and q3_k: f16 d, 16 int8 scales
+constexpr int kQ2KRecord = 20;    // q2_k: f16 d, f16 dmin, 16 bytes of 4-bit scale | min << 4
 constexpr int kKMixRecord = 36;   // k_mix: f16 A, f16 B, 16 int8 pairs (a, b)
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 constexpr int kQ3KSuperBytes = 96;   // q3_k data of a super-block: 64 bytes of low 2 bits, 32 of high bits
@@ -387,6 +389,38 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
   }
 };
 
+// The 16 2-bit codes of a word (element e at bits 2e) as floats, pairs (e, e + 8) a half2; `high(e)` places the
+// third bit of the pair (Q3_K's, at bits 2 and 18) or 0.
+template <uint32_t OFFSET, class High>
+LITHOS_DECODE void decode_2bit_word(uint32_t low, float (&w)[kChunk], High high) {
+  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
+#pragma unroll
+  for (int e = 0; e < kChunk / 2; ++e) {
+    const uint32_t codes = ((low >> (2 * e)) & 0x00030003u) | high(e);
+    const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+    w[e] = v.x;
+    w[e + 8] = v.y;
+  }
+}
+
+// Q2_K: w = (d * sc_i) * c - dmin * m_i for a 2-bit code c (element 4k + i of a row at bits 2i of byte k) and the
+// 4-bit scale and min of its 16 weights.
+template <>
+struct Packed<WeightFormat::kQ2_K> : IntegerChunks<uint32_t, true> {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u32(row + col / 4); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_2bit_word<0>(r, w, [](int) { return 0u; });
+    return false;
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    const uint8_t* record = row.scales + (col / kSuperBlock) * kQ2KRecord;
+    const uint32_t pair = record[4 + (col % kSuperBlock) / 16];
+    const uint16_t* factors = reinterpret_cast<const uint16_t*>(record);
+    return {half_bits_to_float(factors[0]) * static_cast<float>(pair & 0xF),
+            -(half_bits_to_float(factors[1]) * static_cast<float>(pair >> 4))};
+  }
+};
+
 // 3-bit rows (Q3_K): per super-block, 64 bytes of low 2 bits (element 4k + i at bits 2i of byte k), then 32 of high
 // bits (element i at bit i). A chunk is the word of its 16 codes' low bits and the 2 bytes of their high bits.
 struct Raw3 {
@@ -406,16 +440,10 @@ template <>
 struct Packed<WeightFormat::kQ3_K> : IntegerChunks<Raw3, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_3bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    constexpr uint32_t kMinus = (0x6400u + 4) * 0x00010001u;  // fp16 1024 + 4 in both halves
-#pragma unroll
-    for (int e = 0; e < kChunk / 2; ++e) {  // elements e and e + 8
-      const uint32_t low = (r.low >> (2 * e)) & 0x00030003u;
+    decode_2bit_word<4>(r.low, w, [&](int e) {
       const uint32_t high = r.high >> e;  // element e's bit at 0, e + 8's at 8
-      const uint32_t codes = low | ((high & 0x1u) << 2) | ((high & 0x100u) << 10);
-      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
-      w[e] = v.x;
-      w[e + 8] = v.y;
-    }
+      return ((high & 0x1u) << 2) | ((high & 0x100u) << 10);
+    });
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -968,6 +996,7 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kQ5_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ5_K>{});
     case WeightFormat::kKMix: return f(std::integral_constant<WeightFormat, WeightFormat::kKMix>{});
     case WeightFormat::kQ3_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ3_K>{});
+    case WeightFormat::kQ2_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ2_K>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -998,6 +1027,7 @@ inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, co
                                   int64_t n_in, ffi::Span<const int64_t> dd, PackedWeight& w) {
   const int64_t record = format == WeightFormat::kQ6_K || format == WeightFormat::kQ3_K ? kQ6KRecord
                          : format == WeightFormat::kKMix                                 ? kKMixRecord
+                         : format == WeightFormat::kQ2_K                                 ? kQ2KRecord
                                                                                          : kQ4KRecord;
   auto sd = scales.dimensions();
   if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
@@ -1027,17 +1057,20 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
                         format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
   const bool five_bit = format == WeightFormat::kQ5_0 || format == WeightFormat::kQ5_1 || format == WeightFormat::kQ5_K;
   const bool six_bit = format == WeightFormat::kQ6_K || format == WeightFormat::kKMix;
-  const bool three_bit = format == WeightFormat::kQ3_K;
-  const bool k_quant = three_bit || format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
+  const bool three_bit = format == WeightFormat::kQ3_K, two_bit = format == WeightFormat::kQ2_K;
+  const bool k_quant =
+      two_bit || three_bit || format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
   if (data.element_type() != want_data) return invalid(op + ": weight data has the wrong dtype for its format");
-  // Values a row holds: bytes x 2 (4-bit), x 8/3 (3-bit), x 8/5 (5-bit), x 4/3 (6-bit), else one a byte (or bf16).
+  // Values a row holds: bytes x 4 (2-bit), x 8/3 (3-bit), x 2 (4-bit), x 8/5 (5-bit), x 4/3 (6-bit), else one a
+  // byte (or bf16 element).
   const int64_t bytes = dd[lead + 1];
   const int64_t cols = six_bit     ? bytes * 4 / 3
                        : five_bit  ? bytes * 8 / 5
                        : three_bit ? bytes * 8 / 3
+                       : two_bit   ? bytes * 4
                                    : bytes * (four_bit ? 2 : 1);
   if (cols != n_in || n_in % kChunk != 0 || ((six_bit || three_bit) && bytes % 3 != 0) ||
       (five_bit && bytes % 5 != 0))

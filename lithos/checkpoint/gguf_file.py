@@ -77,10 +77,11 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
     Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the K-quants Q2_K to Q6_K stay packed
-    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`; every other tensor arrives as float32. `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although
-    `dequantize` was not asked for (types lithos has no packed layout for, such as IQ4_XS, and tensors whose layers
-    mix types other than the K-quants, or K-quants with a d too large for K_MIX): their exact values are float32. A
-    tensor whose layers mix K-quants (Q4_K_M's V and down projections) is K_MIX."""
+    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`; every other tensor arrives as float32.
+    `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although `dequantize` was not
+    asked for (types lithos has no packed layout for, such as IQ4_XS, and tensors whose layers mix types other than
+    the K-quants, or K-quants with a d too large for K_MIX): their exact values are float32. A tensor whose layers
+    mix K-quants (Q4_K_M's V and down projections) is K_MIX."""
     import gguf
 
     reader = open_reader(path)

@@ -22,6 +22,7 @@ FUSED = (
     "lm_head",
     "attention",
     "matvec_packed_mxfp4",
+    "matvec_packed_iq4_xs",
     "matvec_packed_q2_k",
     "matvec_packed_q3_k",
     "matvec_packed_q4_k",

@@ -56,7 +56,10 @@ def model_shape(name: str):
 
 # Packed formats of --weight-format: those lithos quantizes to, and the GGUF ones it reads but does not make.
 MADE_FORMATS = ("mxfp4", "mxfp8", "fp8_block128")
-READ_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "k_mix")
+READ_FORMATS = (
+    *("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"),
+    *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "k_mix"),
+)
 # Mixes as GGUF files hold them: Q4_K_M's (Q3_K_M's, Q5_K_M's) V and down projections in another K-quant in some
 # layers than in others (K_MIX), the rest in Q4_K (Q3_K, Q5_K).
 READ_MIXES = {

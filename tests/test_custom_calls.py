@@ -383,11 +383,11 @@ def test_packed_megakernel_compiles(toolchain, formats):
 def test_megakernel_compiles_with_the_ring_steps_not_yet_run_on_a_gpu(toolchain):
     """K_MIX and Q5_K rows through the lane ring, which a build asks for until they have run on a GPU
     (LITHOS_MK_RING_NEW: csrc/mk_lane_ring.h), in a build like the one that reads a Q5_K_M file (Q/K/V and down in
-    K_MIX, gate and up in Q5_K) with its O in Q3_K (the register path's 3-bit codes); HIP builds read them all
-    through registers."""
+    K_MIX, gate and up in Q5_K) with its O in Q3_K (the register path's 3-bit codes) and its head in IQ4_XS (its
+    looked-up values); HIP builds read them all through registers."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
 
-    variant = WeightFormats("k_mix", "q5_k", "bfloat16", o="q3_k", down="k_mix").variant()
+    variant = WeightFormats("k_mix", "q5_k", "iq4_xs", o="q3_k", down="k_mix").variant()
     asked = check_build(toolchain, defines=(*toolchain.defines, "LITHOS_MK_RING_NEW=1"))
     library = build.build("megakernel", variant.toolchain(asked))
     assert library != build.library_path("megakernel", variant.toolchain(check_build(toolchain)))

@@ -392,6 +392,7 @@ PACKED_CASES = {
     "k_quants": {"attention": "q4_k", "mlp": "q6_k", "embed": "q6_k"},
     "k_quants_5": {"attention": "q5_k", "mlp": "k_mix", "embed": "q5_k"},
     "k_quants_3": {"attention": "q3_k", "mlp": "q2_k", "embed": "q6_k"},  # as in Q3_K_M and Q2_K files
+    "iq4": {"attention": "iq4_nl", "mlp": "iq4_xs", "embed": "iq4_nl"},  # llama.cpp's non-linear 4-bit
     # GGUF's 5-bit blocks of 32, where K-quant files fall back for rows of no whole super-blocks (SmolLM2's 576).
     "gguf_5": {"attention": "q5_0", "mlp": "q5_1", "embed": "q8_0"},
 }
@@ -400,6 +401,7 @@ PACKED_SIZES = {
     "k_quants": dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "k_quants_5": dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "k_quants_3": dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "iq4": dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512),
 }
 
 

@@ -96,6 +96,8 @@ def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
         ("llama-3.1-8b", {"attention": "k_mix", "mlp": "q4_k", "wo": "q4_k", "w_down": "k_mix"}, 1),
         ("llama-3.1-8b", {"attention": "k_mix", "mlp": "q5_k", "wo": "q5_k", "w_down": "k_mix"}, 1),  # Q5_K_M's
         ("llama-3.2-1b", {"attention": "q3_k", "mlp": "q2_k", "lm_head": "q6_k"}, 1),  # 3- and 2-bit codes
+        ("llama-3.2-1b", {"attention": "iq4_nl", "mlp": "iq4_xs", "lm_head": "iq4_nl"}, 1),  # IQ4's looked-up values
+        ("llama-3.2-1b", {"attention": "iq4_xs", "mlp": "iq4_xs", "lm_head": "iq4_xs"}, 16),
         ("llama-3.2-1b", {"attention": "k_mix", "mlp": "q3_k", "wo": "q3_k", "w_down": "k_mix"}, 4),  # Q3_K_M's
         # the 5-bit blocks of 32 that K-quant files of SmolLM2 hold where rows are not whole super-blocks
         ("smollm2-like", {"attention": "q5_0", "mlp": "q5_1", "lm_head": "q8_0"}, 1),

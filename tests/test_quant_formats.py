@@ -178,12 +178,28 @@ F16_FACTORS = {
     "Q6_K": (208,),
     "Q2_K": (80, 82),
     "Q3_K": (108,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }
 # K-quants whose K_MIX form scales d by a power of two (B = -32 d, -4 d): the d at which B overflows f16.
 D_LIMITS = {"Q6_K": 2048, "Q3_K": 16384}
 
 
-GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_TYPES = [
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "IQ4_NL",
+    "MXFP4",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_XS",
+]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf scales too

@@ -2,17 +2,17 @@
 # Run 119 (the next device run, about 17 minutes on the H200 in three calls of the device tool's 10 at most):
 #   bash benchmarks/device_runs/run119.sh tests     (builds, then the GPU cases: about 6 minutes)
 #   bash benchmarks/device_runs/run119.sh kquants   (the 4- to 6-bit K-quant steps: about 5 minutes)
-#   bash benchmarks/device_runs/run119.sh low       (Q3_K, Q2_K and MXFP4 steps: about 6 minutes)
+#   bash benchmarks/device_runs/run119.sh low       (Q3_K, Q2_K, IQ4_XS and MXFP4 steps: about 7 minutes)
 # Each phase builds first what the machine lacks (every variant at once; cached on a warm machine). It checks and
 # times what was written after run 118 (lithos/custom_calls/NOTES.md, "Q4_K and Q6_K rows through the lane ring",
-# "K_MIX through the ring", "Q5_K through the ring", "Q3_K and Q2_K kept packed"):
-# - the GPU cases: K_MIX's 36-byte records, Q5_K's re-packed ones and the new Q3_K and Q2_K formats on the fused
-#   kernels (with every Q4_K and Q6_K case: their register path reads records by word shifts since run 117); K_MIX
-#   and Q5_K rows through the megakernel's lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run passes); O
-#   and down in formats of their own (a Q4_K_M file as the megakernel now reads it: Q/K/V and down in K_MIX, O, gate
-#   and up in Q4_K); the megakernel over Q3_K and Q2_K;
+# "K_MIX through the ring", "Q5_K through the ring", "Q3_K and Q2_K kept packed", "IQ4_NL and IQ4_XS kept packed"):
+# - the GPU cases: K_MIX's 36-byte records, Q5_K's re-packed ones and the new Q3_K, Q2_K, IQ4_NL and IQ4_XS formats
+#   on the fused kernels (with every Q4_K and Q6_K case: their register path reads records by word shifts since run
+#   117); K_MIX and Q5_K rows through the megakernel's lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run
+#   passes); O and down in formats of their own (a Q4_K_M file as the megakernel now reads it: Q/K/V and down in
+#   K_MIX, O, gate and up in Q4_K); the megakernel over Q3_K, Q2_K and the IQ4 formats;
 # - kquants: 8B Q4_K_M and Q5_K (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel;
-# - low: 8B Q3_K and Q2_K (fused and megakernel), and the MXFP4 groups in tiles not yet timed (gate/up + down,
+# - low: 8B Q3_K, Q2_K and IQ4_XS (fused and megakernel), and the MXFP4 groups in tiles not yet timed (gate/up + down,
 #   gate/up + down + O) beside the default.
 # Everything lands in $OUT/run119-<phase>.tar.gz, rewritten after every step.
 set -uo pipefail
@@ -32,13 +32,14 @@ log build  # every variant at once (about 2.5 minutes on 16 cores): the tests wo
 python3 benchmarks/build_variants.py gate_up gate_up,down gate_up,down,o q4_k:q4_k:bfloat16 q6_k:q6_k:bfloat16 \
   k_mix:q4_k:bfloat16:q4_k:k_mix k_mix:q5_k:bfloat16:q5_k:k_mix k_mix:q3_k:bfloat16:q3_k:k_mix q4_k:q6_k:q6_k \
   q6_k:q4_k:bfloat16 q4_k:k_mix:bfloat16 q5_k:q5_k:q6_k q5_k:q5_k:bfloat16 q3_k:q2_k:q6_k q3_k:q3_k:bfloat16 q2_k:q2_k:bfloat16 \
+  iq4_nl:iq4_xs:iq4_nl iq4_xs:iq4_xs:iq4_xs iq4_xs:iq4_xs:bfloat16 \
   >"$work/build-$phase.log" 2>&1
 grep FAILED "$work/build-$phase.log" | cut -c1-300
 
 if [ "$phase" = tests ]; then
   log tests
   timeout 300 "${gpu_pytest[@]}" -n 6 tests/test_megakernel_gpu.py tests/test_custom_calls_packed_gpu.py \
-    -k "q2_k or q3_k or q4_k or q5 or q6_k or k_mix or mixed" >"$work/tests.log" 2>&1
+    -k "q2_k or q3_k or q4_k or q5 or q6_k or k_mix or mixed or iq4" >"$work/tests.log" 2>&1
   grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -30
   save
   log done
@@ -62,6 +63,7 @@ if [ "$phase" = kquants ]; then
 else
   step gate_up llama-3.1-8b q3_k fused,megakernel
   step gate_up llama-3.1-8b q2_k fused,megakernel
+  step gate_up llama-3.1-8b iq4_xs fused,megakernel
   step gate_up llama-3.1-8b mxfp4 megakernel
   step gate_up,down llama-3.1-8b mxfp4 megakernel
   step gate_up,down,o llama-3.1-8b mxfp4 megakernel

@@ -99,8 +99,8 @@ def _read_source(path: Path, dtype: str, dequantize: bool = False):
     rounding), `rounding` the warning (already given) about quantized tensors that storing in `dtype`
     rounds, or None.
 
-    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K, FP8 block-scaled, MXFP4 blocks)
-    arrive as lithos.quant.QuantizedArray, or as float32 when `dequantize`.
+    Packed tensors (GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/MXFP4/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K, FP8 block-scaled, MXFP4
+    blocks) arrive as lithos.quant.QuantizedArray, or as float32 when `dequantize`.
     """
     if path.is_file():
         if path.suffix != ".gguf":

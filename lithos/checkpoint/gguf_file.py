@@ -76,7 +76,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
-    Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the K-quants Q2_K to Q6_K stay packed
+    Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 and the K-quants Q2_K to Q6_K stay packed
     (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`; every other tensor arrives as float32.
     `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although `dequantize` was not
     asked for (types lithos has no packed layout for, such as IQ4_XS, and tensors whose layers mix types other than

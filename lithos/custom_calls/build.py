@@ -43,7 +43,7 @@ CSRC = Path(__file__).parent / "csrc"
 # FORMAT_CODES names the same (tests/test_custom_calls_packed.py).
 PACKED_SOURCES = (
     *("mxfp4", "mxfp8", "fp8_block128"),
-    *("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"),
+    *("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"),
     *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "k_mix"),
 )
 

@@ -2,8 +2,9 @@
 code in csrc/matvec_packed.h and csrc/packed.h) beside their reference twins.
 
 Each op takes a weight that is either bf16 (then it is the bf16 op of matvec.py / qkv.py / lm_head.py)
-or a lithos.quant QuantizedArray (MXFP4, MXFP8, FP8 128x128 block-scaled, GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
-and the K-quants Q4_K, Q5_K, Q6_K), whose codes the kernel dequantises in registers, accumulating in float32:
+or a lithos.quant QuantizedArray (MXFP4, MXFP8, FP8 128x128 block-scaled, GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+IQ4_NL, IQ4_XS, the K-quants Q2_K to Q6_K and K_MIX), whose codes the kernel dequantises in registers, accumulating
+in float32:
 
 - `packed_matvec`:          y = residual + RMSNorm?(x) @ w.T
 - `packed_gate_up_silu`:    y = silu(xn @ w_gate.T) * (xn @ w_up.T)

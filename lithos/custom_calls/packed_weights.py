@@ -38,6 +38,8 @@ FORMAT_CODES: dict[str, int] = {
     "k_mix": 12,
     "q3_k": 13,
     "q2_k": 14,
+    "iq4_nl": 15,
+    "iq4_xs": 16,
 }
 PACKED_FORMATS = tuple(name for name in FORMAT_CODES if name != "bfloat16")
 

@@ -12,6 +12,8 @@ LM head); the reference path dequantises it, the kernels will read the planes di
 from lithos.quant.formats import (
     FORMATS,
     FP8_BLOCK128,
+    IQ4_NL,
+    IQ4_XS,
     K_MIX,
     MXFP4,
     MXFP4_TILES,
@@ -61,6 +63,8 @@ __all__ = [
     "Q5_0",
     "Q5_1",
     "Q5_K",
+    "IQ4_NL",
+    "IQ4_XS",
     "Q2_K",
     "Q3_K",
     "Q6_K",

@@ -20,6 +20,8 @@ Planes, for logical shape `[..., out, in]` (all row-major):
     q4_1          u8 [..., out, in/2]        f16 [..., out, in/32]                 f16 [..., out, in/32]
     q5_0          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 -
     q5_1          u8 [..., out, 5*in/8]      f16 [..., out, in/32]                 f16 [..., out, in/32]
+    iq4_nl        u8 [..., out, in/2]        f16 [..., out, in/32]                 -
+    iq4_xs        u8 [..., out, in/2]        u8  [..., out, in/256, 8]   records   -
     q2_k          u8 [..., out, in/4]        u8  [..., out, in/256, 20]  records   -
     q3_k          u8 [..., out, 3*in/8]      u8  [..., out, in/256, 18]  records   -
     q4_k          u8 [..., out, in/2]        u8  [..., out, in/256, 16]  records   -
@@ -61,6 +63,11 @@ scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost wha
                   k_mix form); from q4_k and q5_k, A = d, B = -dmin, and for the two runs of 16 of sub-block j,
                   a_i = sc_j and b_i = m_j; from q2_k, A = d, B = -dmin, (a_i, b_i) = (sc_i, m_i)
 
+The IQ4 formats (llama.cpp's non-linear 4-bit): a code indexes 16 int8 values (IQ4_VALUES); iq4_nl scales a
+block of 32 by f16 d, iq4_xs a super-block of 256 by a record kept as GGUF's 8 bytes: f16 d, a u16 of the 8
+sub-blocks' 2 high scale bits (sub-block j at bits 2j), 4 bytes of their low 4 (j at the low nibble of byte j // 2
+for even j, the high for odd); the sub-block's 6-bit scale less 32 multiplies d.
+
 5-bit data (q5_0, q5_1 per block of 32, q5_k per super-block of 256): the codes' low 4 bits in the 4-bit
 order above, then their high bits, element i at bit i % 8 of byte i // 8 (GGUF's own bit order).
 
@@ -78,6 +85,8 @@ Values (f32, exact):
     q6_k           (d * sc_i) * (code - 32)            (i = column // 16 of the super-block; sc signed)
     q3_k           (d * s_i) * (code - 4)              (the same i; s_i = GGUF's 6-bit scale - 32)
     q2_k           (d * sc_i) * code - (dmin * m_i)    (the same i; 4-bit scale and min)
+    iq4_nl         f32(d) * IQ4_VALUES[code]
+    iq4_xs         (d * (sc_j - 32)) * IQ4_VALUES[code] (sub-block j = column // 32 of the super-block)
     k_mix          (A * a_i) * code + (B * b_i)        (the same i: every product exact, one rounding; a q6_k
                                                         layer's values but the sign of zero, and NaN for inf d)
 
@@ -115,7 +124,7 @@ class QuantFormat:
     """
 
     name: str
-    element: str  # "e2m1", "e4m3", "int8", "uint2" ... "uint6"
+    element: str  # "e2m1", "e4m3", "int8", "uint2" ... "uint6", "iq4" (an index into IQ4_VALUES)
     element_bits: int  # 2 to 6, or 8
     block: tuple[int, int]
     scale: str  # "e8m0" (u8 biased exponent), "f16", "f32", "record" (u8 records of `record` bytes a block)
@@ -200,10 +209,12 @@ Q3_K = QuantFormat("q3_k", "uint3", 3, (1, 256), "record", record=18, origin="GG
 Q4_K = QuantFormat("q4_k", "uint4", 4, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q5_K = QuantFormat("q5_k", "uint5", 5, (1, 256), "record", record=16, origin="GGUF (llama.cpp K-quants)")
 Q6_K = QuantFormat("q6_k", "uint6", 6, (1, 256), "record", record=18, origin="GGUF (llama.cpp K-quants)")
+IQ4_NL = QuantFormat("iq4_nl", "iq4", 4, (1, 32), "f16", origin="GGUF (llama.cpp IQ4_NL)")
+IQ4_XS = QuantFormat("iq4_xs", "iq4", 4, (1, 256), "record", record=8, origin="GGUF (llama.cpp IQ4_XS)")
 K_MIX = QuantFormat("k_mix", "uint6", 6, (1, 256), "record", record=36, origin="GGUF K-quant layers of mixed types")
 
 MX_AND_FP8 = (MXFP4, MXFP4_TILES, MXFP8, FP8_BLOCK128)
-GGUF_BLOCKS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+GGUF_BLOCKS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS)
 K_QUANT_FORMATS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, K_MIX)
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in (*MX_AND_FP8, *GGUF_BLOCKS, *K_QUANT_FORMATS)}
 
@@ -307,6 +318,8 @@ def format_name(x: Any) -> str:
 # Reference dequantisation
 # --------------------------------------------------------------------------------------------
 
+# IQ4 code -> value (llama.cpp's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 # E2M1 code -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 E8M0_NAN = 0xFF
@@ -457,6 +470,16 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     return _unblock(_unblock(mul[..., None] * codes.astype(jnp.float32) + add[..., None]))
 
 
+def _dequantize_iq4_xs(w: QuantizedArray) -> jax.Array:
+    records = w.scales.astype(jnp.int32)  # [..., super-blocks, 8]
+    high = (records[..., 2:3] | records[..., 3:4] << 8) >> (2 * jnp.arange(8)) & 3  # [..., 8]
+    low = (records[..., 4:8, None] >> jnp.array([0, 4])) & 0xF  # [..., 4, 2]: sub-blocks 2k, 2k + 1
+    scales = (low.reshape(high.shape) | high << 4) - 32
+    factor = (_record_f16(w.scales, 0)[..., None] * scales.astype(jnp.float32))[..., None]  # [..., 8, 1]
+    values = jnp.asarray(IQ4_VALUES)[_blocks(_blocks(unpack_nibbles(w.data), 256), 32)]  # [..., sb, 8, 32]
+    return _unblock(_unblock(factor * values))
+
+
 def _dequantize_f32(w: QuantizedArray) -> jax.Array:
     if w.format.tile is not None:
         from lithos.quant.tiles import from_tiles
@@ -464,6 +487,8 @@ def _dequantize_f32(w: QuantizedArray) -> jax.Array:
         w = from_tiles(w)
     fmt = w.format
     name = fmt.name
+    if name == "iq4_xs":
+        return _dequantize_iq4_xs(w)
     if fmt.record:
         return _dequantize_k_quant(w)
     if name in ("mxfp4", "mxfp8"):
@@ -481,6 +506,8 @@ def _dequantize_f32(w: QuantizedArray) -> jax.Array:
     if name == "q8_0":
         return _unblock(d * _blocks(w.data.astype(jnp.float32), 32))
     codes = _blocks(unpack_nibbles(w.data) if fmt.element_bits == 4 else unpack_5bit(w.data, 32), 32)
+    if name == "iq4_nl":
+        return _unblock(d * jnp.asarray(IQ4_VALUES)[codes])
     if name in ("q4_0", "q5_0"):  # signed codes, offset by half their range
         return _unblock(d * (codes - (8 if name == "q4_0" else 16)).astype(jnp.float32))
     if name in ("q4_1", "q5_1"):

@@ -1,6 +1,6 @@
 """Checkpoint layouts -> packed planes (numpy, at load time, lossless).
 
-- GGUF blocks (Q8_0, Q4_0, Q4_1, MXFP4): llama.cpp interleaves each block's scale with its codes
+- GGUF blocks (Q8_0, Q4_0, Q4_1, IQ4_NL, MXFP4): llama.cpp interleaves each block's scale with its codes
   (`[f16 d][f16 m]?[codes]`, 18 to 34 bytes, unaligned); the planes split them apart so that a
   kernel reads aligned codes and aligned scales, and 4-bit codes are reordered to the common
   "element 2k in the low nibble of byte k" order.
@@ -8,7 +8,7 @@
   record per super-block (lithos.quant.formats; Q5_K's scale and min pairs re-packed as 12-bit fields, Q3_K's
   6-bit scales unpacked to bytes: 114), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1, Q5_K) keep
   GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants becomes K_MIX, each
-  layer's values exactly.
+  layer's values exactly. IQ4_XS keeps its 8-byte records as they are, its codes reordered as Q4_0's.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -22,6 +22,8 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.quant.formats import (
     FP8_BLOCK128,
+    IQ4_NL,
+    IQ4_XS,
     K_MIX,
     MXFP4,
     Q2_K,
@@ -56,6 +58,8 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q6_K": (Q6_K, 256, 210),
     "Q3_K": (Q3_K, 256, 110),
     "Q2_K": (Q2_K, 256, 84),
+    "IQ4_NL": (IQ4_NL, 32, 18),
+    "IQ4_XS": (IQ4_XS, 256, 136),
 }
 
 
@@ -254,8 +258,14 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
     elif type_name == "Q8_0":
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
         planes["data"] = planes["data"].reshape(*lead, cols)
-    elif type_name == "Q4_0":
+    elif type_name in ("Q4_0", "IQ4_NL"):  # [f16 d][16 bytes of codes]
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": gguf_nibbles_to_planar(blocks[..., 2:18])}
+    elif type_name == "IQ4_XS":  # [8-byte record][8 sub-blocks' 16 bytes of codes, each as Q4_0's]
+        qs = blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16)
+        planes = {
+            "scales": np.ascontiguousarray(blocks[..., :8]),
+            "data": gguf_nibbles_to_planar(qs).reshape(*lead, -1),
+        }
     elif type_name == "Q4_1":
         planes = {
             "scales": _field(blocks, 0, 2, np.float16),

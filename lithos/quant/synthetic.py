@@ -32,8 +32,9 @@ def random_packed(
             plane = rng.integers(0, 256, plane_shape, dtype=np.uint8)
             if fmt.name == "q3_k":  # GGUF's 6-bit scales less 32
                 plane = (rng.integers(-32, 32, plane_shape) & 0xFF).astype(np.uint8)
-            factors = 1 if fmt.name in ("q3_k", "q6_k") else 2  # f16 d (and dmin, or A and B)
+            factors = 1 if fmt.name in ("q3_k", "q6_k", "iq4_xs") else 2  # f16 d (and dmin, or A and B)
             spans = {"q2_k": 0.02, "q3_k": 0.01, "q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}
+            spans["iq4_xs"] = 0.0002
             span = spread * spans[fmt.name]
             d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
             plane[..., : 2 * factors] = d.view(np.uint8)
@@ -42,7 +43,7 @@ def random_packed(
         elif name == "mins":
             plane = (-0.1 * spread * rng.random(plane_shape)).astype(plane_dtype)
         else:
-            span = 0.002 if fmt.element == "e4m3" else 0.1
+            span = {"e4m3": 0.002, "iq4": 0.01}.get(fmt.element, 0.1)
             plane = (span * spread * (0.5 + rng.random(plane_shape))).astype(plane_dtype)
         planes[name] = jnp.asarray(plane)
     return from_planes(fmt, planes, dtype)

@@ -62,8 +62,10 @@ enum class WeightFormat : int32_t {
   kKMix = 12,
   kQ3_K = 13,
   kQ2_K = 14,
+  kIq4Nl = 15,
+  kIq4Xs = 16,
 };
-constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kQ2_K);
+constexpr int32_t kLastWeightFormat = static_cast<int32_t>(WeightFormat::kIq4Xs);
 
 constexpr int kChunk = 16;        // weights of a row a lane reads per step
 constexpr int kPackedBlock = 32;  // weights sharing one scale along a row (MX and GGUF)
@@ -73,6 +75,7 @@ constexpr int kQ4KRecord = 16;    // q4_k and q5_k: f16 d, f16 dmin, 12 bytes of
 constexpr int kQ5KSuperBytes = 160;  // q5_k data of a super-block: 128 bytes of low nibbles, 32 of high bits
 constexpr int kQ6KRecord = 18;    // q6_k and q3_k: f16 d, 16 int8 scales
 constexpr int kQ2KRecord = 20;    // q2_k: f16 d, f16 dmin, 16 bytes of 4-bit scale | min << 4
+constexpr int kIq4XsRecord = 8;   // iq4_xs: f16 d, u16 of 2-bit high scales, 4 bytes of 4-bit low scales
 constexpr int kKMixRecord = 36;   // k_mix: f16 A, f16 B, 16 int8 pairs (a, b)
 constexpr int kQ6KSuperBytes = 192;  // q6_k data of a super-block: 128 bytes of low nibbles, 64 of high bits
 constexpr int kQ3KSuperBytes = 96;   // q3_k data of a super-block: 64 bytes of low 2 bits, 32 of high bits
@@ -278,6 +281,82 @@ struct Packed<WeightFormat::kQ4_0> : IntegerChunks<uint2, false> {
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
     return {half_bits_to_float(reinterpret_cast<const uint16_t*>(row.scales)[col / kPackedBlock]), 0.0f};
+  }
+};
+
+// byte_perm(a, b, s): byte n of the result is byte (s >> 4n) & 7 of the 8 bytes b:a (CUDA's __byte_perm, HIP's).
+LITHOS_DECODE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(LITHOS_DEVICE_PASS)
+  return __byte_perm(a, b, s);
+#else
+  const uint64_t bytes = static_cast<uint64_t>(b) << 32 | a;
+  uint32_t out = 0;
+  for (int n = 0; n < 4; ++n) out |= static_cast<uint32_t>(bytes >> (8 * ((s >> (4 * n)) & 7)) & 0xFF) << (8 * n);
+  return out;
+#endif
+}
+
+// IQ4 (IQ4_NL, IQ4_XS): a 4-bit code indexes llama.cpp's 16 int8 values (kvalues_iq4nl, lithos.quant IQ4_VALUES),
+// held here as bytes value + 128 in four words and looked up four codes at a time by byte permutes.
+constexpr uint32_t kIq4Values0 = 0x3F2D1801u, kIq4Values1 = 0x766A5D4Fu;  // codes 0..7: -127 .. -10
+constexpr uint32_t kIq4Values2 = 0xA6998D81u, kIq4Values3 = 0xF1D9C5B5u;  // codes 8..15: 1 .. 113
+
+// The table bytes of the codes in the low nibbles of `word`'s four bytes.
+LITHOS_DECODE uint32_t iq4_lookup(uint32_t word) {
+  const uint32_t low3 = word & 0x07070707u;
+  const uint32_t nibbles = low3 | low3 >> 4;  // bytes 0, 1 as nibbles 0, 1 of bits 0..7; bytes 2, 3 of bits 16..23
+  const uint32_t select = (nibbles & 0xFFu) | ((nibbles >> 8) & 0xFF00u);
+  const uint32_t negative = byte_perm(kIq4Values0, kIq4Values1, select);
+  const uint32_t positive = byte_perm(kIq4Values2, kIq4Values3, select);
+  const uint32_t high = ((word >> 3) & 0x01010101u) * 0xFFu;  // code >= 8
+  return (negative & ~high) | (positive & high);
+}
+
+// The chunk's IQ4 values as floats: elements 2k and 2k + 1 of a word are byte k's low and high nibbles, so a
+// lookup of each nibble plane gives four values, two of them a half2 (bytes 0 and 2, or 1 and 3).
+LITHOS_DECODE void decode_iq4_chunk(const uint2& raw, float (&w)[kChunk]) {
+  const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t even = iq4_lookup(words[i]), odd = iq4_lookup(words[i] >> 4);
+    const uint32_t pairs[4] = {even, odd, even >> 8, odd >> 8};  // elements (0, 4), (1, 5), (2, 6), (3, 7)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = half2_bits_diff((pairs[j] & 0x00FF00FFu) | 0x64006400u, 0x64806480u);  // (1024 + b) - 1152
+      w[8 * i + j] = v.x;
+      w[8 * i + j + 4] = v.y;
+    }
+  }
+}
+
+// IQ4_NL: w = d * value[c], d one f16 per block of 32 (Q4_0's planes).
+template <>
+struct Packed<WeightFormat::kIq4Nl> : IntegerChunks<uint2, false> {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_iq4_chunk(r, w);
+    return false;
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    return Packed<WeightFormat::kQ4_0>::scale(row, col);
+  }
+};
+
+// IQ4_XS: w = (d * (sc_j - 32)) * value[c] for sub-block j (32 weights) of a super-block, its 6-bit scale's top 2
+// bits at bits 2j of the record's u16 and its low 4 in the nibble j % 2 of byte j / 2 after it.
+template <>
+struct Packed<WeightFormat::kIq4Xs> : IntegerChunks<uint2, false> {
+  LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
+  LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
+    decode_iq4_chunk(r, w);
+    return false;
+  }
+  LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
+    const uint8_t* record = row.scales + (col / kSuperBlock) * kIq4XsRecord;
+    const int j = (col % kSuperBlock) / kPackedBlock;
+    const uint32_t words = *reinterpret_cast<const uint32_t*>(record), low = record[4 + j / 2] >> (4 * (j & 1));
+    const int sc = static_cast<int>((low & 0xF) | ((words >> (16 + 2 * j) & 3) << 4)) - 32;
+    return {half_bits_to_float(static_cast<uint16_t>(words)) * static_cast<float>(sc), 0.0f};
   }
 };
 
@@ -997,6 +1076,8 @@ inline ffi::Error with_weight_format(int32_t code, Fn&& f) {
     case WeightFormat::kKMix: return f(std::integral_constant<WeightFormat, WeightFormat::kKMix>{});
     case WeightFormat::kQ3_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ3_K>{});
     case WeightFormat::kQ2_K: return f(std::integral_constant<WeightFormat, WeightFormat::kQ2_K>{});
+    case WeightFormat::kIq4Nl: return f(std::integral_constant<WeightFormat, WeightFormat::kIq4Nl>{});
+    case WeightFormat::kIq4Xs: return f(std::integral_constant<WeightFormat, WeightFormat::kIq4Xs>{});
     default: return invalid("packed weights: unknown format code " + std::to_string(code));
   }
 }
@@ -1028,6 +1109,7 @@ inline ffi::Error k_quant_records(const std::string& op, WeightFormat format, co
   const int64_t record = format == WeightFormat::kQ6_K || format == WeightFormat::kQ3_K ? kQ6KRecord
                          : format == WeightFormat::kKMix                                 ? kKMixRecord
                          : format == WeightFormat::kQ2_K                                 ? kQ2KRecord
+                         : format == WeightFormat::kIq4Xs                                ? kIq4XsRecord
                                                                                          : kQ4KRecord;
   auto sd = scales.dimensions();
   if (sd.size() != lead + 3 || sd[lead] != w.n_out || sd[lead + 1] != n_in / kSuperBlock || sd[lead + 2] != record ||
@@ -1054,12 +1136,13 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
   if (dd.size() != lead + 2)
     return invalid(op + ": weight data must have " + std::to_string(lead + 2) + " axes, got " + shape_string(dd));
   const bool four_bit = format == WeightFormat::kMxfp4 || format == WeightFormat::kQ4_0 ||
-                        format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K;
+                        format == WeightFormat::kQ4_1 || format == WeightFormat::kQ4_K ||
+                        format == WeightFormat::kIq4Nl || format == WeightFormat::kIq4Xs;
   const bool five_bit = format == WeightFormat::kQ5_0 || format == WeightFormat::kQ5_1 || format == WeightFormat::kQ5_K;
   const bool six_bit = format == WeightFormat::kQ6_K || format == WeightFormat::kKMix;
   const bool three_bit = format == WeightFormat::kQ3_K, two_bit = format == WeightFormat::kQ2_K;
-  const bool k_quant =
-      two_bit || three_bit || format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K || six_bit;
+  const bool k_quant = two_bit || three_bit || format == WeightFormat::kQ4_K || format == WeightFormat::kQ5_K ||
+                       six_bit || format == WeightFormat::kIq4Xs;
   const ffi::DataType want_data = format == WeightFormat::kBf16   ? ffi::DataType::BF16
                                   : format == WeightFormat::kQ8_0 ? ffi::DataType::S8
                                                                   : ffi::DataType::U8;
@@ -1077,7 +1160,8 @@ inline ffi::Error packed_weight(const std::string& op, int32_t code, const ffi::
     return invalid(op + ": weight rows hold " + std::to_string(cols) + " values but the input has " +
                    std::to_string(n_in) + " (a multiple of 16 is required)");
   if (k_quant && n_in % kSuperBlock != 0)
-    return invalid(op + ": rows of a K-quant format must hold a multiple of 256 values, got " + std::to_string(n_in));
+    return invalid(op + ": rows of a super-block format (K-quants, IQ4_XS) must hold a multiple of 256 values, got " +
+                   std::to_string(n_in));
   w.data = static_cast<const uint8_t*>(data.untyped_data());
   w.n_out = static_cast<int>(dd[lead]);
   w.n_in = static_cast<int>(n_in);

@@ -139,8 +139,10 @@ def test_lane_steps_follow_the_weight_format(monkeypatch):
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 4, "cuda") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("q4_k", "k_mix", "bfloat16"), 1, "rocm") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)
-    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_RING_NEW=1")  # K_MIX and Q5_K through the ring, asked for
+    assert lane_steps(WeightFormats("iq4_xs", "iq4_nl", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)
+    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_RING_NEW=1")  # the ring steps not yet run, asked for
     assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
+    assert lane_steps(WeightFormats("iq4_xs", "iq4_nl", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     assert lane_steps(WeightFormats("k_mix", "q5_1", "bfloat16"), 1, "cuda") == LaneSteps(32, 16, 8)
     assert lane_steps(WeightFormats("mxfp4", "q4_1", "mxfp4"), 1, "rocm") == LaneSteps(16, 16, 16)
     shape = ModelShape(layers=1, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)

@@ -168,7 +168,7 @@ def _decode_case(fmt_name: str) -> str:
     return "\n".join(lines)
 
 
-RING_FORMATS = ("mxfp4", "q4_k", "q5_k", "q6_k", "k_mix")  # csrc/packed.h Step32
+RING_FORMATS = ("mxfp4", "q4_k", "q5_k", "q6_k", "k_mix", "iq4_nl", "iq4_xs")  # csrc/packed.h Step32
 
 
 def _ring_case(fmt_name: str) -> str:

@@ -8,7 +8,7 @@
 # "K_MIX through the ring", "Q5_K through the ring", "Q3_K and Q2_K kept packed", "IQ4_NL and IQ4_XS kept packed"):
 # - the GPU cases: K_MIX's 36-byte records, Q5_K's re-packed ones and the new Q3_K, Q2_K, IQ4_NL and IQ4_XS formats
 #   on the fused kernels (with every Q4_K and Q6_K case: their register path reads records by word shifts since run
-#   117); K_MIX and Q5_K rows through the megakernel's lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run
+#   117); K_MIX, Q5_K, IQ4_NL and IQ4_XS rows through the megakernel's lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run
 #   passes); O and down in formats of their own (a Q4_K_M file as the megakernel now reads it: Q/K/V and down in
 #   K_MIX, O, gate and up in Q4_K); the megakernel over Q3_K, Q2_K and the IQ4 formats;
 # - kquants: 8B Q4_K_M and Q5_K (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel;

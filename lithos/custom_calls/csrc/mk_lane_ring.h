@@ -15,7 +15,8 @@
 // (an MX block; the aligned word holding its E8M0 scale), Q4_K (a sub-block; its super-block's 16-byte record),
 // Q5_K (a sub-block's low nibbles; their high bits and the record's words that scale them) and the 6-bit formats
 // Q6_K and K_MIX (the codes' low nibbles; their 8 bytes of high bits and the aligned words of the record that scale
-// them); K_MIX and Q5_K where a build asks, below. The other packed formats and the larger buckets use the register
+// them), IQ4_NL and IQ4_XS (a block; the word of its f16 d, or the super-block's 8-byte record); K_MIX, Q5_K and the
+// IQ4 formats where a build asks, below. The other packed formats and the larger buckets use the register
 // path (at 4-16 tokens on tensor cores, mma_rowdot.h: the ring in that layout was slower, NOTES.md run 48).
 #pragma once
 
@@ -34,8 +35,9 @@
 #endif
 
 // The formats whose steps through the ring are written, compiled and checked on the CPU but have not yet run on a GPU:
-// K_MIX and Q5_K (NOTES.md, "K_MIX through the ring", "Q5_K through the ring"); until they have, a build asks for
-// them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1") and others read them through registers.
+// K_MIX, Q5_K, IQ4_NL and IQ4_XS (NOTES.md, "K_MIX through the ring", "Q5_K through the ring", "IQ4_NL and IQ4_XS
+// kept packed"); until they have, a build asks for them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1") and others
+// read them through registers.
 #ifndef LITHOS_MK_RING_NEW
 #define LITHOS_MK_RING_NEW 0
 #endif
@@ -54,11 +56,13 @@ constexpr int kRingStages = LITHOS_MK_LANE_RING;
 // One step of a block: 16 bytes of each of a warp's rows, for every lane.
 constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // Bytes a step copies beside a row's 16 bytes for a lane in format F (RingChunk<F>::copy_side), 0 for bf16 and the
-// formats the ring does not read: 4 (MXFP4's scale word) or 16 (Q4_K's record; Q5_K's and the 6-bit formats' high
-// bits and the words of their records a step needs).
+// formats the ring does not read: 4 (MXFP4's and IQ4_NL's scale word) or 16 (Q4_K's and IQ4_XS's record; Q5_K's and
+// the 6-bit formats' high bits and the words of their records a step needs).
 template <WeightFormat F>
-constexpr int kRingSideBytes =
-    (F == WeightFormat::kKMix || F == WeightFormat::kQ5_K) && !LITHOS_MK_RING_NEW ? 0 : Step32<F>::kSideBytes;
+constexpr bool kRingStepNotYetRun =
+    F == WeightFormat::kKMix || F == WeightFormat::kQ5_K || F == WeightFormat::kIq4Nl || F == WeightFormat::kIq4Xs;
+template <WeightFormat F>
+constexpr int kRingSideBytes = kRingStepNotYetRun<F> && !LITHOS_MK_RING_NEW ? 0 : Step32<F>::kSideBytes;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>

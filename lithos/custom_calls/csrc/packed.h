@@ -352,11 +352,14 @@ struct Packed<WeightFormat::kIq4Xs> : IntegerChunks<uint2, false> {
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
-    const uint8_t* record = row.scales + (col / kSuperBlock) * kIq4XsRecord;
-    const int j = (col % kSuperBlock) / kPackedBlock;
-    const uint32_t words = *reinterpret_cast<const uint32_t*>(record), low = record[4 + j / 2] >> (4 * (j & 1));
-    const int sc = static_cast<int>((low & 0xF) | ((words >> (16 + 2 * j) & 3) << 4)) - 32;
-    return {half_bits_to_float(static_cast<uint16_t>(words)) * static_cast<float>(sc), 0.0f};
+    const uint32_t* record = reinterpret_cast<const uint32_t*>(row.scales + (col / kSuperBlock) * kIq4XsRecord);
+    return factor(record[0], record[1], (col % kSuperBlock) / kPackedBlock);
+  }
+  // d (sc_j - 32) from the record's two words: f16 d and the top bits (j at bits 16 + 2j), the low nibbles (j at
+  // bits 4j). Also the lane ring's (mk_lane_ring.h).
+  LITHOS_DECODE static ChunkScale factor(uint32_t d_high, uint32_t low, int j) {
+    const int sc = static_cast<int>((low >> (4 * j) & 0xF) | ((d_high >> (16 + 2 * j) & 3) << 4)) - 32;
+    return {half_bits_to_float(static_cast<uint16_t>(d_high)) * static_cast<float>(sc), 0.0f};
   }
 };
 
@@ -825,6 +828,50 @@ struct Step32<WeightFormat::kQ5_K> {
     });
     const ChunkScale f = P::factor(side.y, side.z, side.w, (k % kSuperBlock) / kPackedBlock);
     return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
+  }
+};
+
+// The IQ4 formats: a block (sub-block) of 32 codes; the side is IQ4_NL's aligned word holding the block's f16 d (the
+// block's address says which half), IQ4_XS's super-block's 8-byte record (in a 16-byte side).
+template <WeightFormat F>
+struct Iq4Step {
+  using P = Packed<F>;
+  LITHOS_DECODE static const uint8_t* codes(const uint8_t* row, int k) { return row + k / 2; }
+  LITHOS_DECODE static float sum(const uint4& codes, const float (&xf)[32]) {
+    float sums[2];
+    half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
+      decode_iq4_chunk(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
+    });
+    return sums[0] + sums[1];
+  }
+};
+
+template <>
+struct Step32<WeightFormat::kIq4Nl> : Iq4Step<WeightFormat::kIq4Nl> {
+  static constexpr int kSideBytes = 4, kPieces = 1;
+  using Side = uint32_t;
+  LITHOS_DECODE static const uint8_t* scale(const uint8_t* scales, int k) { return scales + 2 * (k / kPackedBlock); }
+  LITHOS_DECODE static void side_pieces(const uint8_t*, const uint8_t* scales, int k, SidePiece (&pieces)[kPieces]) {
+    pieces[0] = {scale(scales, k), 4};
+  }
+  LITHOS_DECODE static float dot(const uint4& codes, Side word, const PackedRow& row, int k, const float (&xf)[32],
+                                 const float (&)[2], float acc) {
+    const uint32_t d = word >> (8 * (reinterpret_cast<uintptr_t>(scale(row.scales, k)) & 3u));
+    return fmaf(sum(codes, xf), half_bits_to_float(static_cast<uint16_t>(d)), acc);
+  }
+};
+
+template <>
+struct Step32<WeightFormat::kIq4Xs> : Iq4Step<WeightFormat::kIq4Xs> {
+  static constexpr int kSideBytes = 16, kPieces = 1;
+  using Side = uint4;
+  LITHOS_DECODE static void side_pieces(const uint8_t*, const uint8_t* scales, int k, SidePiece (&pieces)[kPieces]) {
+    pieces[0] = {scales + (k / kSuperBlock) * kIq4XsRecord, 8};  // records are 8 bytes: aligned
+  }
+  LITHOS_DECODE static float dot(const uint4& codes, const Side& record, const PackedRow&, int k,
+                                 const float (&xf)[32], const float (&)[2], float acc) {
+    const ChunkScale f = Packed<WeightFormat::kIq4Xs>::factor(record.x, record.y, (k % kSuperBlock) / kPackedBlock);
+    return fmaf(sum(codes, xf), f.mul, acc);
   }
 };
 

@@ -5,9 +5,9 @@
 
 Each argument is a megakernel build: a LITHOS_TILES set of an MXFP4 build (attention and MLP in MXFP4, bf16 head), or
 the formats of Q/K/V, gate/up and the head, and of O and down where theirs differ, separated by colons
-(k_mix:q4_k:bfloat16:q4_k:k_mix is how the megakernel reads a Q4_K_M file). The bf16 build and the fused kernels
-of the MXFP4 and K-quant benchmarks are always built. LITHOS_KERNEL_DEFINES and LITHOS_CACHE_DIR apply as to any
-build.
+(k_mix:q4_k:bfloat16:q4_k:k_mix is how the megakernel reads a Q4_K_M file). The bf16 build, the bf16 fused kernels
+and the packed fused kernels of every format the variants read are built too. LITHOS_KERNEL_DEFINES and
+LITHOS_CACHE_DIR apply as to any build.
 """
 
 import sys
@@ -16,20 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from lithos.custom_calls import build
 from lithos.custom_calls.megakernel.kernel import TILE_GROUPS, WeightFormats
 
-FUSED = (
-    "matvec",
-    "qkv_rope",
-    "lm_head",
-    "attention",
-    "matvec_packed_mxfp4",
-    "matvec_packed_iq4_xs",
-    "matvec_packed_q2_k",
-    "matvec_packed_q3_k",
-    "matvec_packed_q4_k",
-    "matvec_packed_q5_k",
-    "matvec_packed_q6_k",
-    "matvec_packed_k_mix",
-)
+# The fused kernels every run uses (the bf16 ones); the packed ones are built for the formats the variants read.
+FUSED = ("matvec", "qkv_rope", "lm_head", "attention")
 
 
 def megakernel_formats(arg: str) -> WeightFormats:
@@ -46,11 +34,10 @@ def megakernel_formats(arg: str) -> WeightFormats:
 
 def main(args: list[str]) -> int:
     toolchain = build.toolchain("cuda")
-    jobs = [
-        ("megakernel", v)
-        for v in dict.fromkeys([WeightFormats().variant()] + [megakernel_formats(a).variant() for a in args])
-    ]
-    jobs += [(kernel, build.PLAIN) for kernel in FUSED]
+    formats = [megakernel_formats(a) for a in args]
+    jobs = [("megakernel", v) for v in dict.fromkeys([WeightFormats().variant()] + [f.variant() for f in formats])]
+    packed = sorted({name for f in formats for name in f.every_format} - {"bfloat16"})
+    jobs += [(kernel, build.PLAIN) for kernel in (*FUSED, *(f"matvec_packed_{name}" for name in packed))]
 
     def one(job) -> str:
         kernel, variant = job

@@ -194,7 +194,7 @@ def test_nan_codes_and_scales_reach_the_output():
 
 
 def test_format_codes_match_the_kernel_header():
-    header = (build.CSRC / "packed.h").read_text()
+    header = (build.CSRC / "packed_decode.h").read_text()
     enums = dict(bfloat16="kBf16", mxfp4="kMxfp4", mxfp8="kMxfp8", fp8_block128="kFp8Block128", q8_0="kQ8_0")
     enums.update(q4_0="kQ4_0", q4_1="kQ4_1", q5_0="kQ5_0", q5_1="kQ5_1", q4_k="kQ4_K", q5_k="kQ5_K", q6_k="kQ6_K")
     enums.update(k_mix="kKMix", q3_k="kQ3_K", q2_k="kQ2_K", iq4_nl="kIq4Nl", iq4_xs="kIq4Xs")

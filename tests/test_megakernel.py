@@ -135,7 +135,7 @@ def test_lane_steps_follow_the_weight_format(monkeypatch):
     assert lane_steps(WeightFormats(), 1, "cuda") == LaneSteps(8, 8, 8)
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     assert lane_steps(WeightFormats("q4_k", "q6_k", "q8_0"), 1, "cuda") == LaneSteps(32, 32, 16)
-    # the ring carries MXFP4, Q4_K and Q6_K at one token on CUDA only; elsewhere packed rows step by packed.h's 16
+    # the ring carries MXFP4, Q4_K and Q6_K at one token on CUDA only; elsewhere packed rows step by kChunk, 16
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 4, "cuda") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("q4_k", "k_mix", "bfloat16"), 1, "rocm") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)

@@ -1,10 +1,10 @@
-"""The packed kernels' host-side code and decoders (csrc/packed.h), run on the CPU. For every packed format:
-the planes lithos.quant lays out pass `packed_weight`'s checks with their own strides (bytes a row, a row's
-scales, a layer), and another format's planes are refused with a message; and `Packed<F>`'s load, decode and
-scale, the code the kernels run per chunk of 16 weights, give the reference dequantisation's values bit for bit; so
-do the megakernel lane ring's steps of 32 codes (`Step32<F>`: the side pieces a step copies beside its codes, and the
-dot products read from them). The driver is host code compiled by nvcc (no GPU runs it); the kernels' loops and
-copies are checked on the GPU."""
+"""The packed kernels' host-side code (csrc/packed.h) and decoders (packed_decode.h, packed_steps.h), run on the
+CPU. For every packed format: the planes lithos.quant lays out pass `packed_weight`'s checks with their own strides
+(bytes a row, a row's scales, a layer), and another format's planes are refused with a message; and `Packed<F>`'s
+load, decode and scale, the code the kernels run per chunk of 16 weights, give the reference dequantisation's values
+bit for bit; so do the megakernel lane ring's steps of 32 codes (`Step32<F>`: the side pieces a step copies beside
+its codes, and the dot products read from them). The driver is host code compiled by nvcc (no GPU runs it); the
+kernels' loops and copies are checked on the GPU."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _decode_case(fmt_name: str) -> str:
     return "\n".join(lines)
 
 
-RING_FORMATS = ("mxfp4", "q4_k", "q5_k", "q6_k", "k_mix", "iq4_nl", "iq4_xs")  # csrc/packed.h Step32
+RING_FORMATS = ("mxfp4", "q4_k", "q5_k", "q6_k", "k_mix", "iq4_nl", "iq4_xs")  # csrc/packed_steps.h Step32
 
 
 def _ring_case(fmt_name: str) -> str:
@@ -261,8 +261,9 @@ def test_the_kernels_decoders_give_the_reference_values(checked, fmt_name):
 
 @pytest.mark.parametrize("fmt_name", RING_FORMATS)
 def test_the_lane_ring_s_steps_give_the_reference_values(checked, fmt_name):
-    """The megakernel's one-token steps of 32 codes (csrc/packed.h Step32): from the pieces of the scale records and
-    high bits each step copies beside its codes, every weight as the reference's, bit for bit (but the sign of zero).
+    """The megakernel's one-token steps of 32 codes (csrc/packed_steps.h Step32): from the pieces of the scale records
+    and high bits each step copies beside its codes, every weight as the reference's, bit for bit (but the sign of
+    zero).
     A wrong piece (a record's other word, a half's high bits) or a misaligned copy fails here."""
     w = random_packed(fmt_name, (LAYERS, ROWS, INPUTS), np.random.default_rng(0))
     expected = np.asarray(dequantize(w, np.float32))[0]

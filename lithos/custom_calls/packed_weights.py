@@ -6,7 +6,7 @@ A kernel that reads packed weights takes three planes and a format code:
     scales  the format's scale plane (the K-quants: their records), stacked by layer the same way (empty for bf16)
     mins    q4_1's and q5_1's mins plane (empty otherwise)
 
-The codes below are the `format` attribute of every packed handler (csrc/packed.h reads the same table).
+The codes below are the `format` attribute of every packed handler (csrc/packed_decode.h reads the same table).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lithos.custom_calls.dispatch import absent
 from lithos.errors import LithosError
 from lithos.quant import QuantizedArray, dequantize
 
-# Keep in step with `enum class WeightFormat` in csrc/packed.h.
+# Keep in step with `enum class WeightFormat` in csrc/packed_decode.h.
 FORMAT_CODES: dict[str, int] = {
     "bfloat16": 0,
     "mxfp4": 1,

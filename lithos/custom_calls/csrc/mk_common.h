@@ -54,7 +54,7 @@ constexpr int kStatusWords = 2;
 // per poll, orders of magnitude above any real wait (a 1M-token attention stage takes milliseconds).
 constexpr int64_t kMaxPolls = int64_t{1} << 22;
 
-// The weights' formats (packed.h WeightFormat codes), one build per combination: the attention
+// The weights' formats (packed_decode.h WeightFormat codes), one build per combination: the attention
 // matrices (Q, K, V, O), the MLP's (gate, up, down) and the LM head each have one. A format is a
 // compile-time constant so that each task's dot products are the one loop its format needs (the
 // kernel's registers are those of its hungriest path). lithos/custom_calls/megakernel/kernel.py
@@ -86,7 +86,7 @@ static_assert(LITHOS_MK_ATTENTION_FORMAT >= 0 && LITHOS_MK_ATTENTION_FORMAT <= k
                   LITHOS_MK_HEAD_FORMAT >= 0 && LITHOS_MK_HEAD_FORMAT <= kLastWeightFormat &&
                   LITHOS_MK_O_FORMAT >= 0 && LITHOS_MK_O_FORMAT <= kLastWeightFormat &&
                   LITHOS_MK_DOWN_FORMAT >= 0 && LITHOS_MK_DOWN_FORMAT <= kLastWeightFormat,
-              "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed.h)");
+              "LITHOS_MK_*_FORMAT must be a WeightFormat code (packed_decode.h)");
 
 // The MLP's gate and up matrices in MXFP4 fragment tiles (lithos/quant/tiles.py, mk_gate_up_tiles.h), a build
 // of its own: kernel.py asks for it when the weights it is given are laid out so.

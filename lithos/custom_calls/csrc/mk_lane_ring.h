@@ -210,7 +210,7 @@ __device__ inline const float* ring_stage_products(const TokenRows& in) {
 __device__ __forceinline__ void ring_drain() { async_wait<0>(); }
 
 // What a ring step copies of a row in format F: 16 bytes (kElements elements) at input element k, and for the
-// packed formats (packed.h Step32<F>, whose dot products the steps run) their side beside them.
+// packed formats (packed_steps.h Step32<F>, whose dot products the steps run) their side beside them.
 template <WeightFormat F>
 struct RingChunk : Step32<F> {
   using Step = Step32<F>;
@@ -335,7 +335,7 @@ __device__ __forceinline__ void ring_rows_dot(Stream& stream, int& stage, const 
 }
 
 // ring_rows_dot for packed rows at one token (kRingSideBytes<F> > 0): each step's 16 bytes of a row are 32 codes,
-// decoded in registers as the register path decodes them (packed.h), scaled by what its side holds (`rows`: this
+// decoded in registers as the register path decodes them (packed_decode.h), scaled by what its side holds (`rows`: this
 // round's rows, as the stream saw them, say where in a copied word a scale lies). The inputs times the RMSNorm
 // weight come from `products` (ring_stage_products) or, where that is nullptr, from `in`.
 template <WeightFormat F, class Stream>

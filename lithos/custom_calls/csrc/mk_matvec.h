@@ -119,7 +119,7 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
 #endif
         warp_rows_dot<TMAX, 8, true, kMkUnroll<TMAX>>(bf16_rows, in, part, k_split, acc);
     } else {
-      // Packed rows are decoded in registers (packed.h).
+      // Packed rows are decoded in registers (packed_decode.h).
       packed_rows_dot<F, TMAX, true, kMkPackedUnroll<F>>(rows, in, part, k_split, acc);
     }
     trace_phase(a, index, 1);  // each round's overwrites the last: the task's last dot products

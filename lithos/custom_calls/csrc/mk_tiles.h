@@ -64,7 +64,7 @@ struct TileSource {
   }
 };
 
-// Scale byte I of a lane group's word, 2^(c - 127) (packed.h's E8M0 decode).
+// Scale byte I of a lane group's word, 2^(c - 127) (packed_decode.h's E8M0 decode).
 template <int I>
 __device__ __forceinline__ float mx_scale(uint32_t word) {
   return e8m0_to_float((word >> (8 * I)) & 0xFFu);

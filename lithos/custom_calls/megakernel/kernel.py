@@ -311,9 +311,9 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
     """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
-    32 of the packed formats the lane ring reads (ring_sides, CUDA, one token), 16 of other packed
-    rows (packed.h's chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and the
-    warps that share them."""
+    32 of the packed formats the lane ring reads (ring_sides, CUDA, one token), 16 of other packed rows
+    (packed_decode.h's chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and
+    the warps that share them."""
 
     def step(name: str) -> int:
         if name == "bfloat16":

@@ -40,7 +40,7 @@ TILE_ROW_UNITS = TILE_ROWS // ROWS_PER_UNIT  # row groups in a 16-row fragment t
 @dataclasses.dataclass(frozen=True)
 class LaneSteps:
     """Inputs a lane reads per step of each weight group's rows (csrc/mk_matvec.h): 8 for bf16's 16 bytes, 32
-    for an MXFP4 block through the lane ring, 16 for packed rows decoded from registers (packed.h kChunk)."""
+    for an MXFP4 block through the lane ring, 16 for packed rows decoded from registers (packed_decode.h kChunk)."""
 
     attention: int = BF16_LANE_STEP
     mlp: int = BF16_LANE_STEP

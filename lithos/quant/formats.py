@@ -35,7 +35,8 @@ the high nibbles (Q4_K: 0..31 and 32..63 of each 64); the loader reorders them l
 every 4-bit format unpacks alike.
 
 The K-quants (llama.cpp) scale super-blocks of 256 weights in two levels, and keep each super-block's
-scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost what they cost there:
+scales as one record of GGUF's bytes (q5_k's re-packed and q3_k's unpacked, below), so they cost what they cost
+there (q3_k: 4 bytes a super-block more):
 
     q4_k record   f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks of 32
                   (llama.cpp's get_scale_min_k4 packing)
@@ -44,16 +45,16 @@ scales as one record of GGUF's bytes (q5_k's re-packed, below), so they cost wha
                   sub-block's pair lies in two adjacent aligned words (the megakernel's lane ring copies a step's
                   scales beside its codes as 4-byte pieces, and q5_k's high bits take one of its four)
     q6_k record   f16 d, then 16 int8 scales, one per 16 weights
-    q2_k record   f16 d, f16 dmin, then 16 bytes scale | min << 4, one per 16 weights (GGUF's bytes, the
-                  factors moved first)
-    q2_k data     element 4k + i at bits 2i of byte k
+    q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
+                  above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
     q3_k record   as q6_k's: f16 d, then the 16 scales less 32 as int8 (GGUF packs them as 6-bit fields in 12
                   bytes, 110 bytes a super-block where this takes 114: the scales unpacked once at load, so
                   that a kernel reads a chunk's scale as one byte)
     q3_k data     per super-block 96 bytes: the codes' low 2 bits (64 bytes: element 4k + i at bits 2i of byte
                   k), then their high bits (32 bytes: element i at bit i % 8 of byte i // 8)
-    q6_k data     per super-block 192 bytes: the codes' low 4 bits (128 bytes, in the 4-bit order
-                  above), then their high 2 bits (64 bytes: element 4k + i at bits 2i..2i+1 of byte k)
+    q2_k record   f16 d, f16 dmin, then 16 bytes scale | min << 4, one per 16 weights (GGUF's bytes, the
+                  factors moved first)
+    q2_k data     element 4k + i at bits 2i of byte k
     k_mix         a stack whose layers a GGUF holds in different K-quants (Q4_K_M keeps some layers' V and
                   down projections in Q6_K, the others in Q4_K), each layer's values exactly: q6_k's data (4-
                   and 5-bit codes are 6-bit codes too); record f16 A, f16 B, then 16 int8 pairs (a_i, b_i),
@@ -459,8 +460,9 @@ def _dequantize_k_quant(w: QuantizedArray) -> jax.Array:
     codes = _blocks(_blocks(k_quant_codes(w.data, w.format.name), 256), 16)  # the rest: [..., sb, 16, 16]
     if w.format.name == "q2_k":
         scales, mins = records[..., 4:20] & 0x0F, records[..., 4:20] >> 4  # [..., 16]
-        mul, sub_ = d * scales.astype(jnp.float32), _record_f16(records, 2)[..., None] * mins.astype(jnp.float32)
-        return _unblock(_unblock(mul[..., None] * codes.astype(jnp.float32) - sub_[..., None]))
+        scale = d * scales.astype(jnp.float32)
+        low = _record_f16(records, 2)[..., None] * mins.astype(jnp.float32)
+        return _unblock(_unblock(scale[..., None] * codes.astype(jnp.float32) - low[..., None]))
     if w.format.name in ("q3_k", "q6_k"):
         offset = 4 if w.format.name == "q3_k" else 32
         scales = jax.lax.bitcast_convert_type(records[..., 2:18], jnp.int8).astype(jnp.float32)  # [..., 16]

@@ -28,6 +28,7 @@ from lithos.checkpoint import LoadedCheckpoint, load_checkpoint
 from lithos.errors import CacheFullError, LithosError
 from lithos.kv_cache import cache_dtype, init_cache, is_fp8, ring_for
 from lithos.placement import DeviceLayout, Placement, make_placement
+from lithos.quant import describe_formats
 from lithos.sampling import SamplingParams
 
 Prompt = str | Sequence[dict[str, Any]]
@@ -158,9 +159,8 @@ class Model:
     def __repr__(self) -> str:
         where = f"; {self.placement.describe()}" if self.placement is not None else ""
         kv = "; KV cache fp8" if is_fp8(self.kv_cache_dtype) else ""
-        return (
-            f"Model({self.cfg.describe()}; {self.checkpoint.dtype}; max_len {self.max_len}; {self.kernels}{kv}{where})"
-        )
+        weights = f"{self.checkpoint.dtype}, weights {describe_formats(self.params)}"
+        return f"Model({self.cfg.describe()}; {weights}; max_len {self.max_len}; {self.kernels}{kv}{where})"
 
     # ---- prompts -> token ids ------------------------------------------------------------
 

@@ -3,6 +3,7 @@ same file (which dequantizes it to float32, as lithos does)."""
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -63,6 +64,8 @@ def test_greedy_chat_matches_transformers(smollm2_model, hf_model):
     assert result.token_ids == expected
     assert result.text == "The capital of France is Paris."
     assert result.finish_reason == "stop"
+    # what the model holds, as its repr says: Q4_1 layers beside the Q8_0 tied embedding, packed
+    assert re.search(r"weights [\d.]+ MB: q4_1 \d+%, q8_0 \d+%", repr(smollm2_model)), repr(smollm2_model)
 
 
 def test_second_load_restores_converted_copy(smollm2_gguf, smollm2_model):

@@ -543,6 +543,18 @@ def dequantize_params(params: Any) -> Any:
     )
 
 
+def describe_formats(params: Any) -> str:
+    """What `params` are stored in, for people: "96.6 MB: q4_1 69%, q8_0 31%, float32 <1%" (bytes_by_format)."""
+    by_format = bytes_by_format(params)
+    total = max(sum(by_format.values()), 1)
+
+    def share(n: int) -> str:
+        return f"{100 * n / total:.0f}%" if 200 * n >= total else "<1%"
+
+    ranked = sorted(by_format.items(), key=lambda item: -item[1])
+    return f"{total / 1e6:.1f} MB: " + ", ".join(f"{name} {share(n)}" for name, n in ranked)
+
+
 def bytes_by_format(params: Any) -> dict[str, int]:
     """Bytes of `params` per storage format: `{"q4_1": ..., "q8_0": ..., "float32": ...}` (packed arrays
     count all their planes)."""

@@ -14,6 +14,17 @@ import numpy as np
 
 from lithos.quant.formats import QuantizedArray, from_planes, get_format
 
+# The span of each record format's random f16 d (times `spread`): values of order 0.1 to 1.
+RECORD_SPANS = {
+    "q2_k": 0.02,
+    "q3_k": 0.01,
+    "q4_k": 0.002,
+    "q5_k": 0.001,
+    "q6_k": 0.0005,
+    "k_mix": 0.0005,
+    "iq4_xs": 0.0002,
+}
+
 
 def random_packed(
     fmt_name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=jnp.bfloat16, spread: float = 1.0
@@ -33,9 +44,7 @@ def random_packed(
             if fmt.name == "q3_k":  # GGUF's 6-bit scales less 32
                 plane = (rng.integers(-32, 32, plane_shape) & 0xFF).astype(np.uint8)
             factors = 1 if fmt.name in ("q3_k", "q6_k", "iq4_xs") else 2  # f16 d (and dmin, or A and B)
-            spans = {"q2_k": 0.02, "q3_k": 0.01, "q4_k": 0.002, "q5_k": 0.001, "q6_k": 0.0005, "k_mix": 0.0005}
-            spans["iq4_xs"] = 0.0002
-            span = spread * spans[fmt.name]
+            span = spread * RECORD_SPANS[fmt.name]
             d = (span * (0.5 + rng.random((*plane_shape[:-1], factors)))).astype(np.float16)
             plane[..., : 2 * factors] = d.view(np.uint8)
         elif plane_dtype == np.uint8:  # E8M0 exponents around 2^0

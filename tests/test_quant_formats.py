@@ -269,6 +269,36 @@ def test_k_quants_become_k_mix_exactly(type_name):
         np.testing.assert_array_equal(stacked[1], gguf.quants.dequantize(raw, qtype))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN factors too
+@pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
+def test_ternary_blocks_become_q2_k_exactly(type_name):
+    """TQ1_0 and TQ2_0 load as Q2_K: every value the same as gguf's (random bytes: every base-3 digit and 2-bit code,
+    the f16 edges of d but infinity), but the sign of zero; in a stack beside Q4_K layers, K_MIX with the same values.
+    An infinite d has no Q2_K form (inf * 2 - inf is NaN): refused, and the loader keeps that tensor as float32."""
+    gguf = require("gguf")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, (64, 3 * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(64, 3, block_bytes)
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7E00], np.uint16)
+    blocks[: len(edges), 0, -2:] = edges.view(np.uint8).reshape(-1, 2)
+    d = blocks[..., -2:].copy().view(np.float16)
+    blocks[..., -2:] = np.where(np.isinf(d), np.float16(-3), d).view(np.uint8)
+    expected = gguf.quants.dequantize(raw, qtype)
+    w = quant.from_gguf(raw, type_name, expected.shape)
+    assert w.format == quant.Q2_K and w.nbytes == 64 * 3 * 84
+    got = np.asarray(jax.jit(quant.dequantize)(w))
+    np.testing.assert_array_equal(got, expected)  # -0 == +0, NaN == NaN
+    assert_bits_equal(got[expected != 0], expected[expected != 0])
+    q4_k = quant.from_gguf(RNG.integers(0, 256, (64, 3 * 144), dtype=np.uint8), "Q4_K", expected.shape)
+    mixed = quant.layouts.stack([q4_k, w])
+    assert mixed.format == quant.K_MIX
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.dequantize)(mixed))[1], expected)
+    blocks[7, 2, -2:] = np.array([0xFC00], np.uint16).view(np.uint8)  # -inf
+    with pytest.raises(LithosError, match="no q2_k form"):
+        quant.from_gguf(raw, type_name, expected.shape)
+
+
 def test_k_quant_planes_cost_what_the_gguf_blocks_cost():
     """The K-quants' records keep GGUF's bytes: 4.5 bits a weight for Q4_K, 5.5 for Q5_K, 6.5625 for Q6_K (Q6_K's
     record holds its d before its 16 scales: the same 18 bytes), 2.625 for Q2_K; Q3_K's 6-bit scales take a byte

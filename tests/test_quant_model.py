@@ -197,6 +197,8 @@ K_QUANT_BLOCKS = {
     "Q5_K": (176, (0, 2)),
     "Q6_K": (210, (208,)),
     "IQ4_XS": (136, (0,)),
+    "TQ1_0": (54, (52,)),
+    "TQ2_0": (66, (64,)),
     "IQ3_S": (110, (0,)),  # a type lithos has no packed layout for
 }
 # Q4_K_M's choice of types (llama.cpp): Q6_K for the value and down projections where it keeps more bits,
@@ -370,8 +372,9 @@ def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(
     np.testing.assert_array_equal(np.asarray(exact.params.layers.w_up[0]), expected)
 
 
-def test_q3_k_q2_k_and_iq4_xs_load_packed_exactly(tmp_path):
-    """Q3_K (its scales unpacked to bytes), Q2_K and IQ4_XS stay packed, every value gguf's; a stack whose layers mix
+def test_q3_k_q2_k_iq4_xs_and_ternary_load_packed_exactly(tmp_path):
+    """Q3_K (its scales unpacked to bytes), Q2_K and IQ4_XS stay packed, and TQ1_0 and TQ2_0 become Q2_K, every value
+    gguf's; a stack whose layers mix
     Q3_K or Q2_K with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K) is K_MIX. A Q3_K layer with a d that
     K_MIX cannot hold (2^14: its B = -4 d overflows f16) beside a Q4_K one arrives as exact float32, counted as
     unpacked; the reference path over the packed load gives the dense load's logits."""
@@ -385,6 +388,7 @@ def test_q3_k_q2_k_and_iq4_xs_load_packed_exactly(tmp_path):
         "ffn_down.weight": ("Q4_K", "Q3_K"),
         "ffn_up.weight": ("Q3_K", "Q4_K"),
         "attn_output.weight": ("IQ4_XS", "IQ4_XS"),
+        "ffn_gate.weight": ("TQ1_0", "TQ2_0"),
     }
     types = {f"blk.{i}.{name}": pair[i] for name, pair in kinds.items() for i in range(2)}
     _write_k_quant_gguf(path, types, layers=2, large_d="blk.0.ffn_up.weight")
@@ -392,7 +396,7 @@ def test_q3_k_q2_k_and_iq4_xs_load_packed_exactly(tmp_path):
     _, dense, _, _ = gguf_file.load(path, dequantize=True)  # gguf's values, Q and K rows un-permuted
     assert unpacked == {"Q3_K/Q4_K mixed across layers": 1}
     assert flat["layers.wq"].format == quant.Q3_K and flat["layers.wk"].format == quant.Q2_K
-    assert flat["layers.wo"].format == quant.IQ4_XS
+    assert flat["layers.wo"].format == quant.IQ4_XS and flat["layers.w_gate"].format == quant.Q2_K
     for name in ("layers.wv", "layers.w_down"):
         assert flat[name].format == quant.K_MIX, name
     assert not quant.is_quantized(flat["layers.w_up"])

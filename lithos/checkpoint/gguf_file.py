@@ -16,7 +16,7 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
-from lithos.quant.layouts import GGUF_FORMATS, from_gguf, map_planes, stack
+from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, map_planes, stack
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -77,11 +77,12 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
     Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 and the K-quants Q2_K to Q6_K stay packed
-    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`; every other tensor arrives as float32.
-    `unpacked` counts, per GGUF type, the quantized tensors that arrived as float32 although `dequantize` was not
-    asked for (types lithos has no packed layout for, such as IQ4_XS, and tensors whose layers mix types other than
-    the K-quants, or K-quants with a d too large for K_MIX): their exact values are float32. A tensor whose layers
-    mix K-quants (Q4_K_M's V and down projections) is K_MIX."""
+    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`, and the ternary TQ1_0 and TQ2_0 become
+    Q2_K; every other tensor arrives as float32. `unpacked` counts, per GGUF type, the quantized tensors that
+    arrived as float32 although `dequantize` was not asked for (types lithos has no packed layout for, such as
+    IQ2_XXS, tensors whose layers mix types other than the K-quants, K-quants with a d too large for K_MIX, and
+    ternary blocks with an infinite d): their exact values are float32. A tensor whose layers mix K-quants (Q4_K_M's
+    V and down projections, a ternary model's Q2_K-held layers beside Q4_K ones) is K_MIX."""
     import gguf
 
     reader = open_reader(path)
@@ -101,9 +102,13 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         expected = tuple(int(d) for d in reversed(t.shape))
         kind = t.tensor_type.name
         try:
+            w = None
             if not dequantize and kind in GGUF_FORMATS and len(expected) == 2:
-                w = from_gguf(t.data, kind, expected)
-            else:
+                try:
+                    w = from_gguf(t.data, kind, expected)
+                except NoPackedForm:  # values no packed form holds exactly (an infinite TQ d): float32 below
+                    pass
+            if w is None:
                 w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
                 if not dequantize and kind not in FLOAT_TYPES:
                     unpacked[kind] = unpacked.get(kind, 0) + 1

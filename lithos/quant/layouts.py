@@ -9,6 +9,9 @@
   6-bit scales unpacked to bytes: 114), their codes are reordered as above. 5-bit codes (Q5_0, Q5_1, Q5_K) keep
   GGUF's high bits as they are, after their low nibbles. A stack whose layers mix K-quants becomes K_MIX, each
   layer's values exactly. IQ4_XS keeps its 8-byte records as they are, its codes reordered as Q4_0's.
+- GGUF ternary blocks (TQ1_0, TQ2_0: 256 weights d * (c - 1), c in 0..2, base-3 digits or 2-bit codes) become
+  Q2_K, whose (d sc) c - (dmin m) with sc = m = 1 and dmin = d is the same value: 2.625 bits a weight where the
+  file has 1.69 or 2.06, read by the Q2_K kernels.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -60,12 +63,14 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "Q2_K": (Q2_K, 256, 84),
     "IQ4_NL": (IQ4_NL, 32, 18),
     "IQ4_XS": (IQ4_XS, 256, 136),
+    "TQ1_0": (Q2_K, 256, 54),
+    "TQ2_0": (Q2_K, 256, 66),
 }
 
 
 class NoPackedForm(CheckpointError):
-    """Values a packed format cannot hold exactly (a K-quant d so large that K_MIX's B would overflow f16): the
-    loader keeps them as float32 instead."""
+    """Values a packed format cannot hold exactly (a K-quant d so large that K_MIX's B would overflow f16, a ternary
+    block's infinite d): the loader keeps them as float32 instead."""
 
 
 def _field(blocks: np.ndarray, start: int, stop: int, dtype) -> np.ndarray:
@@ -117,7 +122,7 @@ def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _2bit_codes(qs: np.ndarray) -> np.ndarray:
-    """A Q2_K or Q3_K super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j + 16t + l
+    """A Q2_K, Q3_K or TQ2_0 super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j + 16t + l
     at bits 2j) -> `[..., n, 2, 4, 2, 16]` (h, j, t, l: element order)."""
     shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
     return (qs.reshape(*qs.shape[:-1], 2, 1, 2, 16) >> shifts) & 3
@@ -129,6 +134,34 @@ def _q2_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     the 16 scale bytes."""
     codes = _2bit_codes(blocks[..., 16:80]).reshape(*blocks.shape[:-1], 256)
     record = np.concatenate([blocks[..., 80:84], blocks[..., :16]], axis=-1)
+    return {"scales": record, "data": _2bit_bytes(codes).reshape(*blocks.shape[:-2], -1)}
+
+
+def _ternary_codes(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """A TQ1_0 or TQ2_0 block's codes `[..., n, 256]` in element order (gguf.quants' TQ1_0/TQ2_0 decoders). TQ2_0
+    keeps Q2_K's 2-bit layout; TQ1_0 packs five base-3 digits a byte (four in its last 4 bytes), digit p of byte b
+    being ((b * 3^p mod 256) * 3) >> 8: 32 bytes for elements 32p + b, 16 for 160 + 16p + b, 4 for 240 + 4p + b."""
+    if type_name == "TQ2_0":
+        return _2bit_codes(blocks[..., :64]).reshape(*blocks.shape[:-1], 256)
+    powers = np.array([1, 3, 9, 27, 81], np.uint8)
+
+    def digits(b: np.ndarray, count: int) -> np.ndarray:
+        shifted = b[..., None, :] * powers[:count, None]  # u8: mod 256
+        return ((shifted.astype(np.uint16) * 3) >> 8).astype(np.uint8).reshape(*b.shape[:-1], -1)
+
+    return np.concatenate([digits(blocks[..., :32], 5), digits(blocks[..., 32:48], 5), digits(blocks[..., 48:52], 4)], -1)
+
+
+def _ternary_planes(blocks: np.ndarray, type_name: str) -> dict[str, np.ndarray]:
+    """TQ1_0 blocks `[..., n, 54]` (48 bytes of base-3 digits, 4 more, f16 d) or TQ2_0 `[..., n, 66]` (64 bytes of
+    2-bit codes, f16 d), w = d (c - 1) -> Q2_K planes holding the same values: (d * 1) c - (d * 1), records of d,
+    dmin = d and 16 bytes of scale | min << 4 = 0x11. The values are exact but the sign of zero (d * 0 is -0 for a
+    negative d; Q2_K's d - d is +0); an infinite d (inf * 2 - inf is NaN) is a NoPackedForm."""
+    d = blocks[..., -2:]
+    if np.isinf(d.copy().view(np.float16)).any():
+        raise NoPackedForm(f"a GGUF {type_name} block with an infinite d has no q2_k form")
+    codes = _ternary_codes(blocks, type_name)
+    record = np.concatenate([d, d, np.full((*d.shape[:-1], 16), 0x11, np.uint8)], axis=-1)
     return {"scales": record, "data": _2bit_bytes(codes).reshape(*blocks.shape[:-2], -1)}
 
 
@@ -255,6 +288,8 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
         planes = _q2_k_planes(blocks)
     elif type_name == "Q3_K":
         planes = _q3_k_planes(blocks)
+    elif type_name in ("TQ1_0", "TQ2_0"):
+        planes = _ternary_planes(blocks, type_name)
     elif type_name == "Q8_0":
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
         planes["data"] = planes["data"].reshape(*lead, cols)

@@ -180,6 +180,7 @@ F16_FACTORS = {
     "Q3_K": (108,),
     "IQ4_NL": (0,),
     "IQ4_XS": (0,),
+    "IQ3_S": (0,),
 }
 # K-quants whose K_MIX form scales d by a power of two (B = -32 d, -4 d): the d at which B overflows f16.
 D_LIMITS = {"Q6_K": 2048, "Q3_K": 16384}
@@ -199,6 +200,7 @@ GGUF_TYPES = [
     "Q5_K",
     "Q6_K",
     "IQ4_XS",
+    "IQ3_S",  # as Q6_K
 ]
 
 

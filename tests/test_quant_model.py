@@ -199,7 +199,8 @@ K_QUANT_BLOCKS = {
     "IQ4_XS": (136, (0,)),
     "TQ1_0": (54, (52,)),
     "TQ2_0": (66, (64,)),
-    "IQ3_S": (110, (0,)),  # a type lithos has no packed layout for
+    "IQ3_S": (110, (0,)),
+    "IQ2_XXS": (66, (0,)),  # a type lithos has no packed layout for
 }
 # Q4_K_M's choice of types (llama.cpp): Q6_K for the value and down projections where it keeps more bits,
 # and for the output; Q4_K elsewhere.
@@ -349,22 +350,22 @@ def test_tensors_whose_layers_mix_types_load_exact_and_the_fused_path_runs_them(
 
 
 def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(tmp_path, monkeypatch):
-    """Types without a packed layout (IQ3_S) arrive dequantized; stored as bf16 their values round, and the
+    """Types without a packed layout (IQ2_XXS) arrive dequantized; stored as bf16 their values round, and the
     load says so and names the fix, again when the converted copy is loaded; stored as float32 they are
     exact and nothing is said."""
     import warnings
 
     from lithos.checkpoint import gguf_file, load_checkpoint
 
-    path = tmp_path / "tiny-iq3_s.gguf"
-    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "IQ3_S"}, d=0.002)["blk.0.ffn_up.weight"]
+    path = tmp_path / "tiny-iq2_xxs.gguf"
+    expected = _write_k_quant_gguf(path, {"blk.0.ffn_up.weight": "IQ2_XXS"}, d=0.002)["blk.0.ffn_up.weight"]
     _, flat, _, unpacked = gguf_file.load(path)
-    assert unpacked == {"IQ3_S": 1}
+    assert unpacked == {"IQ2_XXS": 1}
     np.testing.assert_array_equal(flat["layers.w_up"][0], expected)
     assert not np.array_equal(expected.astype(ml_dtypes.bfloat16).astype(np.float32), expected)
     monkeypatch.setenv("LITHOS_CACHE", str(tmp_path / "cache"))
     for source in ("the GGUF", "its converted copy"):
-        with pytest.warns(UserWarning, match=r"\(1 IQ3_S\).*stored as bfloat16.*dtype='float32'"):
+        with pytest.warns(UserWarning, match=r"\(1 IQ2_XXS\).*stored as bfloat16.*dtype='float32'"):
             assert load_checkpoint(path, dtype="bfloat16").restored == (source == "its converted copy")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -372,19 +373,19 @@ def test_a_k_quant_gguf_loads_exact_in_float32_and_warns_where_its_dtype_rounds(
     np.testing.assert_array_equal(np.asarray(exact.params.layers.w_up[0]), expected)
 
 
-def test_q3_k_q2_k_iq4_xs_and_ternary_load_packed_exactly(tmp_path):
-    """Q3_K (its scales unpacked to bytes), Q2_K and IQ4_XS stay packed, and TQ1_0 and TQ2_0 become Q2_K, every value
-    gguf's; a stack whose layers mix
-    Q3_K or Q2_K with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K) is K_MIX. A Q3_K layer with a d that
-    K_MIX cannot hold (2^14: its B = -4 d overflows f16) beside a Q4_K one arrives as exact float32, counted as
-    unpacked; the reference path over the packed load gives the dense load's logits."""
+def test_q3_k_q2_k_iq4_xs_ternary_and_iq3_s_load_packed_exactly(tmp_path):
+    """Q3_K (its scales unpacked to bytes), Q2_K and IQ4_XS stay packed, TQ1_0 and TQ2_0 become Q2_K and IQ3_S Q6_K,
+    every value gguf's; a stack whose layers mix them with other K-quants (Q3_K_M's V and down beside Q4_K and Q5_K)
+    is K_MIX. A Q3_K layer with a d that K_MIX cannot hold (2^14: its B = -4 d overflows f16) beside a Q4_K one
+    arrives as exact float32, counted as unpacked; the reference path over the packed load gives the dense load's
+    logits."""
     from lithos.checkpoint import gguf_file
 
     path = tmp_path / "tiny-q3_k_m.gguf"
     kinds = {
         "attn_q.weight": ("Q3_K", "Q3_K"),
         "attn_k.weight": ("Q2_K", "Q2_K"),
-        "attn_v.weight": ("Q3_K", "Q5_K"),
+        "attn_v.weight": ("IQ3_S", "Q5_K"),
         "ffn_down.weight": ("Q4_K", "Q3_K"),
         "ffn_up.weight": ("Q3_K", "Q4_K"),
         "attn_output.weight": ("IQ4_XS", "IQ4_XS"),

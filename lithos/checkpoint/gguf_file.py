@@ -77,8 +77,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
     Matrices in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4 and the K-quants Q2_K to Q6_K stay packed
-    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`, and the ternary TQ1_0 and TQ2_0 become
-    Q2_K; every other tensor arrives as float32. `unpacked` counts, per GGUF type, the quantized tensors that
+    (lithos.quant.QuantizedArray with numpy planes) unless `dequantize`, the ternary TQ1_0 and TQ2_0 become Q2_K
+    and IQ3_S Q6_K; every other tensor arrives as float32. `unpacked` counts, per GGUF type, the quantized tensors that
     arrived as float32 although `dequantize` was not asked for (types lithos has no packed layout for, such as
     IQ2_XXS, tensors whose layers mix types other than the K-quants, K-quants with a d too large for K_MIX, and
     ternary blocks with an infinite d): their exact values are float32. A tensor whose layers mix K-quants (Q4_K_M's

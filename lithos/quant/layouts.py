@@ -12,6 +12,9 @@
 - GGUF ternary blocks (TQ1_0, TQ2_0: 256 weights d * (c - 1), c in 0..2, base-3 digits or 2-bit codes) become
   Q2_K, whose (d sc) c - (dmin m) with sc = m = 1 and dmin = d is the same value: 2.625 bits a weight where the
   file has 1.69 or 2.06, read by the Q2_K kernels.
+- GGUF IQ3_S super-blocks (256 weights (d (1 + 2 s_j)) * g * sign, g an odd magnitude 1..15 from llama.cpp's grid,
+  s_j a 4-bit scale per 32) become Q6_K, whose (d * sc_i) * (c - 32) with sc_i = 1 + 2 s_j and c = 32 + g * sign
+  is the same value bit for bit: 6.5625 bits a weight where the file has 3.44, read by the Q6_K kernels.
 - GPT-OSS MXFP4 safetensors: `*_blocks` u8 `[..., out, in/32, 16]` (already in that order) and
   `*_scales` u8 `[..., out, in/32]`.
 - FP8 block-scaled safetensors (DeepSeek-V3, Qwen3-FP8): `weight` F8_E4M3 `[out, in]` and
@@ -65,6 +68,7 @@ GGUF_FORMATS: dict[str, tuple[QuantFormat, int, int]] = {
     "IQ4_XS": (IQ4_XS, 256, 136),
     "TQ1_0": (Q2_K, 256, 54),
     "TQ2_0": (Q2_K, 256, 66),
+    "IQ3_S": (Q6_K, 256, 110),
 }
 
 
@@ -122,8 +126,8 @@ def _q5_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _2bit_codes(qs: np.ndarray) -> np.ndarray:
-    """A Q2_K, Q3_K or TQ2_0 super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j + 16t + l
-    at bits 2j) -> `[..., n, 2, 4, 2, 16]` (h, j, t, l: element order)."""
+    """A Q2_K, Q3_K or TQ2_0 super-block's 2-bit codes `[..., n, 64]` (byte 32h + 16t + l holds element 128h + 32j +
+    16t + l at bits 2j) -> `[..., n, 2, 4, 2, 16]` (h, j, t, l: element order)."""
     shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
     return (qs.reshape(*qs.shape[:-1], 2, 1, 2, 16) >> shifts) & 3
 
@@ -149,7 +153,8 @@ def _ternary_codes(blocks: np.ndarray, type_name: str) -> np.ndarray:
         shifted = b[..., None, :] * powers[:count, None]  # u8: mod 256
         return ((shifted.astype(np.uint16) * 3) >> 8).astype(np.uint8).reshape(*b.shape[:-1], -1)
 
-    return np.concatenate([digits(blocks[..., :32], 5), digits(blocks[..., 32:48], 5), digits(blocks[..., 48:52], 4)], -1)
+    runs = (digits(blocks[..., :32], 5), digits(blocks[..., 32:48], 5), digits(blocks[..., 48:52], 4))
+    return np.concatenate(runs, axis=-1)
 
 
 def _ternary_planes(blocks: np.ndarray, type_name: str) -> dict[str, np.ndarray]:
@@ -231,6 +236,23 @@ def _q6_k_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"scales": record, "data": _6bit_runs(low | (high << 4))}
 
 
+def _iq3_s_planes(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """IQ3_S super-blocks `[..., n, 110]` (f16 d, 64 bytes of grid indices' low 8 bits, 8 of their high bits, 32 of
+    signs, 4 of 4-bit scales) -> Q6_K planes of the same values (above). The signed grid values come from gguf's own
+    IQ3_S decoder run with d = 1 and every scale 0 (so 1 + 2 s = 1): integers, exact."""
+    import gguf
+
+    unit = blocks.copy()
+    unit[..., 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    unit[..., 106:110] = 0
+    signed = gguf.quants.dequantize(unit.reshape(-1, 110), gguf.GGMLQuantizationType.IQ3_S)
+    codes = (signed.astype(np.int8) + 32).astype(np.uint8).reshape(*blocks.shape[:-1], 256)
+    nibbles = (blocks[..., 106:110, None] >> np.array([0, 4], np.uint8)) & 0x0F  # sub-block 2k + i: byte k, nibble i
+    sc = np.repeat((1 + 2 * nibbles).reshape(*blocks.shape[:-1], 8), 2, axis=-1).astype(np.int8)  # one per 16
+    record = np.concatenate([blocks[..., 0:2], sc.view(np.uint8)], axis=-1)
+    return {"scales": record, "data": _6bit_runs(codes)}
+
+
 def to_k_mix(w: QuantizedArray) -> QuantizedArray:
     """A Q2_K ... Q6_K array (numpy planes) as K_MIX, every value exactly (lithos.quant.formats; a K_MIX
     array as it is); a NoPackedForm for a Q6_K (Q3_K) array with a finite d of 2048 (16384) or more, which has no
@@ -290,6 +312,8 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, ...], dtype=np.
         planes = _q3_k_planes(blocks)
     elif type_name in ("TQ1_0", "TQ2_0"):
         planes = _ternary_planes(blocks, type_name)
+    elif type_name == "IQ3_S":
+        planes = _iq3_s_planes(blocks)
     elif type_name == "Q8_0":
         planes = {"scales": _field(blocks, 0, 2, np.float16), "data": _field(blocks, 2, 34, np.int8)}
         planes["data"] = planes["data"].reshape(*lead, cols)

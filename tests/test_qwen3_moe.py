@@ -5,6 +5,7 @@ rule of mlp_only_layers / decoder_sparse_step, and the floor's bytes for the Qwe
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import lithos
-from lithos import bench
+from lithos import bench, quant
 from lithos.checkpoint import load_checkpoint
 from lithos.kv_cache import init_cache
 from lithos.models import qwen3_moe
@@ -164,3 +165,91 @@ def test_qwen3_30b_a3b_floor_counts_eight_of_128_experts():
     total = L * (attention + router + 128 * expert) + 2 * (2 * V * D) + 2 * D
     assert sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) == total  # about 61 GB
     assert bench.weight_bytes_read(params, cfg) == L * (attention + router + 8 * expert) + 2 * V * D + 2 * D + 2 * D
+
+
+def _write_qwen3_moe_gguf(path, checkpoint_dir, expert_type: str = "F32"):
+    """The tiny checkpoint's tensors as llama.cpp's `qwen3moe` GGUF writes them: experts stacked `[E, out, in]`
+    (ffn_{gate,up,down}_exps, in `expert_type`), the router as ffn_gate_inp, the dense layer's MLP as ffn_*."""
+    gguf = require("gguf")
+    from safetensors.numpy import load_file
+
+    t = load_file(next(checkpoint_dir.glob("*.safetensors")))
+    cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.experts_per_token)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", t["model.norm.weight"])
+    writer.add_tensor("output.weight", t["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{g}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
+    names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    for i in range(cfg.num_layers):
+        for hf, name in names.items():
+            if f"model.layers.{i}.{hf}.weight" in t:
+                writer.add_tensor(f"blk.{i}.{name}.weight", t[f"model.layers.{i}.{hf}.weight"])
+        if i in cfg.moe_layers:
+            for p in ("gate", "up", "down"):
+                e = np.stack([t[f"model.layers.{i}.mlp.experts.{j}.{p}_proj.weight"] for j in range(cfg.num_experts)])
+                qtype = gguf.GGMLQuantizationType[expert_type]
+                data = e if expert_type == "F32" else gguf.quants.quantize(e, qtype)
+                writer.add_tensor(
+                    f"blk.{i}.ffn_{p}_exps.weight", data, raw_dtype=None if expert_type == "F32" else qtype
+                )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
+    """A `qwen3moe` GGUF of the checkpoint's tensors (as llama.cpp lays them out: stacked experts, a dense layer
+    without them) loads as the same config and parameters as the safetensors checkpoint, whose logits match
+    transformers'; with Q8_0 experts, the experts stay packed (gate and up joined plane by plane) with the
+    values gguf decodes, and the model's logits over them are the dense load's."""
+    from lithos.checkpoint import gguf_file
+
+    path, _ = checkpoint
+    gguf_path = tmp_path / "tiny-qwen3moe.gguf"
+    _write_qwen3_moe_gguf(gguf_path, path)
+    want = load_checkpoint(path, dtype="float32")
+    cfg, flat, _, unpacked = gguf_file.load(gguf_path)
+    assert unpacked == {}
+    assert cfg.moe_layers == (0, 2) and cfg.norm_topk_prob
+    eps = float(np.float32(want.cfg.rms_norm_eps))  # GGUF keeps it as f32
+    same = dict(
+        max_position_embeddings=cfg.max_position_embeddings, bos_token_id=None, eos_token_ids=(), rms_norm_eps=eps
+    )
+    assert cfg == dataclasses.replace(want.cfg, **same)  # the fields the writer above leaves out aside
+    params = qwen3_moe.params_from_flat(flat)
+    for got, expected in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+    packed_path = tmp_path / "tiny-qwen3moe-q8_0.gguf"
+    _write_qwen3_moe_gguf(packed_path, path, expert_type="Q8_0")
+    cfg, packed, _, unpacked = gguf_file.load(packed_path)
+    _, dense, _, _ = gguf_file.load(packed_path, dequantize=True)
+    assert unpacked == {}
+    gate_up = packed["experts.gate_up"]
+    assert gate_up.format == quant.Q8_0 and gate_up.shape == (2, 8, 64, 64)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(gate_up)), dense["experts.gate_up"])
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, PROMPT)))
+    logits = []
+    for values in (packed, dense):
+        cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, CACHE, cfg.head_dim, jnp.float32)
+        out, _ = forward(qwen3_moe.params_from_flat(values), tokens, jnp.arange(PROMPT)[None], cache, cfg)
+        logits.append(np.asarray(out))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5 * np.abs(logits[1]).max())

@@ -1,6 +1,7 @@
-"""GGUF files (llama.cpp's format): metadata, tokenizer and weights, dequantized with `gguf`.
+"""GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3 and
+qwen3moe), packed where lithos.quant has a layout for their type, otherwise dequantized with `gguf`.
 
-Weights arrive as float32 in `[out, in]` order. llama.cpp permutes the rows of Q and K for the
+Weights arrive in `[out, in]` order (experts `[experts, out, in]`). llama.cpp permutes the rows of Q and K for the
 `llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
 Hugging Face layout.
 """
@@ -16,7 +17,7 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
-from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, map_planes, stack
+from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, join_rows, map_planes, stack
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -34,6 +35,15 @@ LAYER_NAMES = {
     "ffn_gate.weight": "layers.w_gate",
     "ffn_up.weight": "layers.w_up",
     "ffn_down.weight": "layers.w_down",
+}
+# Mixture-of-experts layers (qwen3moe): the router and the experts' projections stacked `[experts, out, in]`; each
+# expert's gate and up rows are joined into one matrix (experts.gate_up) as the HF loader does, and the layers
+# without experts keep dense MLPs (dense.w_gate, ...).
+MOE_LAYER_NAMES = {
+    "ffn_gate_inp.weight": "experts.router",
+    "ffn_gate_exps.weight": "experts.gate",
+    "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down",
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -73,6 +83,26 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
+def _layer_ids(name: str, cfg) -> list[int]:
+    """The layers a stacked parameter spans: a MoE family's experts its MoE layers, its dense MLPs the others."""
+    if name.startswith("experts."):
+        return list(cfg.moe_layers)
+    return list(cfg.dense_layers) if name.startswith("dense.") else list(range(cfg.num_layers))
+
+
+def _join_gate_and_up(per_layer: dict[str, dict[int, Any]], kinds: dict[str, set[str]], path: Path) -> None:
+    """Each MoE layer's experts.gate `[E, ffn, hidden]` and experts.up as one experts.gate_up `[E, 2 ffn, hidden]`."""
+    gate, up = per_layer.pop("experts.gate", {}), per_layer.pop("experts.up", {})
+    if set(gate) != set(up):
+        raise CheckpointError(
+            f"{path}: layers {sorted(set(gate) ^ set(up))} have only one of ffn_gate_exps and "
+            "ffn_up_exps: the file is incomplete"
+        )
+    if gate:
+        per_layer["experts.gate_up"] = {i: join_rows(gate[i], up[i]) for i in gate}
+        kinds["experts.gate_up"] = kinds.pop("experts.gate") | kinds.pop("experts.up")
+
+
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
     """Returns (Config, flat params, metadata, unpacked) for a GGUF file.
 
@@ -94,8 +124,12 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     names = {t.name for t in reader.tensors}
     cfg = family.config_from_gguf(meta, names)
 
+    moe = hasattr(cfg, "moe_layers")
+    layer_names = LAYER_NAMES
+    if moe:
+        layer_names = {k: v.replace("layers.w_", "dense.w_") for k, v in LAYER_NAMES.items()} | MOE_LAYER_NAMES
     flat: dict[str, np.ndarray] = {}
-    per_layer: dict[str, list] = {}
+    per_layer: dict[str, dict[int, Any]] = {}
     layer_kinds: dict[str, set[str]] = {}  # GGUF types of each stacked tensor's layers
     unpacked: dict[str, int] = {}
     for t in reader.tensors:
@@ -103,7 +137,7 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         kind = t.tensor_type.name
         try:
             w = None
-            if not dequantize and kind in GGUF_FORMATS and len(expected) == 2:
+            if not dequantize and kind in GGUF_FORMATS and len(expected) in (2, 3):  # 3: experts
                 try:
                     w = from_gguf(t.data, kind, expected)
                 except NoPackedForm:  # values no packed form holds exactly (an infinite TQ d): float32 below
@@ -120,21 +154,31 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
             flat[GLOBAL_NAMES[t.name]] = w
             continue
         m = _LAYER_RE.fullmatch(t.name)
-        if not m or m.group(2) not in LAYER_NAMES:
+        if not m or m.group(2) not in layer_names or int(m.group(1)) >= cfg.num_layers:
             if t.name == "rope_freqs.weight":
                 continue  # llama3 scaling stored as factors; derived from the config instead
             raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for architecture {gguf_arch!r}")
-        name = LAYER_NAMES[m.group(2)]
+        name = layer_names[m.group(2)]
         if gguf_arch == "llama" and name in ("layers.wq", "layers.bq"):
             w = map_planes(lambda a: unpermute_rows(a, cfg.num_heads), w)
         elif gguf_arch == "llama" and name in ("layers.wk", "layers.bk"):
             w = map_planes(lambda a: unpermute_rows(a, cfg.num_kv_heads), w)
-        per_layer.setdefault(name, [None] * cfg.num_layers)[int(m.group(1))] = w
+        per_layer.setdefault(name, {})[int(m.group(1))] = w
         layer_kinds.setdefault(name, set()).add(kind)
+    if moe:
+        _join_gate_and_up(per_layer, layer_kinds, path)
     for name, layers in per_layer.items():
-        if any(x is None for x in layers):
-            raise CheckpointError(f"{path} lacks {name} for some layers: the file is incomplete")
-        flat[name] = stack(layers)  # K-quants of several types (Q4_K_M's V and down) as K_MIX
+        ids = _layer_ids(name, cfg)
+        missing, extra = [i for i in ids if i not in layers], sorted(set(layers) - set(ids))
+        if missing:
+            raise CheckpointError(f"{path} lacks {name} for layers {missing}: the file is incomplete")
+        if extra:  # a dense MLP in a layer with experts, or expert tensors in one without ffn_gate_exps
+            kind = "MoE" if name.startswith("dense.") else "dense"
+            raise CheckpointError(
+                f"{path} has {name} in layers {extra}, which its other tensors make {kind} layers: the file is "
+                "inconsistent"
+            )
+        flat[name] = stack([layers[i] for i in ids])  # K-quants of several types (Q4_K_M's V and down) as K_MIX
         kinds = layer_kinds[name]
         if kinds & set(GGUF_FORMATS) and not dequantize and not isinstance(flat[name], QuantizedArray):
             # Packed layers of types no one format holds (Q4_0 beside Q8_0) arrive as float32.

@@ -30,8 +30,7 @@ import numpy as np
 
 from lithos.checkpoint.safetensors_dir import GLOBAL_NAMES, LAYER_NAMES
 from lithos.errors import CheckpointError
-from lithos.quant import QuantizedArray, dequantize, from_planes
-from lithos.quant.layouts import stack
+from lithos.quant.layouts import join_rows, stack
 
 ATTENTION_NAMES = {
     hf: name
@@ -124,17 +123,6 @@ QWEN3_DENSE_NAMES = {
 }
 
 
-def _join_rows(a, b):
-    """Rows of `b` under rows of `a` (`[..., out, in]`), packed plane by plane when both are packed in
-    one format whose scale blocks do not straddle the seam; otherwise as exact f32 values."""
-    if isinstance(a, QuantizedArray) and isinstance(b, QuantizedArray) and a.format == b.format:
-        if a.shape[-2] % a.format.block[0] == 0:
-            planes = {n: np.concatenate([np.asarray(p), np.asarray(b.planes()[n])], -2) for n, p in a.planes().items()}
-            return from_planes(a.format, planes, a.dtype)
-    dense = [np.asarray(dequantize(w, np.float32)) if isinstance(w, QuantizedArray) else w for w in (a, b)]
-    return np.concatenate(dense, -2)
-
-
 def _qwen3_experts(i: int, layer: dict[str, Any], cfg, path: Path) -> tuple[Any, Any]:
     """One MoE layer's `(gate_up [E, 2*ffn, hidden], down [E, hidden, ffn])` from per-expert or fused tensors."""
     if "mlp.experts.gate_up_proj" in layer:  # transformers 5's fused layout, already [E, out, in]
@@ -153,7 +141,7 @@ def _qwen3_experts(i: int, layer: dict[str, Any], cfg, path: Path) -> tuple[Any,
                 "the checkpoint is incomplete"
             )
     E = range(cfg.num_experts)
-    gate_up = stack([_join_rows(parts["gate_proj"][j], parts["up_proj"][j]) for j in E])
+    gate_up = stack([join_rows(parts["gate_proj"][j], parts["up_proj"][j]) for j in E])
     return gate_up, stack([parts["down_proj"][j] for j in E])
 
 

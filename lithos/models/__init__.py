@@ -12,7 +12,9 @@ from lithos.models import gpt_oss, llama, qwen3_moe
 FAMILIES: dict[str, ModuleType] = {
     arch: family for family in (llama, gpt_oss, qwen3_moe) for arch in family.ARCHITECTURES
 }
-GGUF_FAMILIES: dict[str, ModuleType] = {arch: llama for arch in llama.GGUF_ARCHITECTURES}
+GGUF_FAMILIES: dict[str, ModuleType] = {
+    arch: family for family in (llama, qwen3_moe) for arch in family.GGUF_ARCHITECTURES
+}
 
 
 def family_for_architecture(arch: str) -> ModuleType:

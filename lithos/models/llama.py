@@ -186,17 +186,18 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    """Build a Config from GGUF metadata (keys as llama.cpp writes them)."""
+def gguf_fields(meta: dict[str, Any], tensor_names: set[str], supported: dict[str, str]) -> dict[str, Any]:
+    """The Config fields every family's GGUF shares (sizes, attention, RoPE, norms, special tokens), from metadata
+    under `general.architecture`'s prefix as llama.cpp writes it; `supported` maps the GGUF architectures a family
+    reads to their HF names."""
     gguf_arch = meta["general.architecture"]
-    if gguf_arch not in GGUF_ARCHITECTURES:
+    if gguf_arch not in supported:
         raise UnsupportedModelError(
-            f"GGUF architecture {gguf_arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"GGUF architecture {gguf_arch!r} is not supported (supported: {', '.join(supported)})"
         )
-    a = gguf_arch
 
     def key(name, default=None):
-        return meta.get(f"{a}.{name}", default)
+        return meta.get(f"{gguf_arch}.{name}", default)
 
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
@@ -205,11 +206,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
     elif key("rope.scaling.type") not in (None, "none"):
         raise UnsupportedModelError(f"GGUF RoPE scaling {key('rope.scaling.type')!r} is not supported")
-    vocab = meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    vocab = key("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    window = key("attention.sliding_window")
-    return Config(
-        architecture=GGUF_ARCHITECTURES[gguf_arch],
+    return dict(
+        architecture=supported[gguf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -222,12 +222,21 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=scaling,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
+    """Build a Config from GGUF metadata (keys as llama.cpp writes them)."""
+    fields = gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
+    window = meta.get(f"{meta['general.architecture']}.attention.sliding_window")
+    return Config(
+        **fields,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=int(window) if window and gguf_arch == "mistral" else None,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        sliding_window=int(window) if window and meta["general.architecture"] == "mistral" else None,
     )
 
 

@@ -33,7 +33,7 @@ from lithos.models import llama, moe
 # --------------------------------------------------------------------------------------------
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-GGUF_ARCHITECTURES: dict[str, str] = {}
+GGUF_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM"}
 RopeScaling = llama.RopeScaling
 
 
@@ -140,7 +140,28 @@ def config_from_hf(d: dict[str, Any]) -> Config:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    raise UnsupportedModelError("Qwen3-MoE GGUF files are not read yet: use the Hugging Face checkpoint (safetensors)")
+    """Build a Config from a `qwen3moe` GGUF's metadata (llama.cpp's keys). Its layers without expert tensors
+    are the dense ones (`mlp_only_layers`); llama.cpp renormalises the top-k probabilities unless the file says
+    otherwise (`expert_weights_norm`)."""
+    fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
+    a = meta["general.architecture"]
+    layers = fields["num_layers"]
+    experts = int(meta.get(f"{a}.expert_count") or 0)
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names]
+    if not experts or not routed or f"{a}.expert_feed_forward_length" not in meta:
+        raise UnsupportedModelError(
+            f"this {a} GGUF names no experts (expert_count, expert_feed_forward_length, blk.N.ffn_gate_exps): "
+            "the file is incomplete"
+        )
+    return Config(
+        **fields,
+        moe_intermediate_size=int(meta[f"{a}.expert_feed_forward_length"]),
+        num_experts=experts,
+        experts_per_token=int(meta[f"{a}.expert_used_count"]),
+        norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
+        mlp_only_layers=tuple(i for i in range(layers) if i not in routed),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from lithos.quant.formats import (
     Q8_0,
     QuantFormat,
     QuantizedArray,
+    dequantize,
     from_planes,
     k_quant_codes,
     k_scales_and_mins,
@@ -377,6 +378,19 @@ def map_planes(fn, w):
             raise CheckpointError(f"rows of a {w.format.name} tensor share tiles: they cannot be permuted")
         return w.replace(**{name: fn(plane) for name, plane in w.planes().items()})
     return fn(w)
+
+
+def join_rows(a, b):
+    """Rows of `b` under rows of `a` (`[..., out, in]`: an expert's gate and up projections as one matrix), packed
+    plane by plane when both are packed in one format whose scale blocks do not straddle the seam (every plane
+    holds its rows on the same axis as the logical shape); otherwise as exact f32 values."""
+    if isinstance(a, QuantizedArray) and isinstance(b, QuantizedArray) and a.format == b.format:
+        if a.shape[-2] % a.format.block[0] == 0:
+            rows, below = len(a.shape) - 2, b.planes()
+            planes = {n: np.concatenate([np.asarray(p), np.asarray(below[n])], rows) for n, p in a.planes().items()}
+            return from_planes(a.format, planes, a.dtype)
+    dense = [np.asarray(dequantize(w, np.float32)) if isinstance(w, QuantizedArray) else w for w in (a, b)]
+    return np.concatenate(dense, -2)
 
 
 K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")

@@ -418,3 +418,26 @@ def test_fp8_kv_cache_reference():
     # Relative error of one E4M3 rounding (3 mantissa bits), never worse than the subnormal step.
     bound = np.maximum(np.abs(x) * 2.0**-4, np.asarray(scales)[..., None, None] * 2.0**-10)
     assert (np.abs(np.asarray(got) - x) <= bound).all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy decoder meets the NaN/inf factors too
+def test_expert_rows_join_and_stack_in_every_record_format():
+    """Stacked experts `[E, out, in]` (a qwen3moe GGUF's): an expert's gate and up rows join plane by plane, the record
+    formats' scales on their row axis too, and layers of two K-quants stack as K_MIX, every value gguf's."""
+    gguf = require("gguf")
+    decoded = {}
+    for type_name in ("Q4_K", "Q6_K"):
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = RNG.integers(0, 256, (3, 4, 2 * block_bytes), dtype=np.uint8)
+        d = raw.reshape(3, 4, 2, block_bytes)[..., 208:210]  # Q6_K's d: below K_MIX's limit (2048)
+        if type_name == "Q6_K":
+            d[...] = np.abs(np.nan_to_num(d.copy().view(np.float16), posinf=1)).clip(0, 1000).view(np.uint8)
+        decoded[type_name] = (quant.from_gguf(raw, type_name, (3, 4, 512)), gguf.quants.dequantize(raw, qtype))
+    (q4_k, q4_values), (q6_k, q6_values) = decoded["Q4_K"], decoded["Q6_K"]
+    joined = quant.layouts.join_rows(q4_k, q4_k)
+    assert joined.format == quant.Q4_K and joined.shape == (3, 8, 512)
+    assert_bits_equal(np.asarray(quant.dequantize(joined)), np.concatenate([q4_values, q4_values], axis=-2))
+    stacked = quant.layouts.stack([q4_k, q6_k])
+    assert stacked.format == quant.K_MIX and stacked.shape == (2, 3, 4, 512)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(stacked)), np.stack([q4_values, q6_values]))

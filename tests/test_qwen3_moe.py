@@ -190,6 +190,12 @@ def _write_qwen3_moe_gguf(path, checkpoint_dir, expert_type: str = "F32"):
     writer.add_expert_used_count(cfg.experts_per_token)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_vocab_size(cfg.vocab_size)
+    tok = byte_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
+    writer.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
     writer.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", t["model.norm.weight"])
     writer.add_tensor("output.weight", t["lm_head.weight"])
@@ -230,10 +236,8 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
     assert unpacked == {}
     assert cfg.moe_layers == (0, 2) and cfg.norm_topk_prob
     eps = float(np.float32(want.cfg.rms_norm_eps))  # GGUF keeps it as f32
-    same = dict(
-        max_position_embeddings=cfg.max_position_embeddings, bos_token_id=None, eos_token_ids=(), rms_norm_eps=eps
-    )
-    assert cfg == dataclasses.replace(want.cfg, **same)  # the fields the writer above leaves out aside
+    same = dict(max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=eps)
+    assert cfg == dataclasses.replace(want.cfg, **same)
     params = qwen3_moe.params_from_flat(flat)
     for got, expected in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
@@ -253,3 +257,19 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
         out, _ = forward(qwen3_moe.params_from_flat(values), tokens, jnp.arange(PROMPT)[None], cache, cfg)
         logits.append(np.asarray(out))
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5 * np.abs(logits[1]).max())
+
+
+def test_gguf_file_generates_what_transformers_generates(checkpoint, tmp_path):
+    """lithos.load of the `qwen3moe` GGUF (its tokenizer from the metadata) decodes greedily what transformers
+    decodes from the checkpoint."""
+    torch = require("torch")
+    path, model = checkpoint
+    gguf_path = tmp_path / "tiny-qwen3moe.gguf"
+    _write_qwen3_moe_gguf(gguf_path, path)
+    lm = lithos.load(gguf_path, dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    assert ids == lithos.load(path, dtype="float32", max_len=64).prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf

@@ -44,12 +44,15 @@ PROMPT, CACHE = 10, 32  # prompt length and cache size of every test that prefil
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(directory of a tiny Qwen3-MoE checkpoint saved by transformers, the transformers model)."""
+    return _save_tiny_model(tmp_path_factory.mktemp("qwen3-moe"), SHAPE)
+
+
+def _save_tiny_model(path, shape: dict):
     transformers = require("transformers")
     torch = require("torch")
-    path = tmp_path_factory.mktemp("qwen3-moe")
     tok = byte_tokenizer()
     config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPE
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape
     )
     config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(0)
@@ -257,6 +260,28 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
         out, _ = forward(qwen3_moe.params_from_flat(values), tokens, jnp.arange(PROMPT)[None], cache, cfg)
         logits.append(np.asarray(out))
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5 * np.abs(logits[1]).max())
+
+
+def test_transformers_reads_the_gguf_as_the_same_model(tmp_path):
+    """transformers' own GGUF reader (given the config: its qwen3moe key map has no expert_feed_forward_length)
+    takes the file the test writes as the checkpoint it came from, and lithos's load of it gives transformers'
+    logits: the file's layout is llama.cpp's as transformers reads it. All layers MoE (neither reader has dense
+    layers in a qwen3moe file beside lithos)."""
+    torch = require("torch")
+    transformers = require("transformers")
+    path, model = _save_tiny_model(tmp_path / "hf", SHAPE | dict(mlp_only_layers=[]))
+    _write_qwen3_moe_gguf(tmp_path / "tiny.gguf", path)
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, PROMPT))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
+    ck = load_checkpoint(tmp_path / "tiny.gguf", dtype="float32", use_cache=False)
+    cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, CACHE, ck.cfg.head_dim, jnp.float32)
+    logits, _ = forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_file_generates_what_transformers_generates(checkpoint, tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import lithos
 from lithos import bench, cli, quant
 from lithos.checkpoint import load_checkpoint
+from lithos.errors import LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import gpt_oss
 
@@ -124,6 +125,19 @@ def test_checkpoint_loads_with_experts_packed(checkpoint):
     again = load_checkpoint(path, dtype="float32")
     assert again.restored and again.cfg == cfg
     np.testing.assert_array_equal(np.asarray(again.params.experts.gate_up.data), np.asarray(experts.gate_up.data))
+
+
+def test_quantizing_the_default_groups_keeps_the_shipped_mxfp4_experts(checkpoint):
+    """`lithos quantize --format mxfp4` (attention and MLP) packs the attention matrices and keeps the experts as
+    shipped; another format names the experts and the way out, rather than failing on a missing dense MLP."""
+    from lithos.quant.quantize import quantize_params
+
+    ck = load_checkpoint(checkpoint[0], dtype="float32")
+    packed = quantize_params(ck.params, "mxfp4")
+    assert packed.layers.wq.format is quant.MXFP4 and packed.experts.gate_up is ck.params.experts.gate_up
+    with pytest.raises(LithosError, match="experts.gate_up is already packed as mxfp4.*leave the group"):
+        quantize_params(ck.params, "mxfp8")
+    assert quantize_params(ck.params, "mxfp8", groups=["attention"]).layers.wo.format is quant.MXFP8
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):

@@ -163,6 +163,35 @@ def test_bench_shapes_in_formats_lithos_reads_or_makes(hf_checkpoint, monkeypatc
     assert weight_bytes_read(packed, cfg) < weight_bytes_read(params, cfg) / 2  # at most 7.6 bits against 16
 
 
+@pytest.mark.parametrize("fmt_name", ["q4_k_m", "mxfp4"])
+def test_bench_packs_a_mixture_of_experts_shape(monkeypatch, fmt_name):
+    """`lithos bench --shape qwen3-30b-a3b --weight-format ...` (here a small shape of that family, with a dense layer):
+    the "mlp" group is the experts' and the dense layers' matrices, each packed as GGUF files hold them (Q4_K_M's
+    down projections in K_MIX), and the floor counts the routed experts' packed bytes."""
+    import argparse
+
+    from lithos import bench
+    from lithos.models import qwen3_moe
+
+    small = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2, head_dim=64)
+    small |= dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=512)
+    hf = (
+        json.loads((bench.configs_dir() / "models" / "qwen3-30b-a3b.json").read_text())
+        | small
+        | {"mlp_only_layers": [1]}
+    )
+    cfg = qwen3_moe.config_from_hf(hf)
+    params = qwen3_moe.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    monkeypatch.setattr(bench, "shape_model", lambda name, dtype: (cfg, params))
+    args = argparse.Namespace(weight_format=fmt_name, quantize_groups="attention,mlp")
+    _, _, packed = bench.shape_model_as_asked("small-moe", jnp.bfloat16, args)
+    main, down = ("q4_k", "k_mix") if fmt_name == "q4_k_m" else (fmt_name, fmt_name)
+    assert packed.layers.wq.format.name == main and packed.experts.gate_up.format.name == main
+    assert packed.experts.down.format.name == down and packed.dense.w_down.format.name == down
+    assert packed.experts.gate_up.shape == params.experts.gate_up.shape
+    assert weight_bytes_read(packed, cfg) < weight_bytes_read(params, cfg) / 2
+
+
 @pytest.mark.slow
 def test_default_gguf_loads_packed(smollm2_model):
     """The default SmolLM2 Q4_1 GGUF runs from its packed weights (test_smollm2 checks its logits and

@@ -126,10 +126,14 @@ def quantize(x: jax.Array, fmt_name: str, dtype=None, scale_rule: str = "floor")
 # Which tensors
 # --------------------------------------------------------------------------------------------
 
-# Tensor groups of a Llama-family model, by flat parameter name (as in `param_shapes`).
+# Tensor groups by flat parameter name (as in `param_shapes`); a family's params hold the names of its own layers
+# (a mixture of experts: experts.* for the routed layers, dense.* for the others), and lack the rest.
 GROUPS: dict[str, tuple[str, ...]] = {
     "attention": ("layers.wq", "layers.wk", "layers.wv", "layers.wo"),
-    "mlp": ("layers.w_gate", "layers.w_up", "layers.w_down"),
+    "mlp": (
+        *("layers.w_gate", "layers.w_up", "layers.w_down"),
+        *("experts.gate_up", "experts.down", "dense.w_gate", "dense.w_up", "dense.w_down"),
+    ),
     "embed": ("embed",),
     "lm_head": ("lm_head",),
 }
@@ -151,10 +155,11 @@ def names_for_groups(groups: Iterable[str], tied: bool) -> list[str]:
 
 
 def param_at(params: Any, name: str) -> Any:
-    """The parameter at flat name `name` ("layers.wq") of a Params pytree."""
+    """The parameter at flat name `name` ("layers.wq") of a Params pytree; None where the model has none (a
+    mixture of experts' layers.w_gate, a model without dense layers' dense.w_up)."""
     obj = params
     for part in name.split("."):
-        obj = getattr(obj, part)
+        obj = getattr(obj, part, None)
     return obj
 
 
@@ -180,7 +185,12 @@ def quantize_params(
         w = param_at(params, name)
         if w is None:
             continue
+        if isinstance(w, QuantizedArray) and w.format.name == fmt_name:
+            continue  # already what was asked (GPT-OSS ships its experts in MXFP4)
         if isinstance(w, QuantizedArray):
-            raise LithosError(f"{name} is already packed as {w.format.name}: quantize from a bf16/f32 checkpoint")
+            raise LithosError(
+                f"{name} is already packed as {w.format.name}: quantize from a bf16/f32 checkpoint, or leave the "
+                "group that holds it out"
+            )
         params = with_param(params, name, run(w, fmt_name, np.dtype(w.dtype), scale_rule))
     return params

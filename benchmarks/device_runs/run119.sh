@@ -6,6 +6,8 @@
 #   bash benchmarks/device_runs/run119.sh kquants   (the 4- to 6-bit K-quant steps: about 6)
 #   bash benchmarks/device_runs/run119.sh low       (the Q3_K, Q2_K and IQ4_XS steps: about 6)
 #   bash benchmarks/device_runs/run119.sh tiles     (MXFP4 groups in tiles: about 4)
+#   bash benchmarks/device_runs/run119.sh moe       (Qwen3-30B-A3B as a Q4_K_M GGUF holds it, reference and fused: not
+#                                                   yet timed; the random codes are made on the host first)
 # Each phase first builds the megakernel variants and fused kernels it needs, all at once (cached on a warm
 # machine). It checks and times what was written after run 118 (lithos/custom_calls/NOTES.md, "Q4_K and Q6_K rows
 # through the lane ring", "K_MIX through the ring", "Q5_K through the ring", "Q3_K and Q2_K kept packed", "IQ4_NL
@@ -22,7 +24,7 @@
 # Everything lands in $OUT/run119-<phase>.tar.gz, rewritten after every step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: run119.sh tests|tests2|kquants|low|tiles}
+phase=${1:?usage: run119.sh tests|tests2|kquants|low|tiles|moe}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache LITHOS_KERNEL_DEFINES=LITHOS_MK_RING_NEW=1
 work=/tmp/r119
 mkdir -p "$work"
@@ -39,7 +41,8 @@ case $phase in  # the megakernel builds each phase uses (benchmarks/build_varian
   kquants) variants="k_mix:q4_k:bfloat16:q4_k:k_mix q5_k:q5_k:bfloat16 q6_k:q6_k:bfloat16 q4_k:q4_k:bfloat16" ;;
   low) variants="q3_k:q3_k:bfloat16 q2_k:q2_k:bfloat16 iq4_xs:iq4_xs:bfloat16" ;;
   tiles) variants="gate_up gate_up,down gate_up,down,o" ;;
-  *) echo "usage: run119.sh tests|tests2|kquants|low|tiles"; exit 2 ;;
+  moe) variants="" ;;  # the fused kernels only (the megakernel has no mixture-of-experts step)
+  *) echo "usage: run119.sh tests|tests2|kquants|low|tiles|moe"; exit 2 ;;
 esac
 
 log build  # all at once (2-3 minutes on 16 cores): the tests and benches would build them one by one
@@ -61,7 +64,7 @@ fi
 step() {  # step TILES SHAPE FORMAT KERNELS
   local tiles=$1 shape=$2 fmt=$3 kernels=$4
   local tag=run119-${shape##*-}-$fmt-${tiles//,/+}
-  LITHOS_TILES=$tiles timeout 150 "${lithos[@]}" bench --shape "$shape" --context 1024 --weight-format "$fmt" \
+  LITHOS_TILES=$tiles timeout "${STEP_TIMEOUT:-150}" "${lithos[@]}" bench --shape "$shape" --context 1024 --weight-format "$fmt" \
     --kernels "$kernels" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
   grep -E "^$shape" "$work/$tag.log" | sed "s/^/$tiles /"
   save
@@ -72,6 +75,8 @@ if [ "$phase" = kquants ]; then
   step gate_up llama-3.1-8b q5_k fused,megakernel
   step gate_up llama-3.1-8b q6_k megakernel
   step gate_up llama-3.2-1b q4_k megakernel
+elif [ "$phase" = moe ]; then
+  STEP_TIMEOUT=480 step gate_up qwen3-30b-a3b q4_k_m reference,fused  # 61 GB of random bf16 weights packed first
 elif [ "$phase" = low ]; then
   step gate_up llama-3.1-8b q3_k fused,megakernel
   step gate_up llama-3.1-8b q2_k fused,megakernel

@@ -59,8 +59,10 @@ def random_packed(
 
 
 def random_packed_like(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> QuantizedArray:
-    """Random codes in `fmt_name` of `w`'s shape and dtype, their values near `w`'s spread."""
-    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(np.asarray(w, np.float32))))
+    """Random codes in `fmt_name` of `w`'s shape and dtype, their values near `w`'s spread (measured on its first
+    million values: a large model's whole matrix would not fit the host as float32)."""
+    sample = np.asarray(jnp.ravel(w)[: 1 << 20], np.float32)
+    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(sample)))
 
 
 def random_packed_params(params: Any, formats: dict[str, str], seed: int = 0) -> Any:

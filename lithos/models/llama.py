@@ -187,9 +187,9 @@ GGUF_ARCHITECTURES = {
 
 
 def gguf_fields(meta: dict[str, Any], tensor_names: set[str], supported: dict[str, str]) -> dict[str, Any]:
-    """The Config fields every family's GGUF shares (sizes, attention, RoPE, norms, special tokens), from metadata
-    under `general.architecture`'s prefix as llama.cpp writes it; `supported` maps the GGUF architectures a family
-    reads to their HF names."""
+    """The Config fields every family's GGUF shares (sizes, attention, RoPE theta, norms, special tokens), from
+    metadata under `general.architecture`'s prefix as llama.cpp writes it; `supported` maps the GGUF architectures a
+    family reads to their HF names. RoPE scaling is each family's (`gguf_linear_rope`)."""
     gguf_arch = meta["general.architecture"]
     if gguf_arch not in supported:
         raise UnsupportedModelError(
@@ -201,11 +201,6 @@ def gguf_fields(meta: dict[str, Any], tensor_names: set[str], supported: dict[st
 
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    scaling = None
-    if key("rope.scaling.type") == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
-    elif key("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF RoPE scaling {key('rope.scaling.type')!r} is not supported")
     vocab = key("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return dict(
@@ -221,10 +216,20 @@ def gguf_fields(meta: dict[str, Any], tensor_names: set[str], supported: dict[st
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def gguf_linear_rope(meta: dict[str, Any]) -> RopeScaling | None:
+    """A GGUF's RoPE scaling where it is none or linear (llama3 scaling arrives as rope_freqs, derived from the config
+    instead); any other kind is refused."""
+    kind = meta.get(f"{meta['general.architecture']}.rope.scaling.type")
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(meta[f"{meta['general.architecture']}.rope.scaling.factor"]))
+    if kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF RoPE scaling {kind!r} is not supported")
+    return None
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
@@ -233,6 +238,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
     window = meta.get(f"{meta['general.architecture']}.attention.sliding_window")
     return Config(
         **fields,
+        rope_scaling=gguf_linear_rope(meta),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,

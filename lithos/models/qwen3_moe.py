@@ -155,6 +155,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         )
     return Config(
         **fields,
+        rope_scaling=llama.gguf_linear_rope(meta),
         moe_intermediate_size=int(meta[f"{a}.expert_feed_forward_length"]),
         num_experts=experts,
         experts_per_token=int(meta[f"{a}.expert_used_count"]),

@@ -5,6 +5,7 @@ generation, a decode step that reads only the routed experts, and `lithos bench`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -259,3 +260,111 @@ def test_bench_runs_the_shape_on_cpu(tmp_path, monkeypatch):
         assert r["weight_formats"]["mxfp4"] > 0 and r["step_ms"] > 0
         total = sum(r["weight_formats"].values())
         assert r["weight_bytes"] < total  # unrouted experts and all but one embedding row are not counted
+
+
+def gguf_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS MXFP4 `[..., out, in/32, 16]` + `[..., out, in/32]` as a GGUF MXFP4 tensor's bytes `[..., out, in/32 *
+    17]`: each block its E8M0 byte, then elements 0..15 in the low nibbles and 16..31 in the high (llama.cpp's order,
+    what its converter writes for GPT-OSS)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(*blocks.shape[:-2], -1)
+
+
+def _write_gpt_oss_gguf(path, checkpoint_dir):
+    """The tiny checkpoint as llama.cpp's converter writes a `gpt-oss` GGUF: experts stacked, MXFP4 kept, each
+    expert's interleaved gate_up rows (and bias) split into ffn_gate_exps (even rows) and ffn_up_exps (odd), the
+    MLP's norm as post_attention_norm, the sinks as attn_sinks, YaRN in the metadata."""
+    gguf = require("gguf")
+    from safetensors.numpy import load_file
+
+    t = load_file(next(checkpoint_dir.glob("*.safetensors")))
+    cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.experts_per_token)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    w.add_rope_scaling_orig_ctx_len(cfg.rope_scaling.original_max_position_embeddings)
+    tok = byte_tokenizer()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
+    w.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+    }
+    names |= {
+        f"self_attn.{p}_proj.{k}": f"attn_{g}.{k}"
+        for p, g in zip("qkvo", ("q", "k", "v", "output"))
+        for k in ("weight", "bias")
+    }
+    names |= {"self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight"}
+    names |= {"mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for hf, name in names.items():
+            w.add_tensor(f"blk.{i}.{name}", t[prefix + hf])
+        blocks, scales = t[prefix + "mlp.experts.gate_up_proj_blocks"], t[prefix + "mlp.experts.gate_up_proj_scales"]
+        for name, rows in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf_mxfp4(blocks[:, rows], scales[:, rows]), raw_dtype=mxfp4)
+            w.add_tensor(f"blk.{i}.{name}.bias", t[prefix + "mlp.experts.gate_up_proj_bias"][:, rows])
+        down = gguf_mxfp4(t[prefix + "mlp.experts.down_proj_blocks"], t[prefix + "mlp.experts.down_proj_scales"])
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", down, raw_dtype=mxfp4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
+    """A `gpt-oss` GGUF of the checkpoint, laid out as llama.cpp's converter writes one (its MXFP4 bytes checked
+    against gguf's own decoder here), loads as the same config and parameters (experts packed: gate and up rows
+    interleaved again, plane by plane), and lithos.load of it decodes greedily what transformers decodes."""
+    torch = require("torch")
+    gguf = require("gguf")
+    from lithos.checkpoint import gguf_file
+
+    path, model = checkpoint
+    gguf_path = tmp_path / "tiny-gpt-oss.gguf"
+    _write_gpt_oss_gguf(gguf_path, path)
+    reader = gguf.GGUFReader(str(gguf_path))
+    up = next(x for x in reader.tensors if x.name == "blk.1.ffn_up_exps.weight")
+    dense_up = model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy().transpose(0, 2, 1)[:, 1::2]
+    np.testing.assert_array_equal(gguf.quants.dequantize(up.data, up.tensor_type), dense_up)  # -0 == +0
+
+    want = load_checkpoint(path, dtype="float32")
+    cfg, flat, _, unpacked = gguf_file.load(gguf_path)
+    assert unpacked == {}
+    eps = float(np.float32(want.cfg.rms_norm_eps))  # GGUF keeps it as f32
+    assert cfg == dataclasses.replace(want.cfg, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=eps)
+    params = gpt_oss.params_from_flat(flat)
+    assert params.experts.gate_up.format is quant.MXFP4
+    for got, expected in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+    lm = lithos.load(gguf_path, dtype="float32", max_len=64)
+    prompt = "the quick brown fox"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf

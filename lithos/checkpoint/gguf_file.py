@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3 and
-qwen3moe), packed where lithos.quant has a layout for their type, otherwise dequantized with `gguf`.
+"""GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3,
+qwen3moe and gpt-oss), packed where lithos.quant has a layout for their type, otherwise dequantized with `gguf`.
 
 Weights arrive in `[out, in]` order (experts `[experts, out, in]`). llama.cpp permutes the rows of Q and K for the
 `llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
@@ -17,7 +17,7 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
-from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, join_rows, map_planes, stack
+from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, interleave_rows, join_rows, map_planes, stack
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -36,15 +36,27 @@ LAYER_NAMES = {
     "ffn_up.weight": "layers.w_up",
     "ffn_down.weight": "layers.w_down",
 }
-# Mixture-of-experts layers (qwen3moe): the router and the experts' projections stacked `[experts, out, in]`; each
-# expert's gate and up rows are joined into one matrix (experts.gate_up) as the HF loader does, and the layers
-# without experts keep dense MLPs (dense.w_gate, ...).
+# Mixture-of-experts layers (qwen3moe, gpt-oss): the router and the experts' projections stacked `[experts, out,
+# in]`; each expert's gate and up rows become one matrix (experts.gate_up) as the family's HF loader has it, and the
+# layers without experts keep dense MLPs (dense.w_gate, ...).
 MOE_LAYER_NAMES = {
     "ffn_gate_inp.weight": "experts.router",
     "ffn_gate_exps.weight": "experts.gate",
     "ffn_up_exps.weight": "experts.up",
     "ffn_down_exps.weight": "experts.down",
 }
+# GPT-OSS's own: attention sinks, the MLP's norm by llama.cpp's name for it, the router's and experts' biases.
+GPT_OSS_LAYER_NAMES = {
+    "attn_sinks.weight": "layers.sinks",
+    "post_attention_norm.weight": "layers.mlp_norm",
+    "ffn_gate_inp.bias": "experts.router_bias",
+    "ffn_gate_exps.bias": "experts.gate_bias",
+    "ffn_up_exps.bias": "experts.up_bias",
+    "ffn_down_exps.bias": "experts.down_bias",
+}
+# How a family's gate_up matrix holds an expert's gate and up rows: Qwen3-MoE's gate rows then up rows, GPT-OSS's
+# alternating (its clamped SwiGLU reads them interleaved).
+GATE_UP_ROWS = {"qwen3_moe": join_rows, "gpt_oss": interleave_rows}
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -84,23 +96,39 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _layer_ids(name: str, cfg) -> list[int]:
-    """The layers a stacked parameter spans: a MoE family's experts its MoE layers, its dense MLPs the others."""
+    """The layers a stacked parameter spans: a MoE family's experts its MoE layers (GPT-OSS: every layer), its dense
+    MLPs the others."""
     if name.startswith("experts."):
-        return list(cfg.moe_layers)
-    return list(cfg.dense_layers) if name.startswith("dense.") else list(range(cfg.num_layers))
+        return list(getattr(cfg, "moe_layers", range(cfg.num_layers)))
+    return list(getattr(cfg, "dense_layers", ())) if name.startswith("dense.") else list(range(cfg.num_layers))
 
 
-def _join_gate_and_up(per_layer: dict[str, dict[int, Any]], kinds: dict[str, set[str]], path: Path) -> None:
-    """Each MoE layer's experts.gate `[E, ffn, hidden]` and experts.up as one experts.gate_up `[E, 2 ffn, hidden]`."""
-    gate, up = per_layer.pop("experts.gate", {}), per_layer.pop("experts.up", {})
-    if set(gate) != set(up):
-        raise CheckpointError(
-            f"{path}: layers {sorted(set(gate) ^ set(up))} have only one of ffn_gate_exps and "
-            "ffn_up_exps: the file is incomplete"
-        )
-    if gate:
-        per_layer["experts.gate_up"] = {i: join_rows(gate[i], up[i]) for i in gate}
-        kinds["experts.gate_up"] = kinds.pop("experts.gate") | kinds.pop("experts.up")
+def _layer_names(cfg) -> dict[str, str]:
+    """GGUF tensor suffix -> flat name for the family of `cfg`."""
+    if not hasattr(cfg, "num_experts"):
+        return LAYER_NAMES
+    names = {k: v.replace("layers.w_", "dense.w_") for k, v in LAYER_NAMES.items()} | MOE_LAYER_NAMES
+    return names | GPT_OSS_LAYER_NAMES if cfg.family == "gpt_oss" else names
+
+
+def _join_gate_and_up(per_layer: dict[str, dict[int, Any]], kinds: dict[str, set[str]], cfg, path: Path) -> None:
+    """Each MoE layer's experts.gate `[E, ffn, hidden]` and experts.up as one experts.gate_up `[E, 2 ffn, hidden]`
+    (and their biases as experts.gate_up_bias), the rows in the family's order (GATE_UP_ROWS)."""
+    rows = GATE_UP_ROWS[cfg.family]
+    for what, gate_name, up_name in (
+        ("", "experts.gate", "experts.up"),
+        ("_bias", "experts.gate_bias", "experts.up_bias"),
+    ):
+        gate, up = per_layer.pop(gate_name, {}), per_layer.pop(up_name, {})
+        if set(gate) != set(up):
+            raise CheckpointError(
+                f"{path}: layers {sorted(set(gate) ^ set(up))} have only one of ffn_gate_exps{what} and "
+                f"ffn_up_exps{what}: the file is incomplete"
+            )
+        if gate:  # a bias [E, ffn] is rows of one input
+            both = {i: rows(*(w if what == "" else w[..., None] for w in (gate[i], up[i]))) for i in gate}
+            per_layer[f"experts.gate_up{what}"] = {i: w if what == "" else w[..., 0] for i, w in both.items()}
+            kinds[f"experts.gate_up{what}"] = kinds.pop(gate_name) | kinds.pop(up_name)
 
 
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
@@ -124,10 +152,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     names = {t.name for t in reader.tensors}
     cfg = family.config_from_gguf(meta, names)
 
-    moe = hasattr(cfg, "moe_layers")
-    layer_names = LAYER_NAMES
-    if moe:
-        layer_names = {k: v.replace("layers.w_", "dense.w_") for k, v in LAYER_NAMES.items()} | MOE_LAYER_NAMES
+    moe = hasattr(cfg, "num_experts")
+    layer_names = _layer_names(cfg)
     flat: dict[str, np.ndarray] = {}
     per_layer: dict[str, dict[int, Any]] = {}
     layer_kinds: dict[str, set[str]] = {}  # GGUF types of each stacked tensor's layers
@@ -166,7 +192,7 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
         per_layer.setdefault(name, {})[int(m.group(1))] = w
         layer_kinds.setdefault(name, set()).add(kind)
     if moe:
-        _join_gate_and_up(per_layer, layer_kinds, path)
+        _join_gate_and_up(per_layer, layer_kinds, cfg, path)
     for name, layers in per_layer.items():
         ids = _layer_ids(name, cfg)
         missing, extra = [i for i in ids if i not in layers], sorted(set(layers) - set(ids))

@@ -13,7 +13,7 @@ FAMILIES: dict[str, ModuleType] = {
     arch: family for family in (llama, gpt_oss, qwen3_moe) for arch in family.ARCHITECTURES
 }
 GGUF_FAMILIES: dict[str, ModuleType] = {
-    arch: family for family in (llama, qwen3_moe) for arch in family.GGUF_ARCHITECTURES
+    arch: family for family in (llama, gpt_oss, qwen3_moe) for arch in family.GGUF_ARCHITECTURES
 }
 
 

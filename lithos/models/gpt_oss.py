@@ -40,7 +40,7 @@ from lithos.models import llama, moe
 # --------------------------------------------------------------------------------------------
 
 ARCHITECTURES = ("GptOssForCausalLM",)
-GGUF_ARCHITECTURES: dict[str, str] = {}
+GGUF_ARCHITECTURES = {"gpt-oss": "GptOssForCausalLM"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 FULL_ATTENTION = np.iinfo(np.int32).max  # the window of a full-attention layer: nothing falls out of it
 
@@ -169,7 +169,41 @@ def config_from_hf(d: dict[str, Any]) -> Config:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    raise UnsupportedModelError("GPT-OSS GGUF files are not read yet: use the Hugging Face checkpoint (safetensors)")
+    """Build a Config from a `gpt-oss` GGUF's metadata (llama.cpp's keys). What the file does not say is GPT-OSS's
+    own, as llama.cpp also takes it: sliding and full attention alternating from layer 0, YaRN's betas 32 and 1
+    and no truncation of its correction range (the released config's), the clamped SwiGLU's 1.702 and 7."""
+    fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
+    a = meta["general.architecture"]
+
+    def key(name, default=None):
+        return meta.get(f"{a}.{name}", default)
+
+    scaling = None
+    kind = key("rope.scaling.type")
+    if kind == "yarn":
+        scaling = RopeScaling(
+            kind="yarn",
+            factor=float(key("rope.scaling.factor")),
+            original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)),
+            truncate=False,
+        )
+        if key("rope.scaling.attn_factor") not in (None, 1.0):  # llama.cpp's factor on YaRN's own: not HF's meaning
+            raise UnsupportedModelError("GPT-OSS GGUF with rope.scaling.attn_factor other than 1 is not supported")
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"GPT-OSS with GGUF RoPE scaling {kind!r} is not supported (supported: yarn)")
+    if not key("expert_count") or not key("expert_used_count"):
+        raise UnsupportedModelError(f"this {a} GGUF names no experts (expert_count, expert_used_count): incomplete")
+    window = key("attention.sliding_window")
+    layers = fields["num_layers"]
+    return Config(
+        **{**fields, "intermediate_size": int(key("expert_feed_forward_length", fields["intermediate_size"]))},
+        num_experts=int(key("expert_count")),
+        experts_per_token=int(key("expert_used_count")),
+        layer_types=(LAYER_TYPES * ((layers + 1) // 2))[:layers],
+        sliding_window=int(window) if window else None,
+        rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
 
 
 # --------------------------------------------------------------------------------------------

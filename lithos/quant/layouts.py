@@ -393,6 +393,21 @@ def join_rows(a, b):
     return np.concatenate(dense, -2)
 
 
+def interleave_rows(a, b):
+    """Rows of `a` and `b` (`[..., out, in]`) alternating, a's first: GPT-OSS's gate_up matrix from its gate and up
+    projections. Packed plane by plane when both share a format whose blocks are one row; otherwise exact f32."""
+    if isinstance(a, QuantizedArray) and isinstance(b, QuantizedArray) and a.format == b.format:
+        if a.format.block[0] == 1 and a.format.tile is None:
+            rows, other = len(a.shape) - 2, b.planes()
+            planes = {}
+            for n, p in a.planes().items():
+                pair = np.stack([np.asarray(p), np.asarray(other[n])], axis=rows + 1)
+                planes[n] = pair.reshape(*p.shape[:rows], 2 * p.shape[rows], *p.shape[rows + 1 :])
+            return from_planes(a.format, planes, a.dtype)
+    dense = [np.asarray(dequantize(w, np.float32)) if isinstance(w, QuantizedArray) else np.asarray(w) for w in (a, b)]
+    return np.stack(dense, axis=-2).reshape(*dense[0].shape[:-2], 2 * dense[0].shape[-2], dense[0].shape[-1])
+
+
 K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 

@@ -148,8 +148,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
     if "general.architecture" not in meta:
         raise CheckpointError(f"{path} has no general.architecture: not a model GGUF")
     gguf_arch = meta["general.architecture"]
-    family = family_for_gguf(gguf_arch)
     names = {t.name for t in reader.tensors}
+    family = family_for_gguf(gguf_arch, names)
     cfg = family.config_from_gguf(meta, names)
 
     moe = hasattr(cfg, "num_experts")

@@ -11,7 +11,8 @@ GPT-OSS, per layer `model.layers.{i}.`:
   `[E, hidden, 2*ffn]` (`[in, out]`), so those are transposed; which one a tensor was is told by its
   name in the file (`_blocks`), never by its shape (hidden == ffn in the real models).
 
-Qwen3-MoE, per layer:
+Qwen3-MoE, per layer (Mixtral's the same under other names: block_sparse_moe.gate, experts.{j}.w1/w3/w2 for
+gate/up/down; every layer routed):
     self_attn.* as Qwen3, mlp.gate.weight (router) [E, hidden]
     mlp.experts.{j}.{gate,up,down}_proj.weight     per expert (or transformers 5's fused
                                                    mlp.experts.gate_up_proj [E, 2*ffn, hidden], down_proj)
@@ -173,4 +174,22 @@ def qwen3_moe(tensors: dict[str, Any], cfg, path: Path, mxfp4_names: set[str]) -
     return flat
 
 
-CONVERTERS = {"GptOssForCausalLM": gpt_oss, "Qwen3MoeForCausalLM": qwen3_moe}
+# Mixtral's names for what Qwen3-MoE's layers hold: its router and each expert's w1 (gate), w3 (up) and w2 (down).
+_MIXTRAL_RE = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.weight|experts\.\d+\.)(w1|w2|w3)?(\.weight)?")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def mixtral(tensors: dict[str, Any], cfg, path: Path, mxfp4_names: set[str]) -> dict[str, Any]:
+    """Flat Mixtral params: its tensors under Qwen3-MoE's names (every layer routed), then as Qwen3-MoE's."""
+
+    def renamed(name: str) -> str:
+        m = _MIXTRAL_RE.fullmatch(name)
+        if not m:
+            return name
+        layer, what, proj, _ = m.groups()
+        return f"{layer}mlp.{what}" if proj is None else f"{layer}mlp.{what}{_MIXTRAL_PROJECTIONS[proj]}.weight"
+
+    return qwen3_moe({renamed(n): v for n, v in tensors.items()}, cfg, path, mxfp4_names)
+
+
+CONVERTERS = {"GptOssForCausalLM": gpt_oss, "Qwen3MoeForCausalLM": qwen3_moe, "MixtralForCausalLM": mixtral}

@@ -23,7 +23,10 @@ def family_for_architecture(arch: str) -> ModuleType:
     return FAMILIES[arch]
 
 
-def family_for_gguf(gguf_arch: str) -> ModuleType:
+def family_for_gguf(gguf_arch: str, tensor_names: set[str] = frozenset()) -> ModuleType:
+    """The family of a GGUF's `general.architecture`; a `llama` file whose layers hold experts is Mixtral's."""
+    if gguf_arch in qwen3_moe.MIXTRAL_GGUF_ARCHITECTURES and "blk.0.ffn_gate_inp.weight" in tensor_names:
+        return qwen3_moe
     if gguf_arch not in GGUF_FAMILIES:
         raise UnsupportedModelError(
             f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(sorted(GGUF_FAMILIES))}"

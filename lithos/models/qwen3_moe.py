@@ -1,9 +1,10 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B).
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B) and Mixtral (`MixtralForCausalLM`:
+Mixtral-8x7B, 8x22B), one family: grouped-query attention with a routed MLP in every MoE layer.
 
-Qwen3's attention (grouped-query, per-head RMSNorm on Q and K, no biases) with a routed MLP in
-every MoE layer: a softmax over all experts, the top-k probabilities (renormalised to sum to one
-when `norm_topk_prob`), experts with a SiLU-gated MLP. Layers listed in `mlp_only_layers`, and
-layers off the `decoder_sparse_step` grid, have a dense MLP of `intermediate_size` instead.
+Attention: Qwen3's with per-head RMSNorm on Q and K, Mixtral's without (`qk_norm`); no biases. The routed MLP:
+a softmax over all experts, the top-k probabilities (renormalised to sum to one when `norm_topk_prob`, as
+Mixtral always does), experts with a SiLU-gated MLP. Layers listed in `mlp_only_layers`, and layers off the
+`decoder_sparse_step` grid, have a dense MLP of `intermediate_size` instead (Qwen3-MoE only).
 
 Order of this file: config, parameters, forward. The MoE pieces are lithos.models.moe; attention,
 RoPE and the head are the llama family's.
@@ -32,8 +33,10 @@ from lithos.models import llama, moe
 # Config
 # --------------------------------------------------------------------------------------------
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 GGUF_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp writes Mixtral as a `llama` GGUF whose layers hold expert tensors (lithos.models.family_for_gguf).
+MIXTRAL_GGUF_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 RopeScaling = llama.RopeScaling
 
 
@@ -62,6 +65,7 @@ class Config(llama.AttentionBias):
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = True  # Qwen3-MoE's per-head Q/K RMSNorm; Mixtral has none
 
     def __post_init__(self):  # lists from JSON (converted checkpoints) must become tuples: configs are jit-static
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -70,10 +74,6 @@ class Config(llama.AttentionBias):
     @property
     def family(self) -> str:
         return "qwen3_moe"
-
-    @property
-    def qk_norm(self) -> bool:
-        return True
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -98,10 +98,12 @@ class Config(llama.AttentionBias):
 
 
 def config_from_hf(d: dict[str, Any]) -> Config:
-    """Build a Config from a Qwen3-MoE `config.json` dict."""
+    """Build a Config from a Qwen3-MoE or Mixtral `config.json` dict."""
     arch = (d.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"architecture {arch!r} is not Qwen3-MoE (supported: {', '.join(ARCHITECTURES)})")
+        raise UnsupportedModelError(f"architecture {arch!r} is not a routed MLP family's ({', '.join(ARCHITECTURES)})")
+    if arch == "MixtralForCausalLM":
+        return _mixtral_config(d)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
@@ -140,28 +142,65 @@ def config_from_hf(d: dict[str, Any]) -> Config:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    """Build a Config from a `qwen3moe` GGUF's metadata (llama.cpp's keys). Its layers without expert tensors
-    are the dense ones (`mlp_only_layers`); llama.cpp renormalises the top-k probabilities unless the file says
-    otherwise (`expert_weights_norm`)."""
-    fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
+    """Build a Config from a `qwen3moe` GGUF's metadata (llama.cpp's keys), or a Mixtral's (llama.cpp writes Mixtral
+    as a `llama` GGUF with expert tensors). Layers without expert tensors are the dense ones (`mlp_only_layers`);
+    llama.cpp renormalises the top-k probabilities unless the file says otherwise (`expert_weights_norm`)."""
     a = meta["general.architecture"]
+    fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES | MIXTRAL_GGUF_ARCHITECTURES)
     layers = fields["num_layers"]
     experts = int(meta.get(f"{a}.expert_count") or 0)
     routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names]
-    if not experts or not routed or f"{a}.expert_feed_forward_length" not in meta:
+    if not experts or not routed or f"{a}.expert_used_count" not in meta:
         raise UnsupportedModelError(
-            f"this {a} GGUF names no experts (expert_count, expert_feed_forward_length, blk.N.ffn_gate_exps): "
-            "the file is incomplete"
+            f"this {a} GGUF names no experts (expert_count, expert_used_count, blk.N.ffn_gate_exps) or stores them one "
+            "tensor each (an old llama.cpp's Mixtral): re-convert it with a current llama.cpp convert_hf_to_gguf.py"
         )
     return Config(
         **fields,
         rope_scaling=llama.gguf_linear_rope(meta),
-        moe_intermediate_size=int(meta[f"{a}.expert_feed_forward_length"]),
+        moe_intermediate_size=int(meta.get(f"{a}.expert_feed_forward_length", fields["intermediate_size"])),
         num_experts=experts,
         experts_per_token=int(meta[f"{a}.expert_used_count"]),
         norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
         mlp_only_layers=tuple(i for i in range(layers) if i not in routed),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=int(window) if (window := meta.get(f"{a}.attention.sliding_window")) else None,
+    )
+
+
+def _mixtral_config(d: dict[str, Any]) -> Config:
+    """Mixtral's `config.json`: every layer routed, `intermediate_size` each expert's width, its own sliding window
+    (no use_sliding_window flag), no Q/K norms."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+    theta, scaling = llama._rope_scaling_from_hf(d)
+    heads = int(d["num_attention_heads"])
+    eos = d.get("eos_token_id")
+    window = d.get("sliding_window")
+    return Config(
+        architecture="MixtralForCausalLM",
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        moe_intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+        num_experts=int(d["num_local_experts"]),
+        experts_per_token=int(d["num_experts_per_tok"]),
+        norm_topk_prob=True,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta,
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        sliding_window=int(window) if window else None,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        qk_norm=False,
     )
 
 
@@ -179,9 +218,9 @@ class LayerParams:
     wk: jax.Array  # [L, kv_heads*head_dim, hidden]
     wv: jax.Array  # [L, kv_heads*head_dim, hidden]
     wo: jax.Array  # [L, hidden, heads*head_dim]
-    q_norm: jax.Array  # [L, head_dim]
-    k_norm: jax.Array  # [L, head_dim]
     mlp_norm: jax.Array  # [L, hidden]
+    q_norm: jax.Array | None = None  # [L, head_dim] (qk_norm)
+    k_norm: jax.Array | None = None
     bq: jax.Array | None = None  # [L, heads*head_dim] (attention_bias)
     bk: jax.Array | None = None
     bv: jax.Array | None = None

@@ -1,0 +1,175 @@
+"""Mixtral against transformers: a tiny random checkpoint saved by transformers (per-expert w1/w2/w3 tensors, a
+sliding window shorter than the test's sequences), loaded through lithos.load; logits after prefill and decode, and
+greedy generation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos import quant
+from lithos.checkpoint import load_checkpoint
+from lithos.kv_cache import init_cache
+from lithos.models import family_of
+
+from .conftest import byte_tokenizer, require
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=6,  # the tests run past 6 tokens
+)
+PROMPT, STEPS = 10, 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory of a tiny Mixtral checkpoint saved by transformers, the transformers model)."""
+    transformers = require("transformers")
+    torch = require("torch")
+    path = tmp_path_factory.mktemp("mixtral")
+    tok = byte_tokenizer()
+    config = transformers.MixtralConfig(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPE
+    )
+    config.architectures = ["MixtralForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed" in name:
+                p.copy_(torch.randn_like(p))
+            else:  # larger than the default init: decisive routing, attention that picks, spread logits
+                p.copy_((0.5 if "gate.weight" in name or "lm_head" in name else 0.2) * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path, model
+
+
+def test_prefill_and_decode_match_transformers(checkpoint):
+    torch = require("torch")
+    path, model = checkpoint
+    ck = load_checkpoint(path, dtype="float32", use_cache=False)
+    cfg, params = ck.cfg, ck.params
+    assert cfg.moe_layers == (0, 1) and not cfg.qk_norm and cfg.sliding_window == 6 and cfg.norm_topk_prob
+    assert params.experts.gate_up.shape == (2, 8, 64, 64) and params.layers.q_norm is None
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, PROMPT + STEPS))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    assert expected.std() > 0.5
+
+    forward = jax.jit(family_of(cfg).forward, static_argnames=("cfg", "kernels"))
+    window = family_of(cfg).cache_window(cfg)  # a ring of window + K - 1 slots, as lithos.load keeps
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim, jnp.float32, window=window)
+    assert window == 6 and cache.k.shape[3] == 6
+    logits, cache = forward(params, jnp.asarray(tokens[:, :PROMPT]), jnp.arange(PROMPT)[None], cache, cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected[:, :PROMPT], atol=1e-4, rtol=1e-4)
+    for t in range(PROMPT, PROMPT + STEPS):
+        logits, cache = forward(params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([[t]]), cache, cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    torch = require("torch")
+    path, model = checkpoint
+    lm = lithos.load(path, dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for `llama` GGUFs (rotary halves interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
+    """A Mixtral GGUF as llama.cpp writes one (a `llama` file whose layers hold stacked experts, Q and K rows
+    permuted, experts in Q8_0 here) loads as the same model: the config, the dense tensors exactly, the experts packed
+    with gguf's values; lithos.load of it decodes greedily what transformers decodes."""
+    torch = require("torch")
+    gguf = require("gguf")
+    from safetensors.numpy import load_file
+
+    from lithos.checkpoint import gguf_file
+
+    path, model = checkpoint
+    want = load_checkpoint(path, dtype="float32", use_cache=False)
+    cfg = want.cfg
+    t = load_file(next(path.glob("*.safetensors")))
+    gguf_path = tmp_path / "tiny-mixtral.gguf"
+    w = gguf.GGUFWriter(str(gguf_path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.experts_per_token)
+    w.add_sliding_window(cfg.sliding_window)  # the released Mixtrals have none; this tiny one's is 6
+    tok = byte_tokenizer()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
+    w.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(cfg.num_layers):
+        layer = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", t[layer + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", t[layer + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(t[layer + "self_attn.q_proj.weight"], cfg.num_heads))
+        w.add_tensor(
+            f"blk.{i}.attn_k.weight", llama_cpp_permute(t[layer + "self_attn.k_proj.weight"], cfg.num_kv_heads)
+        )
+        w.add_tensor(f"blk.{i}.attn_v.weight", t[layer + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", t[layer + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", t[layer + "block_sparse_moe.gate.weight"])
+        for name, proj in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            stacked = np.stack(
+                [t[f"{layer}block_sparse_moe.experts.{j}.{proj}.weight"] for j in range(cfg.num_experts)]
+            )
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(stacked, q8_0), raw_dtype=q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    got, flat, _, unpacked = gguf_file.load(gguf_path)
+    _, dense, _, _ = gguf_file.load(gguf_path, dequantize=True)
+    assert unpacked == {} and flat["experts.gate_up"].format.name == "q8_0"
+    eps = float(np.float32(cfg.rms_norm_eps))  # GGUF keeps it as f32
+    assert got == dataclasses.replace(cfg, max_position_embeddings=got.max_position_embeddings, rms_norm_eps=eps)
+    for name in ("layers.wq", "layers.wk", "layers.wo", "experts.router", "embed"):
+        field = want.params
+        for part in name.split("."):
+            field = getattr(field, part)
+        np.testing.assert_array_equal(flat[name], np.asarray(field), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(flat["experts.gate_up"])), dense["experts.gate_up"])
+
+    lm = lithos.load(gguf_path, dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf

@@ -173,3 +173,22 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
     with torch.no_grad():
         hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
     assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+
+
+def test_mixtral_8x7b_floor_counts_two_of_eight_experts():
+    """The published Mixtral-8x7B shape (configs/models): about 46.7B parameters, of which a step reads the attention,
+    the routers, two experts a layer and one embedding row."""
+    from functools import partial
+
+    from lithos import bench
+
+    cfg = bench.model_shape("mixtral-8x7b")
+    assert (cfg.num_layers, cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (32, 8, 2, 14336)
+    params = jax.eval_shape(partial(family_of(cfg).init_params, cfg, dtype=jnp.bfloat16), jax.random.key(0))
+    D, F, V, L = 4096, 14336, 32000, 32
+    attention = 2 * (2 * D * D + 2 * 1024 * D + 2 * D)  # Q, O, K, V and the two norms, bf16
+    router, expert = 2 * 8 * D, 2 * 3 * F * D
+    total = L * (attention + router + 8 * expert) + 2 * (2 * V * D) + 2 * D
+    assert total == 2 * 46_702_792_704  # bf16 bytes of the published parameter count
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) == total
+    assert bench.weight_bytes_read(params, cfg) == L * (attention + router + 2 * expert) + 2 * V * D + 2 * D + 2 * D

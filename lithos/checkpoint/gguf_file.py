@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3,
-qwen3moe and gpt-oss), packed where lithos.quant has a layout for their type, otherwise dequantized with `gguf`.
+qwen3moe and gpt-oss; a llama file whose layers hold experts is Mixtral), packed where lithos.quant has a layout for
+their type, otherwise dequantized with `gguf`.
 
 Weights arrive in `[out, in]` order (experts `[experts, out, in]`). llama.cpp permutes the rows of Q and K for the
 `llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
@@ -36,7 +37,7 @@ LAYER_NAMES = {
     "ffn_up.weight": "layers.w_up",
     "ffn_down.weight": "layers.w_down",
 }
-# Mixture-of-experts layers (qwen3moe, gpt-oss): the router and the experts' projections stacked `[experts, out,
+# Mixture-of-experts layers (qwen3moe, gpt-oss, Mixtral): the router and the experts' projections stacked `[experts, out,
 # in]`; each expert's gate and up rows become one matrix (experts.gate_up) as the family's HF loader has it, and the
 # layers without experts keep dense MLPs (dense.w_gate, ...).
 MOE_LAYER_NAMES = {
@@ -54,8 +55,8 @@ GPT_OSS_LAYER_NAMES = {
     "ffn_up_exps.bias": "experts.up_bias",
     "ffn_down_exps.bias": "experts.down_bias",
 }
-# How a family's gate_up matrix holds an expert's gate and up rows: Qwen3-MoE's gate rows then up rows, GPT-OSS's
-# alternating (its clamped SwiGLU reads them interleaved).
+# How a family's gate_up matrix holds an expert's gate and up rows: Qwen3-MoE's (and Mixtral's) gate rows then up
+# rows, GPT-OSS's alternating (its clamped SwiGLU reads them interleaved).
 GATE_UP_ROWS = {"qwen3_moe": join_rows, "gpt_oss": interleave_rows}
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")

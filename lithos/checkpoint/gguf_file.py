@@ -37,9 +37,9 @@ LAYER_NAMES = {
     "ffn_up.weight": "layers.w_up",
     "ffn_down.weight": "layers.w_down",
 }
-# Mixture-of-experts layers (qwen3moe, gpt-oss, Mixtral): the router and the experts' projections stacked `[experts, out,
-# in]`; each expert's gate and up rows become one matrix (experts.gate_up) as the family's HF loader has it, and the
-# layers without experts keep dense MLPs (dense.w_gate, ...).
+# Mixture-of-experts layers (qwen3moe, gpt-oss, Mixtral): the router and the experts' projections stacked
+# `[experts, out, in]`; each expert's gate and up rows become one matrix (experts.gate_up) as the family's HF loader
+# has it, and the layers without experts keep dense MLPs (dense.w_gate, ...).
 MOE_LAYER_NAMES = {
     "ffn_gate_inp.weight": "experts.router",
     "ffn_gate_exps.weight": "experts.gate",

@@ -411,7 +411,8 @@ def packed_params(params, groups: dict[str, str], seed: int = 0):
     rng = np.random.default_rng(seed)
     for group, fmt_name in groups.items():
         for name in names_for_groups([group], tied=params.lm_head is None):
-            params = with_param(params, name, pack(param_at(params, name), fmt_name, rng))
+            if (w := param_at(params, name)) is not None:  # a group names every family's matrices
+                params = with_param(params, name, pack(w, fmt_name, rng))
     return params
 
 

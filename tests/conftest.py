@@ -106,6 +106,67 @@ def byte_tokenizer(chat_template: str = CHATML):
     return tok
 
 
+def save_tiny_moe(path: Path, config_class: str, architecture: str, shape: dict):
+    """(path, model): a tiny random mixture-of-experts checkpoint saved by transformers, with the byte tokenizer, its
+    weights larger than the default init (decisive routing, attention that picks, spread logits)."""
+    transformers = require("transformers")
+    torch = require("torch")
+    tok = byte_tokenizer()
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape
+    )
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_((0.5 if "gate.weight" in name or "lm_head" in name else 0.2) * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path, model
+
+
+def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = None):
+    """A gguf.GGUFWriter for `arch` holding the metadata llama.cpp writes for `cfg`'s sizes (experts too) and the
+    byte tokenizer (no merges: every text stays bytes); the caller adds the tensors, then `close_gguf`."""
+    gguf = require("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.experts_per_token)
+    if expert_ffn is not None:
+        w.add_expert_feed_forward_length(expert_ffn)
+    w.add_vocab_size(cfg.vocab_size)
+    tok = byte_tokenizer()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
+    w.add_token_scores([0.0] * len(tok))
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    return w
+
+
+def close_gguf(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 TINY_ARCHS = {
     "llama3": dict(
         cls="LlamaForCausalLM",

@@ -22,7 +22,7 @@ from lithos.errors import LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import gpt_oss
 
-from .conftest import byte_tokenizer, require
+from .conftest import byte_tokenizer, close_gguf, gguf_writer, require
 
 SHAPE = dict(
     hidden_size=64,
@@ -280,30 +280,11 @@ def _write_gpt_oss_gguf(path, checkpoint_dir):
 
     t = load_file(next(checkpoint_dir.glob("*.safetensors")))
     cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.experts_per_token)
-    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w = gguf_writer(path, "gpt-oss", cfg, ffn=cfg.intermediate_size, expert_ffn=cfg.intermediate_size)
     w.add_sliding_window(cfg.sliding_window)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(cfg.rope_scaling.factor)
     w.add_rope_scaling_orig_ctx_len(cfg.rope_scaling.original_max_position_embeddings)
-    tok = byte_tokenizer()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
-    w.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
@@ -329,10 +310,7 @@ def _write_gpt_oss_gguf(path, checkpoint_dir):
             w.add_tensor(f"blk.{i}.{name}.bias", t[prefix + "mlp.experts.gate_up_proj_bias"][:, rows])
         down = gguf_mxfp4(t[prefix + "mlp.experts.down_proj_blocks"], t[prefix + "mlp.experts.down_proj_scales"])
         w.add_tensor(f"blk.{i}.ffn_down_exps.weight", down, raw_dtype=mxfp4)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

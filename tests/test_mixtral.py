@@ -17,7 +17,7 @@ from lithos.checkpoint import load_checkpoint
 from lithos.kv_cache import init_cache
 from lithos.models import family_of
 
-from .conftest import byte_tokenizer, require
+from .conftest import close_gguf, gguf_writer, require, save_tiny_moe
 
 SHAPE = dict(
     hidden_size=64,
@@ -35,27 +35,7 @@ PROMPT, STEPS = 10, 6
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(directory of a tiny Mixtral checkpoint saved by transformers, the transformers model)."""
-    transformers = require("transformers")
-    torch = require("torch")
-    path = tmp_path_factory.mktemp("mixtral")
-    tok = byte_tokenizer()
-    config = transformers.MixtralConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPE
-    )
-    config.architectures = ["MixtralForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed" in name:
-                p.copy_(torch.randn_like(p))
-            else:  # larger than the default init: decisive routing, attention that picks, spread logits
-                p.copy_((0.5 if "gate.weight" in name or "lm_head" in name else 0.2) * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path, model
+    return save_tiny_moe(tmp_path_factory.mktemp("mixtral"), "MixtralConfig", "MixtralForCausalLM", SHAPE)
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
@@ -112,24 +92,8 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
     cfg = want.cfg
     t = load_file(next(path.glob("*.safetensors")))
     gguf_path = tmp_path / "tiny-mixtral.gguf"
-    w = gguf.GGUFWriter(str(gguf_path), "llama")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.experts_per_token)
+    w = gguf_writer(gguf_path, "llama", cfg, ffn=cfg.moe_intermediate_size)
     w.add_sliding_window(cfg.sliding_window)  # the released Mixtrals have none; this tiny one's is 6
-    tok = byte_tokenizer()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
-    w.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
     w.add_tensor("output.weight", t["lm_head.weight"])
@@ -150,10 +114,7 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
                 [t[f"{layer}block_sparse_moe.experts.{j}.{proj}.weight"] for j in range(cfg.num_experts)]
             )
             w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(stacked, q8_0), raw_dtype=q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
     got, flat, _, unpacked = gguf_file.load(gguf_path)
     _, dense, _, _ = gguf_file.load(gguf_path, dequantize=True)

@@ -19,7 +19,7 @@ from lithos.checkpoint import load_checkpoint
 from lithos.kv_cache import init_cache
 from lithos.models import qwen3_moe
 
-from .conftest import byte_tokenizer, require
+from .conftest import close_gguf, gguf_writer, require, save_tiny_moe
 
 SHAPE = dict(
     hidden_size=64,
@@ -48,26 +48,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _save_tiny_model(path, shape: dict):
-    transformers = require("transformers")
-    torch = require("torch")
-    tok = byte_tokenizer()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **shape
-    )
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed" in name:
-                p.copy_(torch.randn_like(p))
-            else:  # larger than the default init: decisive routing, attention that picks, spread logits
-                p.copy_((0.5 if "gate.weight" in name or "lm_head" in name else 0.2) * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path, model
+    return save_tiny_moe(path, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", shape)
 
 
 def test_checkpoint_layout(checkpoint):
@@ -178,27 +159,7 @@ def _write_qwen3_moe_gguf(path, checkpoint_dir, expert_type: str = "F32"):
 
     t = load_file(next(checkpoint_dir.glob("*.safetensors")))
     cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.experts_per_token)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_vocab_size(cfg.vocab_size)
-    tok = byte_tokenizer()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
-    writer.add_token_scores([0.0] * len(tok))  # no merges: every text stays bytes, as in the checkpoint
-    writer.add_bos_token_id(tok.bos_token_id)
-    writer.add_eos_token_id(tok.eos_token_id)
+    writer = gguf_writer(path, "qwen3moe", cfg, ffn=cfg.intermediate_size, expert_ffn=cfg.moe_intermediate_size)
     writer.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", t["model.norm.weight"])
     writer.add_tensor("output.weight", t["lm_head.weight"])
@@ -218,10 +179,7 @@ def _write_qwen3_moe_gguf(path, checkpoint_dir, expert_type: str = "F32"):
                 writer.add_tensor(
                     f"blk.{i}.ffn_{p}_exps.weight", data, raw_dtype=None if expert_type == "F32" else qtype
                 )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
 
 
 def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):

@@ -169,9 +169,9 @@ def config_from_hf(d: dict[str, Any]) -> Config:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    """Build a Config from a `gpt-oss` GGUF's metadata (llama.cpp's keys). What the file does not say is GPT-OSS's
-    own, as llama.cpp also takes it: sliding and full attention alternating from layer 0, YaRN's betas 32 and 1
-    and no truncation of its correction range (the released config's), the clamped SwiGLU's 1.702 and 7."""
+    """Build a Config from a `gpt-oss` GGUF's metadata (llama.cpp's keys). What the file does not say comes from
+    GPT-OSS's released config: sliding and full attention alternating from layer 0, YaRN's betas 32 and 1 without
+    truncating its correction range, the clamped SwiGLU's 1.702 and 7."""
     fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
     a = meta["general.architecture"]
 

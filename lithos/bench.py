@@ -31,7 +31,7 @@ from lithos.bandwidth import PROBE_METHOD, measure_read_bandwidth
 from lithos.errors import LithosError
 from lithos.kv_cache import CACHE_DTYPES, cache_dtype, is_fp8, ring_for
 from lithos.models import family_for_architecture, init_model_cache, params_for_kernels
-from lithos.quant import bytes_by_format, names_for_groups, quantize_params, random_packed_params
+from lithos.quant import bytes_by_format, names_for_groups, quantize_params, random_packed_init
 from lithos.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,23 +67,35 @@ MIXED_IN_K_M = ("layers.wv", "layers.w_down", "experts.down", "dense.w_down")
 READ_MIXES = {f"{main}_m": (main, dict.fromkeys(MIXED_IN_K_M, "k_mix")) for main in ("q3_k", "q4_k", "q5_k")}
 
 
+SHAPE_SEED = 0
+
+
 def shape_model(name: str, dtype) -> tuple[Any, Any]:
     """(config, params) of the named shape with random weights in `dtype`: one key for every bench, so
     every tool that times a shape times the same weights."""
     cfg = model_shape(name)
-    return cfg, family_for_architecture(cfg.architecture).init_params(cfg, jax.random.key(0), dtype)
+    return cfg, jax.jit(shape_init(cfg, dtype))(jax.random.key(SHAPE_SEED))
+
+
+def shape_init(cfg, dtype):
+    """The shape's random initialisation as a function of the key, always run jitted: XLA's rounding of the
+    initialisers differs from op-by-op's, and `random_packed_init` prunes a jitted one."""
+    return partial(family_for_architecture(cfg.architecture).init_params, cfg, dtype=dtype)
 
 
 def shape_model_as_asked(name: str, dtype, args) -> tuple[str, Any, Any]:
     """(label, config, params) of a `--shape` run: `shape_model`, quantized to `--weight-format` (for
     `--quantize-groups`) when one is given, the format then in the label."""
-    cfg, params = shape_model(name, dtype)
-    if args.weight_format in MADE_FORMATS:
-        params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
-    elif args.weight_format:  # read, not made: random codes at the weights' spread (speed does not depend on them)
+    if args.weight_format in MADE_FORMATS or not args.weight_format:
+        cfg, params = shape_model(name, dtype)
+        if args.weight_format:
+            params = quantize_params(params, args.weight_format, args.quantize_groups.split(","))
+    else:  # read, not made: random codes at the weights' spread (speed does not depend on them)
+        cfg = model_shape(name)
+        init = shape_init(cfg, dtype)
         main, special = READ_MIXES.get(args.weight_format, (args.weight_format, {}))
-        names = names_for_groups(args.quantize_groups.split(","), params.lm_head is None)
-        params = random_packed_params(params, {name: special.get(name, main) for name in names})
+        names = names_for_groups(args.quantize_groups.split(","), cfg.tie_word_embeddings)
+        params = random_packed_init(init, jax.random.key(SHAPE_SEED), {name: special.get(name, main) for name in names})
     if args.weight_format:
         name = f"{name}-{args.weight_format}"
     return name, cfg, params

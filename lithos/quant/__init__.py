@@ -45,7 +45,7 @@ from lithos.quant.formats import (
 )
 from lithos.quant.layouts import GGUF_FORMATS, from_fp8_block_scaled, from_gguf, from_gpt_oss_mxfp4
 from lithos.quant.quantize import DEFAULT_GROUPS, GROUPS, names_for_groups, quantize, quantize_mx, quantize_params
-from lithos.quant.synthetic import random_packed, random_packed_like, random_packed_params
+from lithos.quant.synthetic import random_packed, random_packed_init, random_packed_like, random_packed_params
 from lithos.quant.tiles import from_tiles, tiles_fit, to_tiles
 
 __all__ = [
@@ -90,6 +90,7 @@ __all__ = [
     "quantize_mx",
     "quantize_params",
     "random_packed",
+    "random_packed_init",
     "random_packed_like",
     "random_packed_params",
     "scale_by_e8m0",

@@ -6,6 +6,8 @@ but does not make it (the GGUF formats). Speed does not depend on the values, an
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,11 +60,16 @@ def random_packed(
     return from_planes(fmt, planes, dtype)
 
 
+def spread_of(w: jax.Array) -> jax.Array:
+    """The standard deviation of `w`'s first million values, taken from its first matrix's first rows: a large
+    model's whole stack would not fit the host as float32, nor a flattened copy of it the device."""
+    first = w[(0,) * (w.ndim - 2)] if w.ndim > 2 else w
+    return jnp.std(first[: max(1, (1 << 20) // w.shape[-1])].astype(jnp.float32))
+
+
 def random_packed_like(w: jax.Array, fmt_name: str, rng: np.random.Generator) -> QuantizedArray:
-    """Random codes in `fmt_name` of `w`'s shape and dtype, their values near `w`'s spread (measured on its first
-    million values: a large model's whole matrix would not fit the host as float32)."""
-    sample = np.asarray(jnp.ravel(w)[: 1 << 20], np.float32)
-    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(np.std(sample)))
+    """Random codes in `fmt_name` of `w`'s shape and dtype, their values near `w`'s spread (`spread_of`)."""
+    return random_packed(fmt_name, tuple(w.shape), rng, w.dtype, spread=float(spread_of(w)))
 
 
 def random_packed_params(params: Any, formats: dict[str, str], seed: int = 0) -> Any:
@@ -75,4 +82,22 @@ def random_packed_params(params: Any, formats: dict[str, str], seed: int = 0) ->
         w = param_at(params, name)
         if w is not None:
             params = with_param(params, name, random_packed_like(w, fmt_name, rng))
+    return params
+
+
+def random_packed_init(init: Callable[[jax.Array], Any], key: jax.Array, formats: dict[str, str], seed: int = 0):
+    """`random_packed_params(init(key), formats, seed)` without ever holding the matrices of `formats` in their
+    dense dtype: a 30B mixture of experts in bf16 does not fit beside its packed copy on an 80 GB card. Each
+    matrix's spread comes from a jitted `init` that XLA prunes to that matrix, the other weights from one that
+    leaves the packed ones out."""
+    from lithos.quant.quantize import param_at, with_param
+
+    shapes = jax.eval_shape(init, key)
+    names = [name for name in formats if param_at(shapes, name) is not None]
+    spreads = {name: float(jax.jit(lambda k, n=name: spread_of(param_at(init(k), n)))(key)) for name in names}
+    params = jax.jit(lambda k: functools.reduce(lambda p, n: with_param(p, n, None), names, init(k)))(key)
+    rng = np.random.default_rng(seed)
+    for name in names:
+        w = param_at(shapes, name)
+        params = with_param(params, name, random_packed(formats[name], w.shape, rng, w.dtype, spread=spreads[name]))
     return params

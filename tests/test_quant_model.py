@@ -150,13 +150,19 @@ def test_bench_shapes_in_formats_lithos_reads_or_makes(hf_checkpoint, monkeypatc
 
     ck = load_checkpoint(hf_checkpoint("llama3"), dtype="float32", use_cache=False)
     cfg = dataclasses.replace(ck.cfg, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
-    params = family_of(cfg).init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    monkeypatch.setattr(bench, "shape_model", lambda name, dtype: (cfg, params))
+    monkeypatch.setattr(bench, "model_shape", lambda name: cfg)
+    _, params = bench.shape_model("small", jnp.bfloat16)
     args = argparse.Namespace(weight_format=fmt_name, quantize_groups="attention,mlp")
     label, _, packed = bench.shape_model_as_asked("small", jnp.bfloat16, args)
     assert label == f"small-{fmt_name}"
     down = "k_mix" if fmt_name == "q4_k_m" else fmt_name  # Q4_K_M's down projections mix Q4_K and Q6_K
     assert packed.layers.wq.format.name == fmt_name.removesuffix("_m") and packed.layers.w_down.format.name == down
+    if fmt_name == "q4_k":  # read formats' codes come without the dense weights, yet as if made from them
+        names = quant.names_for_groups(["attention", "mlp"], cfg.tie_word_embeddings)
+        made = quant.random_packed_params(params, dict.fromkeys(names, fmt_name))
+        assert jax.tree.structure(made) == jax.tree.structure(packed)
+        for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(packed), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not quant.is_quantized(packed.embed)
     spread = np.std(np.asarray(params.layers.w_up, np.float32))
     assert 0.1 * spread < np.std(np.asarray(quant.dequantize(packed.layers.w_up, jnp.float32))) < 10 * spread
@@ -181,8 +187,8 @@ def test_bench_packs_a_mixture_of_experts_shape(monkeypatch, fmt_name):
         | {"mlp_only_layers": [1]}
     )
     cfg = qwen3_moe.config_from_hf(hf)
-    params = qwen3_moe.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    monkeypatch.setattr(bench, "shape_model", lambda name, dtype: (cfg, params))
+    monkeypatch.setattr(bench, "model_shape", lambda name: cfg)
+    _, params = bench.shape_model("small-moe", jnp.bfloat16)
     args = argparse.Namespace(weight_format=fmt_name, quantize_groups="attention,mlp")
     _, _, packed = bench.shape_model_as_asked("small-moe", jnp.bfloat16, args)
     main, down = ("q4_k", "k_mix") if fmt_name == "q4_k_m" else (fmt_name, fmt_name)

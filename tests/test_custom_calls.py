@@ -352,6 +352,7 @@ def test_build_variant_compiles(define, kernel):
         ("mxfp4", "mxfp4", "bfloat16", True, False, True, True),
         ("mxfp4", "mxfp4", "bfloat16", True, True, True, True),
         ("k_mix", "q4_k", "bfloat16", False, False, False, False, "q4_k", "k_mix"),
+        ("k_mix", "q5_k", "iq4_xs", False, False, False, False, "q3_k", "k_mix"),
     ],
     ids=[
         "q4_1",
@@ -361,6 +362,7 @@ def test_build_variant_compiles(define, kernel):
         "mxfp4-tiles-qkv-o-tiles",
         "mxfp4-all-tiles",
         "q4_k_m",
+        "q5_k_m-q3_k-iq4_xs",
     ],
 )
 def test_packed_megakernel_compiles(toolchain, formats):
@@ -369,7 +371,8 @@ def test_packed_megakernel_compiles(toolchain, formats):
     benchmark's (MXFP4 layers, whose rows take the lane ring on CUDA at one token), and with its gate and up
     in fragment tiles (tensor cores on CUDA, the decode to f32 on HIP and where B does not fit), and with down, or
     Q/K/V and O, or all three in tiles too (each form of the projections' dispatch; tensor cores on CUDA, HIP builds
-    refuse them at the FFI), and with O and down in formats of their own (a Q4_K_M file's). Every other
+    refuse them at the FFI), and with O and down in formats of their own (a Q4_K_M file's; a Q5_K_M file's, its O in
+    Q3_K and its head in IQ4_XS: every ring step but MXFP4's and the register path's 2- and 3-bit codes). Every other
     format triple instantiates the register path's templates with decoders the fused packed sources compile
     (test_kernel_source_compiles)."""
     from lithos.custom_calls.megakernel.kernel import WeightFormats
@@ -377,20 +380,6 @@ def test_packed_megakernel_compiles(toolchain, formats):
     variant = WeightFormats(*formats).variant()
     library = build.build("megakernel", variant.toolchain(check_build(toolchain)))
     assert library != build.library_path("megakernel", check_build(toolchain))
-    assert b"LithosMegakernel" in library.read_bytes()
-
-
-def test_megakernel_compiles_with_the_ring_steps_not_yet_run_on_a_gpu(toolchain):
-    """K_MIX and Q5_K rows through the lane ring, which a build asks for until they have run on a GPU
-    (LITHOS_MK_RING_NEW: csrc/mk_lane_ring.h), in a build like the one that reads a Q5_K_M file (Q/K/V and down in
-    K_MIX, gate and up in Q5_K) with its O in Q3_K (the register path's 3-bit codes) and its head in IQ4_XS (its
-    looked-up values); HIP builds read them all through registers."""
-    from lithos.custom_calls.megakernel.kernel import WeightFormats
-
-    variant = WeightFormats("k_mix", "q5_k", "iq4_xs", o="q3_k", down="k_mix").variant()
-    asked = check_build(toolchain, defines=(*toolchain.defines, "LITHOS_MK_RING_NEW=1"))
-    library = build.build("megakernel", variant.toolchain(asked))
-    assert library != build.library_path("megakernel", variant.toolchain(check_build(toolchain)))
     assert b"LithosMegakernel" in library.read_bytes()
 
 

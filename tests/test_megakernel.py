@@ -131,16 +131,15 @@ def test_k_split_balances_the_busiest_task():
     assert k_split_for(512, 2048, 132, 32, lane_step=32) == 2  # 1B O: whole rows would idle half the blocks
 
 
-def test_lane_steps_follow_the_weight_format(monkeypatch):
+def test_lane_steps_follow_the_weight_format():
     assert lane_steps(WeightFormats(), 1, "cuda") == LaneSteps(8, 8, 8)
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     assert lane_steps(WeightFormats("q4_k", "q6_k", "q8_0"), 1, "cuda") == LaneSteps(32, 32, 16)
-    # the ring carries MXFP4, Q4_K and Q6_K at one token on CUDA only; elsewhere packed rows step by kChunk, 16
+    # the ring carries MXFP4, the K-quants but Q2_K and Q3_K, and the IQ4 formats at one token on CUDA only;
+    # elsewhere packed rows step by kChunk, 16
     assert lane_steps(WeightFormats("mxfp4", "mxfp4", "bfloat16"), 4, "cuda") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("q4_k", "k_mix", "bfloat16"), 1, "rocm") == LaneSteps(16, 16, 8)
-    assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)
-    assert lane_steps(WeightFormats("iq4_xs", "iq4_nl", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)
-    monkeypatch.setenv("LITHOS_KERNEL_DEFINES", "LITHOS_MK_RING_NEW=1")  # the ring steps not yet run, asked for
+    assert lane_steps(WeightFormats("q3_k", "q2_k", "bfloat16"), 1, "cuda") == LaneSteps(16, 16, 8)
     assert lane_steps(WeightFormats("k_mix", "q5_k", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     assert lane_steps(WeightFormats("iq4_xs", "iq4_nl", "bfloat16"), 1, "cuda") == LaneSteps(32, 32, 8)
     assert lane_steps(WeightFormats("k_mix", "q5_1", "bfloat16"), 1, "cuda") == LaneSteps(32, 16, 8)

@@ -89,7 +89,7 @@ def test_megakernel_equals_interpreter_with_head_dim_256(context, tokens):
         ("llama-3.1-8b", {"attention": "q6_k", "mlp": "q4_k"}, 1),
         ("llama-3.2-1b", {"attention": "q6_k", "mlp": "q4_k"}, 16),
         ("llama-3.2-1b", {"attention": "q5_k", "mlp": "q5_k", "lm_head": "q6_k"}, 4),
-        # Q5_K at one token: through the lane ring in a build that asks (LITHOS_MK_RING_NEW), else registers
+        # Q5_K at one token: through the lane ring (its re-packed pairs beside the codes)
         ("llama-3.2-1b", {"attention": "q5_k", "mlp": "q5_k", "lm_head": "q6_k"}, 1),
         ("llama-3.2-1b", {"attention": "q4_k", "mlp": "k_mix"}, 1),  # Q4_K_M's down projections
         # as the megakernel reads a Q4_K_M file: Q/K/V in K_MIX, O, gate and up in Q4_K, down in K_MIX

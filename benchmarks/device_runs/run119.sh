@@ -14,8 +14,9 @@
 # and IQ4_XS kept packed"):
 # - tests: K_MIX's 36-byte records and Q5_K's re-packed ones on the fused kernels (with every Q4_K and Q6_K case:
 #   their register path reads records by word shifts since run 117); K_MIX and Q5_K rows through the megakernel's
-#   lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run passes); O and down in formats of their own (a
-#   Q4_K_M file as the megakernel now reads it: Q/K/V and down in K_MIX, O, gate and up in Q4_K);
+#   lane ring (asked for with LITHOS_MK_RING_NEW=1 until this run passed: the default since, the define ignored); O
+#   and down in formats of their own (a Q4_K_M file as the megakernel now reads it: Q/K/V and down in K_MIX, O, gate
+#   and up in Q4_K);
 # - tests2: the new Q3_K, Q2_K, IQ4_NL and IQ4_XS formats on the fused kernels and the megakernel (IQ4 through the
 #   ring, asked for as above);
 # - kquants: 8B Q4_K_M and Q5_K (fused and megakernel), 8B Q6_K and 1B Q4_K on the megakernel;

@@ -34,14 +34,6 @@
 #endif
 #endif
 
-// The formats whose steps through the ring are written, compiled and checked on the CPU but have not yet run on a GPU:
-// K_MIX, Q5_K, IQ4_NL and IQ4_XS (NOTES.md, "K_MIX through the ring", "Q5_K through the ring", "IQ4_NL and IQ4_XS
-// kept packed"); until they have, a build asks for them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1") and others
-// read them through registers.
-#ifndef LITHOS_MK_RING_NEW
-#define LITHOS_MK_RING_NEW 0
-#endif
-
 #if LITHOS_MK_LANE_RING && defined(LITHOS_HIP)
 #error "LITHOS_MK_LANE_RING needs per-lane asynchronous copies (CUDA cp.async); HIP builds stream weights through registers"
 #endif
@@ -59,10 +51,7 @@ constexpr int kRingStageBytes = kRowsPerWarp * 16 * kMatvecThreads;
 // formats the ring does not read: 4 (MXFP4's and IQ4_NL's scale word) or 16 (Q4_K's and IQ4_XS's record; Q5_K's and
 // the 6-bit formats' high bits and the words of their records a step needs).
 template <WeightFormat F>
-constexpr bool kRingStepNotYetRun =
-    F == WeightFormat::kKMix || F == WeightFormat::kQ5_K || F == WeightFormat::kIq4Nl || F == WeightFormat::kIq4Xs;
-template <WeightFormat F>
-constexpr int kRingSideBytes = kRingStepNotYetRun<F> && !LITHOS_MK_RING_NEW ? 0 : Step32<F>::kSideBytes;
+constexpr int kRingSideBytes = Step32<F>::kSideBytes;
 
 // Whether the TMAX-token kernel's matvecs over weights in format F read them through the ring.
 template <WeightFormat F, int TMAX>

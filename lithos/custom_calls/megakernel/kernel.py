@@ -214,25 +214,19 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
 
 # csrc/mk_lane_ring.h kRingInputBytes (LITHOS_MK_RING_INPUT_KB), where the one-token tiled task stages B (4 bytes
 # an input) and its warps' sums (1 KB a tile pair): csrc/mk_gate_up_tiles.h. 56 KB in a build whose ring copies 16
-# bytes beside a row's (ring_sides, on CUDA), so that its block fits an SM.
+# bytes beside a row's (RING_SIDES, on CUDA), so that its block fits an SM.
 TILE_STAGING_BYTES = 64 * 1024
 TILE_OPERAND_BYTES_PER_INPUT, TILE_PIECE_BYTES = 4, 1024
 
 
-def ring_sides() -> dict[str, int]:
-    """The packed formats whose rows the one-token kernel streams through the lane ring (CUDA), and the bytes of
-    their scales each step copies beside a row's 16 (csrc/mk_lane_ring.h kRingSideBytes): MXFP4, Q4_K and Q6_K, and
-    K_MIX, Q5_K, IQ4_NL and IQ4_XS in a build asked for them (LITHOS_KERNEL_DEFINES="LITHOS_MK_RING_NEW=1"; not yet
-    run on a GPU)."""
-    sides = {"mxfp4": 4, "q4_k": 16, "q6_k": 16}
-    if "LITHOS_MK_RING_NEW=1" in os.environ.get("LITHOS_KERNEL_DEFINES", "").split():
-        sides |= {"k_mix": 16, "q5_k": 16, "iq4_nl": 4, "iq4_xs": 16}
-    return sides
+# The packed formats whose rows the one-token kernel streams through the lane ring (CUDA), and the bytes of their
+# scales each step copies beside a row's 16 (csrc/mk_lane_ring.h kRingSideBytes, packed.h Step32).
+RING_SIDES = {"mxfp4": 4, "iq4_nl": 4, "q4_k": 16, "q5_k": 16, "q6_k": 16, "k_mix": 16, "iq4_xs": 16}
 
 
 def staging_bytes(formats: WeightFormats) -> int:
     """The lane ring's input area in the build that reads `formats` (csrc/mk_lane_ring.h kRingInputBytes)."""
-    wide = any(ring_sides().get(name, 0) > 4 for name in formats.every_format) and _gpu_platform() != "rocm"
+    wide = any(RING_SIDES.get(name, 0) > 4 for name in formats.every_format) and _gpu_platform() != "rocm"
     return 56 * 1024 if wide else TILE_STAGING_BYTES
 
 
@@ -311,14 +305,14 @@ def resident_blocks(platform: str, tokens: int, variant: build.Variant = build.P
 
 def lane_steps(formats: WeightFormats, tokens: int, platform: str | None) -> LaneSteps:
     """Inputs a lane of the kernel reads per step of each group's rows (csrc/mk_matvec.h): 8 of bf16 (16 bytes),
-    32 of the packed formats the lane ring reads (ring_sides, CUDA, one token), 16 of other packed rows
+    32 of the packed formats the lane ring reads (RING_SIDES, CUDA, one token), 16 of other packed rows
     (packed_decode.h's chunk); and the gate/up row groups a task takes together (a pair of fragment tiles: 8) and
     the warps that share them."""
 
     def step(name: str) -> int:
         if name == "bfloat16":
             return BF16_LANE_STEP
-        return 32 if name in ring_sides() and tokens == 1 and platform == "cuda" else 16
+        return 32 if name in RING_SIDES and tokens == 1 and platform == "cuda" else 16
 
     units, team = (TILE_UNITS, WARPS_PER_BLOCK if tokens == 1 else 1) if formats.gate_up_tiles else (1, 1)
     o, down = (None if name is None else step(name) for name in (formats.o, formats.down))

@@ -194,6 +194,9 @@ TINY_ARCHS = {
     ),
     "qwen2": dict(cls="Qwen2ForCausalLM"),
     "qwen3": dict(cls="Qwen3ForCausalLM"),
+    "qwen3_hd64": dict(
+        cls="Qwen3ForCausalLM", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    ),
 }
 
 

@@ -23,7 +23,7 @@ from lithos.models import llama
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window"])
+@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window", "qwen3_hd64"])
 def test_fused_generation_equals_reference(hf_checkpoint, arch):
     path = hf_checkpoint(arch, tied=False)
     dtype = "bfloat16" if ON_GPU else "float32"
@@ -37,9 +37,23 @@ def test_fused_generation_equals_reference(hf_checkpoint, arch):
     assert fused.generate("sample", **sampled).token_ids == ref.generate("sample", **sampled).token_ids
 
 
+@pytest.mark.parametrize("qk_format, v_format", [("q8_0", "q8_0"), ("q4_1", "q8_0")])
+def test_fused_per_head_norms_over_packed_attention(hf_checkpoint, qk_format, v_format):
+    """Qwen3's per-head Q/K norms on the fused path with Q/K/V packed, in one format or two (three projection
+    calls, then the norms, the rotation and the cache write): a step's logits equal the reference path's over
+    the same weights."""
+    from lithos import quant
+    from lithos.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(hf_checkpoint("qwen3_hd64"), dtype="float32", use_cache=False)
+    formats = {"layers.wq": qk_format, "layers.wk": qk_format, "layers.wv": v_format}
+    params = quant.random_packed_params(ck.params, formats)
+    ref = _step_logits(ck.cfg, params, "reference", 24, 3)
+    fused = _step_logits(ck.cfg, params, "fused", 24, 3)
+    np.testing.assert_allclose(fused, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):
-    with pytest.raises(UnsupportedModelError, match="per-head Q/K norms.*kernels='reference'"):
-        lithos.load(hf_checkpoint("qwen3"), dtype="float32", kernels="fused")
     with pytest.raises(UnsupportedModelError, match="Q/K/V biases"):
         lithos.load(hf_checkpoint("qwen2"), dtype="float32", kernels="fused")
     with pytest.raises(UnsupportedModelError, match="head_dim 16"):
@@ -59,7 +73,7 @@ def _step_logits(cfg, params, kernels, context, new_tokens):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the FFI kernels need a CUDA or ROCm GPU")
-@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"])
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
 @pytest.mark.parametrize("new_tokens", [1, 8])
 def test_fused_logits_within_bf16_tolerance_on_model_shapes(shape, new_tokens):
     cfg = model_shape(shape)

@@ -50,14 +50,20 @@ def _reference(
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, ring=ring)
 
 
-def rope_and_append(q, k, v, dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, ring):
+def rope_and_append(
+    q, k, v, dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, ring, qk_norms=None, eps=0.0
+):
     """The projections' f32 results `[tokens, heads * head_dim]` rotated, K and V written into layer `layer` of
-    the stacked caches: returns (q `[tokens, heads, head_dim]` in `dtype`, k_cache, v_cache)."""
+    the stacked caches: returns (q `[tokens, heads, head_dim]` in `dtype`, k_cache, v_cache). `qk_norms`: the
+    per-head RMSNorm weights of Q and K (stacked `[layers, head_dim]`: Qwen3's q_norm and k_norm), applied to each
+    head before the rotation."""
     tokens = q.shape[0]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
     q = q.reshape(tokens, -1, head_dim)
     k = k.reshape(tokens, kv_heads, head_dim)
     v = v.reshape(tokens, kv_heads, head_dim)
+    if qk_norms is not None:
+        q, k = (rms_normalize(x, at_layer(w, layer), eps) for x, w in zip((q, k), qk_norms, strict=True))
     q = rotate(q, positions, inv_freq)
     k = rotate(k, positions, inv_freq)
     # A layer index into a cache with one layer (shared) is 0.

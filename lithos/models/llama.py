@@ -399,23 +399,30 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
     if kernels not in KERNEL_PATHS:
         raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
     if kernels in ("fused", "megakernel") and cfg is not None:
-        missing = [
-            name
-            for name, present in (
-                ("Q/K/V biases", cfg.qkv_bias),
-                ("output-projection bias", cfg.o_bias),
-                ("MLP biases", cfg.mlp_bias),
-                ("per-head Q/K norms", cfg.qk_norm),
-            )
-            if present
-        ]
-        if cfg.head_dim not in FUSED_HEAD_DIMS:
-            missing.append(f"head_dim {cfg.head_dim} (kernels exist for {', '.join(map(str, FUSED_HEAD_DIMS))})")
+        missing = kernel_gaps(cfg, kernels)
         if missing:
             raise UnsupportedModelError(
                 f"the {kernels} kernels do not implement {', '.join(missing)} ({cfg.architecture}); "
                 "use kernels='reference'"
             )
+
+
+def kernel_gaps(cfg, kernels: str) -> list[str]:
+    """What the `kernels` path ("fused" or "megakernel") lacks for `cfg`'s layers (any config with llama's attention
+    fields): [] when it runs them."""
+    missing = [
+        name
+        for name, present in (
+            ("Q/K/V biases", cfg.qkv_bias),
+            ("output-projection bias", cfg.o_bias),
+            ("MLP biases", getattr(cfg, "mlp_bias", False)),
+            ("per-head Q/K norms", cfg.qk_norm and kernels == "megakernel"),
+        )
+        if present
+    ]
+    if cfg.head_dim not in FUSED_HEAD_DIMS:
+        missing.append(f"head_dim {cfg.head_dim} (kernels exist for {', '.join(map(str, FUSED_HEAD_DIMS))})")
+    return missing
 
 
 def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
@@ -613,18 +620,47 @@ def _reference_decoder(params: Params, tokens, positions, cache: KVCache, cfg: C
 
 
 def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, tp=None):
-    """The decoder as five fused calls per layer (see lithos/custom_calls/NOTES.md), batch 1.
+    """The decoder as five fused calls per layer (see lithos/custom_calls/NOTES.md), batch 1: `fused_layers` with
+    the gated MLP's two calls (gate/up with SiLU, down into the residual).
 
-    Each kernel takes the stacked weights and the layer index, so nothing is sliced out; the K/V
-    kernel writes the new entries into the cache in place (aliased buffers carried by the loop).
     With `tp` (a lithos.tensor_parallel.TensorParallel, inside shard_map) the params and cache are
     this device's slices and `cfg` describes them; the embedding lookup and the two projections
     into the residual stream combine their partial results across devices.
     """
+    from lithos.custom_calls.packed_matvec import packed_gate_up_silu
+
+    L = params.layers
+    project_residual = tp.project_residual if tp is not None else residual_matvec
+
+    def mlp(h, i, _):
+        gated = packed_gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=cfg.rms_norm_eps)
+        return project_residual(gated, L.w_down, i, h), None
+
+    h, cache, _ = fused_layers(params, tokens, positions, cache, cfg, mlp, tp=tp)
+    return h, cache
+
+
+def residual_matvec(x, w, i, residual):
+    """`residual + x @ w[i].T`, one fused call (bf16 or packed `w`)."""
+    from lithos.custom_calls.packed_matvec import packed_matvec
+
+    return packed_matvec(x, w, layer=i, residual=residual)
+
+
+def fused_layers(params, tokens, positions, cache: KVCache, cfg, mlp, aux=None, tp=None):
+    """The decoder loop of the fused paths, batch 1: each layer's attention as three fused calls (RMSNorm, Q/K/V
+    and RoPE with the cache write; attention; O into the residual), then `mlp(h, i, aux) -> (h, aux)`, which adds
+    layer i's MLP into the residual `h` `[tokens, hidden]` (llama's gated MLP; a mixture of experts' routed ones) and
+    may carry a value through the loop (`aux`: the experts each layer picked). Families whose layers carry llama's
+    attention fields share it. Returns (h `[1, tokens, hidden]`, the cache, aux).
+
+    Each kernel takes the stacked weights and the layer index, so nothing is sliced out; the K/V
+    kernel writes the new entries into the cache in place (aliased buffers carried by the loop).
+    """
     from lithos.custom_calls import decode_attention
 
     # Each takes bf16 or packed (lithos.quant) weights: bf16 goes to the bf16 kernels.
-    from lithos.custom_calls.packed_matvec import packed_gate_up_silu, packed_matvec, packed_qkv_rope_append
+    from lithos.custom_calls.packed_matvec import packed_qkv_rope_append
 
     if tokens.shape[0] != 1:
         raise UnsupportedModelError(
@@ -645,32 +681,27 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     n_tokens = tokens.shape[1]
     ring = cache.ring is not None  # the kernels store position p in slot p % slots
-    if tp is None:
-
-        def project_residual(x, w, i, residual):
-            return packed_matvec(x, w, layer=i, residual=residual)
-
-    else:
-        project_residual = tp.project_residual
+    qk_norms = (L.q_norm, L.k_norm) if cfg.qk_norm else None  # Qwen3's: Q/K/V then take three projection calls
+    project_residual = tp.project_residual if tp is not None else residual_matvec
 
     def layer(i, carry):
-        h, k_cache, v_cache = carry
+        h, k_cache, v_cache, aux = carry
         # An FP8 cache's scales were set by prefill (reference path) and are only read here.
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         q, k_cache, v_cache = packed_qkv_rope_append(
-            h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache, layer=i, eps=eps, ring=ring, **scales
+            *(h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache),
+            **dict(layer=i, eps=eps, ring=ring, qk_norms=qk_norms, **scales),
         )
         attn = decode_attention(
             q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window, ring=ring, **scales
         )
         h = project_residual(attn.reshape(n_tokens, cfg.q_size), L.wo, i, h)
-        gated = packed_gate_up_silu(h, L.w_gate, L.w_up, layer=i, norm_weight=L.mlp_norm, eps=eps)
-        h = project_residual(gated, L.w_down, i, h)
-        return h, k_cache, v_cache
+        h, aux = mlp(h, i, aux)
+        return h, k_cache, v_cache, aux
 
     h = params.embed[tokens[0]] if tp is None else tp.embed_rows(params.embed, tokens[0])
-    h, k, v = jax.lax.fori_loop(0, cfg.num_layers, layer, (h, cache.k, cache.v))
-    return h[None], cache.replace(k=k, v=v)
+    h, k, v, aux = jax.lax.fori_loop(0, cfg.num_layers, layer, (h, cache.k, cache.v, aux))
+    return h[None], cache.replace(k=k, v=v), aux
 
 
 def decoder(

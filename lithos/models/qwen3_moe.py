@@ -9,9 +9,11 @@ Mixtral always does), experts with a SiLU-gated MLP. Layers listed in `mlp_only_
 Order of this file: config, parameters, forward. The MoE pieces are lithos.models.moe; attention,
 RoPE and the head are the llama family's.
 
-Kernel paths: "reference" and "fused" (routed experts through the `expert_matvec` kernel and the
-LM head + argmax kernel; attention and dense MLPs stay on jax.numpy there, since the fused
-attention kernel has no per-head Q/K norm yet).
+Kernel paths: "reference" and "fused": llama's fused attention (Qwen3's per-head Q/K norms between its
+projection calls and the rotation), the routed experts through the `expert_matvec` kernel, the dense layers'
+MLPs through the fused gate/up and down calls, and the LM head + argmax kernel. Where the attention kernels
+do not take the config (attention biases, a head size they are not built for: `llama.kernel_gaps`), the fused
+path keeps its attention and dense MLPs on jax.numpy and runs the experts and the head through the kernels.
 """
 
 from __future__ import annotations
@@ -323,11 +325,13 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
         raise UnsupportedModelError(
             f"the fused path decodes one sequence, got a batch of {tokens.shape[0]}: use kernels='reference'"
         )
+    if kernels == "fused" and not llama.kernel_gaps(cfg, "fused"):
+        return _fused_decoder(params, tokens, positions, cache, cfg)
     inv_freq = llama.rope_inv_freq(cfg)
     eps = cfg.rms_norm_eps
     B, T = tokens.shape
     k = max(cfg.experts_per_token, 1)
-    route = partial(moe.route_softmax_then_topk, top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
+    route = _route(cfg)
     moe_slot, dense_slot = _slots(cfg)
     is_moe = np.zeros(cfg.num_layers, bool)
     is_moe[list(cfg.moe_layers)] = True
@@ -357,6 +361,44 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
     xs = (params.layers, cache, jnp.asarray(is_moe), jnp.asarray(moe_slot), jnp.asarray(dense_slot))
     h, ((k_new, v_new), expert_ids) = jax.lax.scan(layer, params.embed[tokens], xs)
     return h, append(cache, positions, k_new, v_new), expert_ids
+
+
+def _route(cfg: Config):
+    return partial(moe.route_softmax_then_topk, top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
+
+
+def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config):
+    """The fused path's layers (batch 1): llama's fused attention (`llama.fused_layers`), then the routed experts
+    through the expert kernel, or a dense layer's gated MLP through the fused gate/up and down calls."""
+    from lithos.custom_calls.packed_matvec import packed_gate_up_silu
+
+    L, D, eps = params.layers, params.dense, cfg.rms_norm_eps
+    n, k = tokens.shape[1], max(cfg.experts_per_token, 1)
+    moe_slot, dense_slot = (jnp.asarray(slots) for slots in _slots(cfg))
+    is_moe = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.moe_layers))
+    route = _route(cfg)
+
+    def routed(h, i, norm):
+        x = llama.rms_norm(h, norm, eps)[None]
+        y, ids = moe.moe_mlp(x, params.experts, moe_slot[i], route, moe.swiglu_halves, "fused")
+        return h + y[0], ids
+
+    def dense(h, i, norm):
+        gated = packed_gate_up_silu(h, D.w_gate, D.w_up, layer=dense_slot[i], norm_weight=norm, eps=eps)
+        return llama.residual_matvec(gated, D.w_down, dense_slot[i], h), jnp.full((n, k), -1, jnp.int32)
+
+    def mlp(h, i, expert_ids):
+        norm = jax.lax.dynamic_index_in_dim(L.mlp_norm, i, 0, keepdims=False)
+        if not cfg.dense_layers:
+            h, ids = routed(h, i, norm)
+        elif not cfg.moe_layers:
+            h, ids = dense(h, i, norm)
+        else:  # only the taken branch runs
+            h, ids = jax.lax.cond(is_moe[i], routed, dense, h, i, norm)
+        return h, expert_ids.at[i].set(ids)
+
+    ids = jnp.full((cfg.num_layers, n, k), -1, jnp.int32)
+    return llama.fused_layers(params, tokens, positions, cache, cfg, mlp, ids)
 
 
 decoder, routed_experts, hidden_states, forward, forward_argmax = moe.family_functions(_decoder)

@@ -358,6 +358,20 @@ def _git_commit() -> str | None:
     return (commit + ("+uncommitted" if changes.stdout.strip() else "")) or None
 
 
+SOURCE_SUFFIXES = (".py", ".cu", ".h", ".json")
+
+
+def source_digest(package: Path = REPO / "lithos") -> str:
+    """SHA-256 over the package's sources (kernels, Python, tuning tables), path by path: what a run executed,
+    whatever the git metadata beside it says (a copied tree may carry a stale `.git`, or none)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def environment() -> dict[str, Any]:
     dev = jax.devices()[0]
     import lithos
@@ -365,6 +379,7 @@ def environment() -> dict[str, Any]:
     return {
         "lithos": lithos.__version__,
         "lithos_commit": _git_commit(),
+        "lithos_source_sha256": source_digest(),
         "backend": jax.default_backend(),
         "device_kind": dev.device_kind,
         "device_count": jax.device_count(),

@@ -22,6 +22,20 @@ def test_the_record_names_the_kernel_build_variant(monkeypatch):
     assert bench.environment()["kernel_defines"] == []
 
 
+def test_the_record_names_the_sources_it_ran(tmp_path):
+    """A digest of the package's sources in every record: a file's change moves it, a compiled cache does not."""
+    package = tmp_path / "lithos"
+    (package / "csrc").mkdir(parents=True)
+    (package / "step.py").write_text("x = 1\n")
+    (package / "csrc" / "kernel.cu").write_text("// kernel\n")
+    first = bench.source_digest(package)
+    (package / "step.cpython-311.pyc").write_bytes(b"\0")
+    assert bench.source_digest(package) == first
+    (package / "csrc" / "kernel.cu").write_text("// kernel, changed\n")
+    assert bench.source_digest(package) != first
+    assert bench.environment()["lithos_source_sha256"] == bench.source_digest()
+
+
 def test_the_record_names_the_knobs_set_in_the_environment(monkeypatch):
     """Every LITHOS_* variable set when a bench ran (e.g. the matrix groups the megakernel reads in tiles) is in its
     record."""

@@ -63,7 +63,7 @@ READ_FORMATS = (
 # Mixes as GGUF files hold them: Q4_K_M's (Q3_K_M's, Q5_K_M's) V and down projections (a mixture of experts': its
 # experts' and dense layers' down projections) in another K-quant in some layers than in others (K_MIX), the rest in
 # Q4_K (Q3_K, Q5_K).
-MIXED_IN_K_M = ("layers.wv", "layers.w_down", "experts.down", "dense.w_down")
+MIXED_IN_K_M = ("layers.wv", "layers.w_down", "experts.down", "dense.w_down", "shared.w_down")
 READ_MIXES = {f"{main}_m": (main, dict.fromkeys(MIXED_IN_K_M, "k_mix")) for main in ("q3_k", "q4_k", "q5_k")}
 
 

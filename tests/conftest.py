@@ -18,6 +18,8 @@ from functools import partial
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 # f32 matmuls must be exact f32 everywhere the oracle is compared (TF32 on GPUs otherwise).
@@ -131,6 +133,29 @@ def save_tiny_moe(path: Path, config_class: str, architecture: str, shape: dict)
     return path, model
 
 
+def assert_steps_match_transformers(model, cfg, params, prompt: int, steps: int, cache_len: int = 32) -> None:
+    """Prefill `prompt` random tokens, then decode `steps` one at a time through lithos (float32): every position's
+    logits equal those of the transformers `model` over the whole sequence."""
+    torch = require("torch")
+    from lithos.kv_cache import init_cache
+    from lithos.models import family_of
+
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, prompt + steps))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    assert expected.std() > 0.5  # spread logits, so a wrong weight shows
+
+    family = family_of(cfg)
+    forward = jax.jit(family.forward, static_argnames=("cfg", "kernels"))
+    window = family.cache_window(cfg)  # a ring of window + K - 1 slots, as lithos.load keeps
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, cache_len, cfg.head_dim, jnp.float32, window=window)
+    logits, cache = forward(params, jnp.asarray(tokens[:, :prompt]), jnp.arange(prompt)[None], cache, cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected[:, :prompt], atol=1e-4, rtol=1e-4)
+    for t in range(prompt, prompt + steps):
+        logits, cache = forward(params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([[t]]), cache, cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=1e-4, rtol=1e-4)
+
+
 def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = None):
     """A gguf.GGUFWriter for `arch` holding the metadata llama.cpp writes for `cfg`'s sizes (experts too) and the
     byte tokenizer (no merges: every text stays bytes); the caller adds the tensors, then `close_gguf`."""
@@ -150,6 +175,8 @@ def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = N
     w.add_expert_used_count(cfg.experts_per_token)
     if expert_ffn is not None:
         w.add_expert_feed_forward_length(expert_ffn)
+    if getattr(cfg, "shared_expert_ffn", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn)
     w.add_vocab_size(cfg.vocab_size)
     tok = byte_tokenizer()
     w.add_tokenizer_model("gpt2")
@@ -158,6 +185,44 @@ def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = N
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
     return w
+
+
+def write_moe_gguf(path: Path, checkpoint_dir: Path, arch: str, expert_type: str = "F32") -> None:
+    """A tiny Qwen3-MoE or Qwen2-MoE checkpoint's tensors as llama.cpp's `arch` GGUF (qwen3moe, qwen2moe) writes them:
+    experts stacked `[E, out, in]` (ffn_{gate,up,down}_exps, in `expert_type`), the router as ffn_gate_inp, a dense
+    layer's MLP as ffn_*, attention biases, and Qwen2-MoE's shared experts (ffn_*_shexp, ffn_gate_inp_shexp)."""
+    gguf = require("gguf")
+    from safetensors.numpy import load_file
+
+    from lithos.checkpoint import load_checkpoint
+
+    t = load_file(next(checkpoint_dir.glob("*.safetensors")))
+    cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
+    writer = gguf_writer(path, arch, cfg, ffn=cfg.intermediate_size, expert_ffn=cfg.moe_intermediate_size)
+    writer.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", t["model.norm.weight"])
+    writer.add_tensor("output.weight", t["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{g}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
+    names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    names |= {f"mlp.shared_expert.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}
+    names |= {"mlp.shared_expert_gate": "ffn_gate_inp_shexp"}  # llama.cpp takes [hidden] or [1, hidden]
+    for i in range(cfg.num_layers):
+        for hf, name in names.items():
+            for part in ("weight", "bias"):
+                if f"model.layers.{i}.{hf}.{part}" in t:
+                    w = t[f"model.layers.{i}.{hf}.{part}"]  # the shared experts' gate [1, hidden] as a vector:
+                    writer.add_tensor(f"blk.{i}.{name}.{part}", w.reshape(-1) if name == "ffn_gate_inp_shexp" else w)
+        if i in cfg.moe_layers:
+            for p in ("gate", "up", "down"):
+                e = np.stack([t[f"model.layers.{i}.mlp.experts.{j}.{p}_proj.weight"] for j in range(cfg.num_experts)])
+                qtype = gguf.GGMLQuantizationType[expert_type]
+                data = e if expert_type == "F32" else gguf.quants.quantize(e, qtype)
+                writer.add_tensor(
+                    f"blk.{i}.ffn_{p}_exps.weight", data, raw_dtype=None if expert_type == "F32" else qtype
+                )
+    close_gguf(writer)
 
 
 def close_gguf(w) -> None:

@@ -14,10 +14,9 @@ import pytest
 import lithos
 from lithos import quant
 from lithos.checkpoint import load_checkpoint
-from lithos.kv_cache import init_cache
 from lithos.models import family_of
 
-from .conftest import close_gguf, gguf_writer, require, save_tiny_moe
+from .conftest import assert_steps_match_transformers, close_gguf, gguf_writer, require, save_tiny_moe
 
 SHAPE = dict(
     hidden_size=64,
@@ -39,26 +38,13 @@ def checkpoint(tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    torch = require("torch")
     path, model = checkpoint
     ck = load_checkpoint(path, dtype="float32", use_cache=False)
     cfg, params = ck.cfg, ck.params
     assert cfg.moe_layers == (0, 1) and not cfg.qk_norm and cfg.sliding_window == 6 and cfg.norm_topk_prob
     assert params.experts.gate_up.shape == (2, 8, 64, 64) and params.layers.q_norm is None
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, PROMPT + STEPS))
-    with torch.no_grad():
-        expected = model(torch.tensor(tokens)).logits.numpy()
-    assert expected.std() > 0.5
-
-    forward = jax.jit(family_of(cfg).forward, static_argnames=("cfg", "kernels"))
-    window = family_of(cfg).cache_window(cfg)  # a ring of window + K - 1 slots, as lithos.load keeps
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim, jnp.float32, window=window)
-    assert window == 6 and cache.k.shape[3] == 6
-    logits, cache = forward(params, jnp.asarray(tokens[:, :PROMPT]), jnp.arange(PROMPT)[None], cache, cfg)
-    np.testing.assert_allclose(np.asarray(logits), expected[:, :PROMPT], atol=1e-4, rtol=1e-4)
-    for t in range(PROMPT, PROMPT + STEPS):
-        logits, cache = forward(params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([[t]]), cache, cfg)
-        np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=1e-4, rtol=1e-4)
+    assert family_of(cfg).cache_window(cfg) == 6  # the decode steps pass the window
+    assert_steps_match_transformers(model, cfg, params, PROMPT, STEPS)
 
 
 def test_greedy_generation_matches_transformers(checkpoint):

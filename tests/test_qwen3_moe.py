@@ -19,7 +19,7 @@ from lithos.checkpoint import load_checkpoint
 from lithos.kv_cache import init_cache
 from lithos.models import qwen3_moe
 
-from .conftest import close_gguf, gguf_writer, require, save_tiny_moe
+from .conftest import require, save_tiny_moe, write_moe_gguf
 
 SHAPE = dict(
     hidden_size=64,
@@ -151,37 +151,6 @@ def test_qwen3_30b_a3b_floor_counts_eight_of_128_experts():
     assert bench.weight_bytes_read(params, cfg) == L * (attention + router + 8 * expert) + 2 * V * D + 2 * D + 2 * D
 
 
-def _write_qwen3_moe_gguf(path, checkpoint_dir, expert_type: str = "F32"):
-    """The tiny checkpoint's tensors as llama.cpp's `qwen3moe` GGUF writes them: experts stacked `[E, out, in]`
-    (ffn_{gate,up,down}_exps, in `expert_type`), the router as ffn_gate_inp, the dense layer's MLP as ffn_*."""
-    gguf = require("gguf")
-    from safetensors.numpy import load_file
-
-    t = load_file(next(checkpoint_dir.glob("*.safetensors")))
-    cfg = load_checkpoint(checkpoint_dir, dtype="float32").cfg
-    writer = gguf_writer(path, "qwen3moe", cfg, ffn=cfg.intermediate_size, expert_ffn=cfg.moe_intermediate_size)
-    writer.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", t["model.norm.weight"])
-    writer.add_tensor("output.weight", t["lm_head.weight"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    names |= {f"self_attn.{p}_proj": f"attn_{g}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}
-    names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
-    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
-    for i in range(cfg.num_layers):
-        for hf, name in names.items():
-            if f"model.layers.{i}.{hf}.weight" in t:
-                writer.add_tensor(f"blk.{i}.{name}.weight", t[f"model.layers.{i}.{hf}.weight"])
-        if i in cfg.moe_layers:
-            for p in ("gate", "up", "down"):
-                e = np.stack([t[f"model.layers.{i}.mlp.experts.{j}.{p}_proj.weight"] for j in range(cfg.num_experts)])
-                qtype = gguf.GGMLQuantizationType[expert_type]
-                data = e if expert_type == "F32" else gguf.quants.quantize(e, qtype)
-                writer.add_tensor(
-                    f"blk.{i}.ffn_{p}_exps.weight", data, raw_dtype=None if expert_type == "F32" else qtype
-                )
-    close_gguf(writer)
-
-
 def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
     """A `qwen3moe` GGUF of the checkpoint's tensors (as llama.cpp lays them out: stacked experts, a dense layer
     without them) loads as the same config and parameters as the safetensors checkpoint, whose logits match
@@ -191,7 +160,7 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
 
     path, _ = checkpoint
     gguf_path = tmp_path / "tiny-qwen3moe.gguf"
-    _write_qwen3_moe_gguf(gguf_path, path)
+    write_moe_gguf(gguf_path, path, "qwen3moe")
     want = load_checkpoint(path, dtype="float32")
     cfg, flat, _, unpacked = gguf_file.load(gguf_path)
     assert unpacked == {}
@@ -204,7 +173,7 @@ def test_gguf_file_holds_the_same_model(checkpoint, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
     packed_path = tmp_path / "tiny-qwen3moe-q8_0.gguf"
-    _write_qwen3_moe_gguf(packed_path, path, expert_type="Q8_0")
+    write_moe_gguf(packed_path, path, "qwen3moe", "Q8_0")
     cfg, packed, _, unpacked = gguf_file.load(packed_path)
     _, dense, _, _ = gguf_file.load(packed_path, dequantize=True)
     assert unpacked == {}
@@ -228,7 +197,7 @@ def test_transformers_reads_the_gguf_as_the_same_model(tmp_path):
     torch = require("torch")
     transformers = require("transformers")
     path, model = _save_tiny_model(tmp_path / "hf", SHAPE | dict(mlp_only_layers=[]))
-    _write_qwen3_moe_gguf(tmp_path / "tiny.gguf", path)
+    write_moe_gguf(tmp_path / "tiny.gguf", path, "qwen3moe")
     read = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", config=model.config, dtype=torch.float32
     ).eval()
@@ -248,7 +217,7 @@ def test_gguf_file_generates_what_transformers_generates(checkpoint, tmp_path):
     torch = require("torch")
     path, model = checkpoint
     gguf_path = tmp_path / "tiny-qwen3moe.gguf"
-    _write_qwen3_moe_gguf(gguf_path, path)
+    write_moe_gguf(gguf_path, path, "qwen3moe")
     lm = lithos.load(gguf_path, dtype="float32", max_len=64)
     prompt = "jumps over the lazy dog"
     ids = lm.prompt_ids(prompt, raw=True)

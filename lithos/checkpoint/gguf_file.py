@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3,
-qwen3moe and gpt-oss; a llama file whose layers hold experts is Mixtral), packed where lithos.quant has a layout for
-their type, otherwise dequantized with `gguf`.
+qwen3moe, qwen2moe and gpt-oss; a llama file whose layers hold experts is Mixtral), packed where lithos.quant has a
+layout for their type, otherwise dequantized with `gguf`.
 
 Weights arrive in `[out, in]` order (experts `[experts, out, in]`). llama.cpp permutes the rows of Q and K for the
 `llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
@@ -45,6 +45,13 @@ MOE_LAYER_NAMES = {
     "ffn_gate_exps.weight": "experts.gate",
     "ffn_up_exps.weight": "experts.up",
     "ffn_down_exps.weight": "experts.down",
+}
+# Qwen2-MoE's shared experts (llama.cpp's `qwen2moe`): a gated MLP in every MoE layer and its sigmoid gate `[hidden]`.
+SHARED_EXPERT_NAMES = {
+    "ffn_gate_shexp.weight": "shared.w_gate",
+    "ffn_up_shexp.weight": "shared.w_up",
+    "ffn_down_shexp.weight": "shared.w_down",
+    "ffn_gate_inp_shexp.weight": "shared.gate",
 }
 # GPT-OSS's own: attention sinks, the MLP's norm by llama.cpp's name for it, the router's and experts' biases.
 GPT_OSS_LAYER_NAMES = {
@@ -99,7 +106,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 def _layer_ids(name: str, cfg) -> list[int]:
     """The layers a stacked parameter spans: a MoE family's experts its MoE layers (GPT-OSS: every layer), its dense
     MLPs the others."""
-    if name.startswith("experts."):
+    if name.startswith(("experts.", "shared.")):
         return list(getattr(cfg, "moe_layers", range(cfg.num_layers)))
     return list(getattr(cfg, "dense_layers", ())) if name.startswith("dense.") else list(range(cfg.num_layers))
 
@@ -109,6 +116,8 @@ def _layer_names(cfg) -> dict[str, str]:
     if not hasattr(cfg, "num_experts"):
         return LAYER_NAMES
     names = {k: v.replace("layers.w_", "dense.w_") for k, v in LAYER_NAMES.items()} | MOE_LAYER_NAMES
+    if getattr(cfg, "shared_expert_ffn", 0):
+        names |= SHARED_EXPERT_NAMES
     return names | GPT_OSS_LAYER_NAMES if cfg.family == "gpt_oss" else names
 
 
@@ -190,6 +199,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
             w = map_planes(lambda a: unpermute_rows(a, cfg.num_heads), w)
         elif gguf_arch == "llama" and name in ("layers.wk", "layers.bk"):
             w = map_planes(lambda a: unpermute_rows(a, cfg.num_kv_heads), w)
+        elif name == "shared.gate":  # a [1, hidden] matrix in the file
+            w = w.reshape(-1)
         per_layer.setdefault(name, {})[int(m.group(1))] = w
         layer_kinds.setdefault(name, set()).add(kind)
     if moe:

@@ -11,8 +11,9 @@ GPT-OSS, per layer `model.layers.{i}.`:
   `[E, hidden, 2*ffn]` (`[in, out]`), so those are transposed; which one a tensor was is told by its
   name in the file (`_blocks`), never by its shape (hidden == ffn in the real models).
 
-Qwen3-MoE, per layer (Mixtral's the same under other names: block_sparse_moe.gate, experts.{j}.w1/w3/w2 for
-gate/up/down; every layer routed):
+Qwen3-MoE, per layer (Qwen2-MoE's the same, with mlp.shared_expert.{gate,up,down}_proj.weight and
+mlp.shared_expert_gate.weight in its MoE layers; Mixtral's the same under other names: block_sparse_moe.gate,
+experts.{j}.w1/w3/w2 for gate/up/down; every layer routed):
     self_attn.* as Qwen3, mlp.gate.weight (router) [E, hidden]
     mlp.experts.{j}.{gate,up,down}_proj.weight     per expert (or transformers 5's fused
                                                    mlp.experts.gate_up_proj [E, 2*ffn, hidden], down_proj)
@@ -122,6 +123,13 @@ QWEN3_DENSE_NAMES = {
     "mlp.up_proj.weight": "dense.w_up",
     "mlp.down_proj.weight": "dense.w_down",
 }
+# Qwen2-MoE's MoE layers also hold a shared expert and its sigmoid gate (`[1, hidden]`, stored as `[hidden]`).
+QWEN2_SHARED_NAMES = {
+    "mlp.shared_expert.gate_proj.weight": "shared.w_gate",
+    "mlp.shared_expert.up_proj.weight": "shared.w_up",
+    "mlp.shared_expert.down_proj.weight": "shared.w_down",
+    "mlp.shared_expert_gate.weight": "shared.gate",
+}
 
 
 def _qwen3_experts(i: int, layer: dict[str, Any], cfg, path: Path) -> tuple[Any, Any]:
@@ -147,27 +155,28 @@ def _qwen3_experts(i: int, layer: dict[str, Any], cfg, path: Path) -> tuple[Any,
 
 
 def qwen3_moe(tensors: dict[str, Any], cfg, path: Path, mxfp4_names: set[str]) -> dict[str, Any]:
-    """Flat Qwen3-MoE params: attention stacked over all layers, experts over the MoE layers, dense
-    MLPs over the others."""
+    """Flat Qwen3-MoE (and Qwen2-MoE) params: attention stacked over all layers, experts (and shared experts) over
+    the MoE layers, dense MLPs over the others."""
     flat, layers = _by_layer(tensors, cfg, path)
     per_name: dict[str, dict[int, Any]] = {}
     moe_layers = set(cfg.moe_layers)
+    moe_names = QWEN3_MOE_NAMES | (QWEN2_SHARED_NAMES if cfg.shared_expert_ffn else {})
     for i, layer in enumerate(layers):
         layer = dict(layer)
         if i in moe_layers and any(s.startswith("mlp.experts.") for s in layer):
             gate_up, down = _qwen3_experts(i, layer, cfg, path)
             per_name.setdefault("experts.gate_up", {})[i] = gate_up
             per_name.setdefault("experts.down", {})[i] = down
-        names = ATTENTION_NAMES | (QWEN3_MOE_NAMES if i in moe_layers else QWEN3_DENSE_NAMES)
+        names = ATTENTION_NAMES | (moe_names if i in moe_layers else QWEN3_DENSE_NAMES)
         for suffix, value in layer.items():
             if suffix not in names:
                 kind = "a MoE layer" if i in moe_layers else "a dense layer (mlp_only_layers / decoder_sparse_step)"
                 raise _unexpected(i, suffix, path, f"layer {i} is {kind}")
-            per_name.setdefault(names[suffix], {})[i] = value
+            per_name.setdefault(names[suffix], {})[i] = value.reshape(-1) if names[suffix] == "shared.gate" else value
     for name, values in per_name.items():
         layer_ids = (
             cfg.moe_layers
-            if name.startswith("experts.")
+            if name.startswith(("experts.", "shared."))
             else (cfg.dense_layers if name.startswith("dense.") else range(cfg.num_layers))
         )
         _stack_layers(flat, {name: values}, list(layer_ids), path)
@@ -192,4 +201,9 @@ def mixtral(tensors: dict[str, Any], cfg, path: Path, mxfp4_names: set[str]) -> 
     return qwen3_moe({renamed(n): v for n, v in tensors.items()}, cfg, path, mxfp4_names)
 
 
-CONVERTERS = {"GptOssForCausalLM": gpt_oss, "Qwen3MoeForCausalLM": qwen3_moe, "MixtralForCausalLM": mixtral}
+CONVERTERS = {
+    "GptOssForCausalLM": gpt_oss,
+    "Qwen3MoeForCausalLM": qwen3_moe,
+    "Qwen2MoeForCausalLM": qwen3_moe,
+    "MixtralForCausalLM": mixtral,
+}

@@ -35,8 +35,8 @@ from lithos.models import llama, moe
 # Config
 # --------------------------------------------------------------------------------------------
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-GGUF_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+GGUF_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
 # llama.cpp writes Mixtral as a `llama` GGUF whose layers hold expert tensors (lithos.models.family_for_gguf).
 MIXTRAL_GGUF_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 RopeScaling = llama.RopeScaling
@@ -67,7 +67,13 @@ class Config(llama.AttentionBias):
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    qk_norm: bool = True  # Qwen3-MoE's per-head Q/K RMSNorm; Mixtral has none
+    qk_norm: bool = True  # Qwen3-MoE's per-head Q/K RMSNorm; Mixtral and Qwen2-MoE have none
+    qkv_bias_only: bool = False  # Qwen2-MoE: `attention_bias` on Q/K/V, none on the output projection
+    shared_expert_ffn: int = 0  # Qwen2-MoE: every MoE layer's always-read expert, gated by a sigmoid
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and not self.qkv_bias_only
 
     def __post_init__(self):  # lists from JSON (converted checkpoints) must become tuples: configs are jit-static
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -100,12 +106,17 @@ class Config(llama.AttentionBias):
 
 
 def config_from_hf(d: dict[str, Any]) -> Config:
-    """Build a Config from a Qwen3-MoE or Mixtral `config.json` dict."""
+    """Build a Config from a Qwen3-MoE, Qwen2-MoE or Mixtral `config.json` dict."""
     arch = (d.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"architecture {arch!r} is not a routed MLP family's ({', '.join(ARCHITECTURES)})")
     if arch == "MixtralForCausalLM":
         return _mixtral_config(d)
+    if d.get("use_sliding_window", False) and arch == "Qwen2MoeForCausalLM":
+        raise UnsupportedModelError(
+            "Qwen2-MoE's use_sliding_window (a window on the layers past max_window_layers) is not supported: "
+            "set it false in config.json (the released checkpoints do)"
+        )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
@@ -116,6 +127,11 @@ def config_from_hf(d: dict[str, Any]) -> Config:
     step = int(d.get("decoder_sparse_step") or 1)
     if step < 1:
         raise UnsupportedModelError(f"decoder_sparse_step must be at least 1, got {step}: fix config.json")
+    family_fields = (
+        _qwen2_moe_fields(d)
+        if arch == "Qwen2MoeForCausalLM"
+        else {"attention_bias": bool(d.get("attention_bias", False))}
+    )
     return Config(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
@@ -136,17 +152,30 @@ def config_from_hf(d: dict[str, Any]) -> Config:
         mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
         decoder_sparse_step=step,
         rope_scaling=scaling,
-        attention_bias=bool(d.get("attention_bias", False)),
         sliding_window=int(window) if window else None,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        **family_fields,
+    )
+
+
+def _qwen2_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """What Qwen2-MoE's `config.json` says beyond Qwen3-MoE's: Q/K/V biases (`qkv_bias`, on by default) and none on
+    the output projection, no per-head norms, and the shared expert's width."""
+    return dict(
+        attention_bias=bool(d.get("qkv_bias", True)),
+        qkv_bias_only=True,
+        qk_norm=False,
+        shared_expert_ffn=int(d.get("shared_expert_intermediate_size") or 0),
     )
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
-    """Build a Config from a `qwen3moe` GGUF's metadata (llama.cpp's keys), or a Mixtral's (llama.cpp writes Mixtral
-    as a `llama` GGUF with expert tensors). Layers without expert tensors are the dense ones (`mlp_only_layers`);
-    llama.cpp renormalises the top-k probabilities unless the file says otherwise (`expert_weights_norm`)."""
+    """Build a Config from a `qwen3moe` or `qwen2moe` GGUF's metadata (llama.cpp's keys), or a Mixtral's (llama.cpp
+    writes Mixtral as a `llama` GGUF with expert tensors). Layers without expert tensors are the dense ones
+    (`mlp_only_layers`); llama.cpp renormalises the top-k probabilities unless the file says otherwise
+    (`expert_weights_norm`), but for qwen2moe, whose graph never does. A qwen2moe file's attention biases are on
+    Q/K/V only, and its shared experts' width is `expert_shared_feed_forward_length`."""
     a = meta["general.architecture"]
     fields = llama.gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES | MIXTRAL_GGUF_ARCHITECTURES)
     layers = fields["num_layers"]
@@ -163,9 +192,11 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         moe_intermediate_size=int(meta.get(f"{a}.expert_feed_forward_length", fields["intermediate_size"])),
         num_experts=experts,
         experts_per_token=int(meta[f"{a}.expert_used_count"]),
-        norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
+        norm_topk_prob=a != "qwen2moe" and bool(meta.get(f"{a}.expert_weights_norm", True)),
         mlp_only_layers=tuple(i for i in range(layers) if i not in routed),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qkv_bias_only=a == "qwen2moe",
+        shared_expert_ffn=int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=int(window) if (window := meta.get(f"{a}.attention.sliding_window")) else None,
     )
@@ -239,6 +270,17 @@ class DenseMLP:
 
 
 @struct.dataclass
+class SharedExpert:
+    """Qwen2-MoE's shared experts, stacked `[moe_layers, ...]`: a gated MLP every token reads, its output scaled by
+    sigmoid(x . gate)."""
+
+    w_gate: jax.Array  # [Lm, ffn, hidden]
+    w_up: jax.Array  # [Lm, ffn, hidden]
+    w_down: jax.Array  # [Lm, hidden, ffn]
+    gate: jax.Array  # [Lm, hidden]
+
+
+@struct.dataclass
 class Params:
     embed: jax.Array  # [vocab, hidden]
     layers: LayerParams
@@ -246,6 +288,7 @@ class Params:
     experts: moe.Experts | None = None  # MoE layers, stacked [moe_layers, experts, ...]; gate_up = [gate | up]
     dense: DenseMLP | None = None
     lm_head: jax.Array | None = None  # [vocab, hidden]; None when tied
+    shared: SharedExpert | None = None
 
 
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -257,12 +300,17 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     if cfg.dense_layers:
         Ld, F = len(cfg.dense_layers), cfg.intermediate_size
         shapes |= {"dense.w_gate": (Ld, F, D), "dense.w_up": (Ld, F, D), "dense.w_down": (Ld, D, F)}
+    if cfg.shared_expert_ffn and cfg.moe_layers:
+        Lm, F = len(cfg.moe_layers), cfg.shared_expert_ffn
+        shapes |= {"shared.w_gate": (Lm, F, D), "shared.w_up": (Lm, F, D), "shared.w_down": (Lm, D, F)}
+        shapes["shared.gate"] = (Lm, D)
     return shapes
 
 
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     **{name: axes for name, axes in llama.PARAM_AXES.items() if not name.startswith(("layers.w_", "layers.b_"))},
-    **{f"dense.{f}": llama.PARAM_AXES[f"layers.{f}"] for f in ("w_gate", "w_up", "w_down")},
+    **{f"{g}.{f}": llama.PARAM_AXES[f"layers.{f}"] for g in ("dense", "shared") for f in ("w_gate", "w_up", "w_down")},
+    "shared.gate": ("layers", "embed"),
     **moe.EXPERT_AXES,
 }
 CACHE_AXES = llama.CACHE_AXES
@@ -274,7 +322,7 @@ def params_from_flat(flat: dict[str, Any]) -> Params:
     def group(prefix: str) -> dict[str, Any]:
         return {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(prefix + ".")}
 
-    experts, dense = group("experts"), group("dense")
+    experts, dense, shared = group("experts"), group("dense"), group("shared")
     return Params(
         embed=flat["embed"],
         layers=LayerParams(**group("layers")),
@@ -282,6 +330,7 @@ def params_from_flat(flat: dict[str, Any]) -> Params:
         experts=moe.Experts(**experts) if experts else None,
         dense=DenseMLP(**dense) if dense else None,
         lm_head=flat.get("lm_head"),
+        shared=SharedExpert(**shared) if shared else None,
     )
 
 
@@ -318,6 +367,20 @@ def _dense_mlp(x: jax.Array, dense: DenseMLP, slot: jax.Array) -> jax.Array:
     return llama.linear(gated, pick(dense.w_down))
 
 
+def _shared_expert(x: jax.Array, shared: SharedExpert, slot: jax.Array, kernels: str) -> jax.Array:
+    """Qwen2-MoE's shared expert on normed tokens `x` `[n, hidden]`: its gated MLP times sigmoid(x . gate)."""
+    if kernels == "fused":
+        from lithos.custom_calls.packed_matvec import packed_gate_up_silu, packed_matvec
+
+        gated = packed_gate_up_silu(x, shared.w_gate, shared.w_up, layer=slot)
+        y = packed_matvec(gated, shared.w_down, layer=slot)
+    else:
+        y = _dense_mlp(x, shared, slot)
+    gate = jax.lax.dynamic_index_in_dim(shared.gate, slot, 0, keepdims=False)
+    scale = jax.nn.sigmoid(jnp.einsum("nd,d->n", x, gate, preferred_element_type=jnp.float32))
+    return (scale[:, None] * y.astype(jnp.float32)).astype(x.dtype)
+
+
 def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, kernels: str):
     """The decoder layers: `(h [B, T, hidden], cache, expert ids [layers, B*T, top_k])`, ids -1 on dense layers."""
     check_kernel_path(kernels, cfg)
@@ -337,7 +400,10 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
     is_moe[list(cfg.moe_layers)] = True
 
     def routed(x, i):
-        return moe.moe_mlp(x, params.experts, i, route, moe.swiglu_halves, kernels)
+        y, ids = moe.moe_mlp(x, params.experts, i, route, moe.swiglu_halves, kernels)
+        if params.shared is not None:
+            y = y + _shared_expert(x.reshape(B * T, -1), params.shared, i, kernels).reshape(y.shape)
+        return y, ids
 
     def dense(x, i):
         return _dense_mlp(x, params.dense, i).astype(x.dtype), jnp.full((B * T, k), -1, jnp.int32)
@@ -379,8 +445,10 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
     route = _route(cfg)
 
     def routed(h, i, norm):
-        x = llama.rms_norm(h, norm, eps)[None]
-        y, ids = moe.moe_mlp(x, params.experts, moe_slot[i], route, moe.swiglu_halves, "fused")
+        x = llama.rms_norm(h, norm, eps)
+        y, ids = moe.moe_mlp(x[None], params.experts, moe_slot[i], route, moe.swiglu_halves, "fused")
+        if params.shared is not None:
+            y = y + _shared_expert(x, params.shared, moe_slot[i], "fused")
         return h + y[0], ids
 
     def dense(h, i, norm):

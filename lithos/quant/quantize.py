@@ -127,12 +127,14 @@ def quantize(x: jax.Array, fmt_name: str, dtype=None, scale_rule: str = "floor")
 # --------------------------------------------------------------------------------------------
 
 # Tensor groups by flat parameter name (as in `param_shapes`); a family's params hold the names of its own layers
-# (a mixture of experts: experts.* for the routed layers, dense.* for the others), and lack the rest.
+# (a mixture of experts: experts.* for the routed layers, dense.* for the others, shared.* for Qwen2-MoE's shared
+# experts), and lack the rest.
 GROUPS: dict[str, tuple[str, ...]] = {
     "attention": ("layers.wq", "layers.wk", "layers.wv", "layers.wo"),
     "mlp": (
         *("layers.w_gate", "layers.w_up", "layers.w_down"),
         *("experts.gate_up", "experts.down", "dense.w_gate", "dense.w_up", "dense.w_down"),
+        *("shared.w_gate", "shared.w_up", "shared.w_down"),
     ),
     "embed": ("embed",),
     "lm_head": ("lm_head",),

@@ -1,0 +1,145 @@
+"""Qwen2-MoE against transformers: a tiny random checkpoint saved by transformers (Q/K/V biases and none on the output
+projection, a shared expert with its sigmoid gate in every MoE layer, one dense layer, top-k not renormalised),
+loaded through lithos.load; logits after prefill and decode, greedy generation, the fused path over the same bf16
+weights, and the shared expert's weights packed by `lithos quantize`'s groups."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lithos
+from lithos import quant
+from lithos.checkpoint import load_checkpoint
+from lithos.errors import UnsupportedModelError
+from lithos.kv_cache import init_cache
+from lithos.models import family_of, llama, qwen3_moe
+
+from .conftest import assert_steps_match_transformers, require, save_tiny_moe, write_moe_gguf
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],  # layers 0 and 2 are MoE, layer 1 dense
+)
+PROMPT, STEPS = 10, 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory of a tiny Qwen2-MoE checkpoint saved by transformers, the transformers model)."""
+    return save_tiny_moe(tmp_path_factory.mktemp("qwen2-moe"), "Qwen2MoeConfig", "Qwen2MoeForCausalLM", SHAPE)
+
+
+def test_prefill_and_decode_match_transformers(checkpoint):
+    path, model = checkpoint
+    ck = load_checkpoint(path, dtype="float32", use_cache=False)
+    cfg, params = ck.cfg, ck.params
+    assert cfg.qkv_bias and not cfg.o_bias and not cfg.qk_norm and not cfg.norm_topk_prob
+    assert cfg.moe_layers == (0, 2) and cfg.shared_expert_ffn == 64
+    assert params.shared.w_gate.shape == (2, 64, 64) and params.shared.gate.shape == (2, 64)
+    assert params.layers.bq is not None and params.layers.bo is None
+    assert_steps_match_transformers(model, cfg, params, PROMPT, STEPS)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    torch = require("torch")
+    path, model = checkpoint
+    lm = lithos.load(path, dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+
+
+def test_fused_step_equals_reference(checkpoint):
+    """The fused path (the experts and the shared expert through kernels; attention, which has Q/K/V biases, on
+    jax.numpy) against the reference over the same bf16 weights, a step of 2 tokens after a prefill."""
+    path, _ = checkpoint
+    ck = load_checkpoint(path, dtype="bfloat16", use_cache=False)
+    cfg, params = ck.cfg, ck.params
+    assert llama.kernel_gaps(cfg, "fused") == ["Q/K/V biases", "head_dim 16 (kernels exist for 64, 128, 256)"]
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, PROMPT + 2)))
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim, jnp.bfloat16)
+    _, cache = qwen3_moe.forward(params, tokens[:, :PROMPT], jnp.arange(PROMPT)[None], cache, cfg)
+    step = (params, tokens[:, PROMPT:], jnp.arange(PROMPT, PROMPT + 2)[None], cache, cfg)
+    ref, fused = (np.asarray(qwen3_moe.forward(*step, kernels=k)[0], np.float32) for k in ("reference", "fused"))
+    assert np.abs(fused - ref).max() <= 0.03 * np.abs(ref).max()
+    # without its shared experts the step is another one: they are read on both paths
+    unshared = params.replace(shared=params.shared.replace(gate=params.shared.gate - 100.0))  # sigmoid -> 0
+    alone = np.asarray(qwen3_moe.forward(*((unshared,) + step[1:]), kernels="fused")[0], np.float32)
+    assert np.abs(alone - fused).max() > 0.1 * np.abs(ref).max()
+
+
+def test_quantize_groups_pack_the_shared_experts(checkpoint):
+    path, _ = checkpoint
+    params = load_checkpoint(path, dtype="float32", use_cache=False).params
+    packed = quant.quantize_params(params, "mxfp8", ["mlp"])
+    assert all(quant.is_quantized(w) for w in (packed.shared.w_gate, packed.shared.w_up, packed.shared.w_down))
+    assert not quant.is_quantized(packed.shared.gate)
+
+
+def test_sliding_window_on_some_layers_is_refused():
+    hf = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 300} | SHAPE
+    assert family_of(qwen3_moe.config_from_hf(hf)) is qwen3_moe
+    with pytest.raises(UnsupportedModelError, match=r"use_sliding_window .* set it false in config.json"):
+        qwen3_moe.config_from_hf(hf | {"use_sliding_window": True})
+
+
+def test_gguf_file_is_the_same_model_for_transformers_and_lithos(checkpoint, tmp_path):
+    """A `qwen2moe` GGUF as llama.cpp lays it out (stacked experts, shared experts as ffn_*_shexp, Q/K/V biases, a
+    dense layer): lithos loads the config and every tensor the safetensors load has (the experts in Q8_0 kept
+    packed); transformers' own GGUF reader takes the all-MoE file as the checkpoint it came from, and lithos's load of
+    it gives transformers' logits; lithos.load of it decodes greedily what transformers decodes."""
+    torch = require("torch")
+    transformers = require("transformers")
+    from lithos.checkpoint import gguf_file
+
+    path, model = checkpoint
+    write_moe_gguf(tmp_path / "tiny.gguf", path, "qwen2moe")
+    want = load_checkpoint(path, dtype="float32", use_cache=False)
+    cfg, flat, _, unpacked = gguf_file.load(tmp_path / "tiny.gguf")
+    assert unpacked == {} and not cfg.norm_topk_prob and cfg.shared_expert_ffn == 64 and cfg.moe_layers == (0, 2)
+    same = dict(max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=float(np.float32(cfg.rms_norm_eps)))
+    assert cfg == dataclasses.replace(want.cfg, **same)
+    for got, expected in zip(
+        jax.tree_util.tree_leaves(qwen3_moe.params_from_flat(flat)), jax.tree_util.tree_leaves(want.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    write_moe_gguf(tmp_path / "tiny-q8_0.gguf", path, "qwen2moe", "Q8_0")
+    assert gguf_file.load(tmp_path / "tiny-q8_0.gguf")[1]["experts.gate_up"].format == quant.Q8_0
+
+    lm = lithos.load(tmp_path / "tiny.gguf", dtype="float32", max_len=64)
+    prompt = "jumps over the lazy dog"
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+
+    all_moe, all_moe_model = save_tiny_moe(
+        tmp_path / "hf", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", SHAPE | dict(mlp_only_layers=[])
+    )
+    write_moe_gguf(tmp_path / "all-moe.gguf", all_moe, "qwen2moe")
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="all-moe.gguf", config=all_moe_model.config, dtype=torch.float32
+    ).eval()
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, PROMPT))
+    with torch.no_grad():
+        expected = all_moe_model(torch.tensor(tokens)).logits.numpy()
+        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
+    ck = load_checkpoint(tmp_path / "all-moe.gguf", dtype="float32", use_cache=False)
+    cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, 32, ck.cfg.head_dim, jnp.float32)
+    logits, _ = qwen3_moe.forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)

@@ -143,3 +143,23 @@ def test_gguf_file_is_the_same_model_for_transformers_and_lithos(checkpoint, tmp
     cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, 32, ck.cfg.head_dim, jnp.float32)
     logits, _ = qwen3_moe.forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen1_5_moe_floor_counts_the_shared_and_four_routed_experts():
+    """The published Qwen1.5-MoE-A2.7B shape (configs/models): 14.3B parameters, 2.7B of them active a token; a step
+    reads the attention, the routers, the shared expert, four of sixty experts a layer and one embedding row."""
+    from functools import partial
+
+    from lithos import bench
+
+    cfg = bench.model_shape("qwen1.5-moe-a2.7b")
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_ffn) == (60, 4, 5632)
+    assert cfg.moe_layers == tuple(range(24)) and cfg.qkv_bias and not cfg.o_bias
+    params = jax.eval_shape(partial(qwen3_moe.init_params, cfg, dtype=jnp.bfloat16), jax.random.key(0))
+    D, F, S, V, L = 2048, 1408, 5632, 151936, 24
+    attention = 4 * D * D + 3 * D + 2 * D  # Q, K, V, O, the Q/K/V biases and the two norms
+    shared, router, expert = 3 * S * D + D, 60 * D, 3 * F * D
+    total = L * (attention + shared + router + 60 * expert) + 2 * V * D + D
+    assert round(total / 1e9, 1) == 14.3 and round((total - L * 56 * expert) / 1e9, 1) == 2.7
+    assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == total
+    assert bench.weight_bytes_read(params, cfg) == 2 * (L * (attention + shared + router + 4 * expert) + V * D + 2 * D)

@@ -6,7 +6,7 @@
 #   shapes it already passed, and the Qwen3-MoE / Mixtral fused steps (test_moe_fused.py: the kernels, not twins);
 # - steps: Qwen3-8B bf16 (reference, fused), Qwen3-30B-A3B as a Q4_K_M GGUF holds it (reference, fused: run 119
 #   timed 6.447 / 6.379 ms with its attention on jax.numpy), and Llama-3.1-8B bf16 fused, whose layer loop moved
-#   into `llama.fused_layers` (run 79: 4.880 ms).
+#   into `llama.fused_layers` (run 79: 4.880 ms); Qwen1.5-MoE-A2.7B bf16 (reference, fused; never timed).
 # Everything lands in $OUT/run120.tar.gz, rewritten after every step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,5 +35,6 @@ step() {  # step SHAPE FORMAT KERNELS
 log steps
 step qwen3-8b "" reference,fused
 STEP_TIMEOUT=240 step qwen3-30b-a3b q4_k_m reference,fused
+step qwen1.5-moe-a2.7b "" reference,fused  # bf16; its attention (Q/K/V biases) stays on jax.numpy
 step llama-3.1-8b "" fused
 log done

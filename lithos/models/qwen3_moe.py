@@ -1,10 +1,13 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B) and Mixtral (`MixtralForCausalLM`:
-Mixtral-8x7B, 8x22B), one family: grouped-query attention with a routed MLP in every MoE layer.
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B), Qwen2-MoE (`Qwen2MoeForCausalLM`:
+Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and Mixtral (`MixtralForCausalLM`: Mixtral-8x7B, 8x22B), one family:
+grouped-query attention with a routed MLP in every MoE layer.
 
-Attention: Qwen3's with per-head RMSNorm on Q and K, Mixtral's without (`qk_norm`); no biases. The routed MLP:
-a softmax over all experts, the top-k probabilities (renormalised to sum to one when `norm_topk_prob`, as
-Mixtral always does), experts with a SiLU-gated MLP. Layers listed in `mlp_only_layers`, and layers off the
-`decoder_sparse_step` grid, have a dense MLP of `intermediate_size` instead (Qwen3-MoE only).
+Attention: Qwen3's with per-head RMSNorm on Q and K, Mixtral's and Qwen2-MoE's without (`qk_norm`); Qwen2-MoE's
+with Q/K/V biases (`attention_bias`, `qkv_bias_only`). The routed MLP: a softmax over all experts, the top-k
+probabilities (renormalised to sum to one when `norm_topk_prob`, as Mixtral always does), experts with a SiLU-gated
+MLP; Qwen2-MoE adds a shared expert, a SiLU-gated MLP every token reads, scaled by sigmoid(x . gate). Layers listed
+in `mlp_only_layers`, and layers off the `decoder_sparse_step` grid, have a dense MLP of `intermediate_size` instead
+(the Qwen families only).
 
 Order of this file: config, parameters, forward. The MoE pieces are lithos.models.moe; attention,
 RoPE and the head are the llama family's.

@@ -262,6 +262,18 @@ TINY_ARCHS = {
     "qwen3_hd64": dict(
         cls="Qwen3ForCausalLM", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
     ),
+    "qwen2_hd64": dict(
+        cls="Qwen2ForCausalLM", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    ),
+    # Q/K/V and output-projection biases
+    "llama_bias_hd64": dict(
+        cls="LlamaForCausalLM",
+        attention_bias=True,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    ),
 }
 
 

@@ -23,7 +23,7 @@ from lithos.models import llama
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window", "qwen3_hd64"])
+@pytest.mark.parametrize("arch", ["llama_hd64", "mistral_hd64_window", "qwen3_hd64", "qwen2_hd64", "llama_bias_hd64"])
 def test_fused_generation_equals_reference(hf_checkpoint, arch):
     path = hf_checkpoint(arch, tied=False)
     dtype = "bfloat16" if ON_GPU else "float32"
@@ -54,8 +54,8 @@ def test_fused_per_head_norms_over_packed_attention(hf_checkpoint, qk_format, v_
 
 
 def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):
-    with pytest.raises(UnsupportedModelError, match="Q/K/V biases"):
-        lithos.load(hf_checkpoint("qwen2"), dtype="float32", kernels="fused")
+    with pytest.raises(UnsupportedModelError, match="megakernel kernels do not implement Q/K/V biases"):
+        lithos.load(hf_checkpoint("qwen2_hd64"), dtype="float32", kernels="megakernel")
     with pytest.raises(UnsupportedModelError, match="head_dim 16"):
         lithos.load(hf_checkpoint("llama3"), dtype="float32", kernels="fused")
 

@@ -1,7 +1,8 @@
-"""The mixture-of-experts families' fused path (Qwen3-MoE with its per-head Q/K norms and a dense layer; Mixtral with
-a sliding window): llama's fused attention calls, the expert kernel and the dense layers' fused MLP calls, against
-the reference path over the same bf16 weights. On a CPU the kernels' jax.numpy twins run, which checks the plumbing
-(layer and slot indices, the cache written in place, the experts each layer picked); on a GPU the kernels."""
+"""The mixture-of-experts families' fused path (Qwen3-MoE with its per-head Q/K norms and a dense layer; Qwen2-MoE with
+Q/K/V biases and shared experts; Mixtral with a sliding window): llama's fused attention calls, the expert kernel
+and the dense layers' fused MLP calls, against the reference path over the same bf16 weights. On a CPU the kernels'
+jax.numpy twins run, which checks the plumbing (layer and slot indices, the cache written in place, the experts each
+layer picked); on a GPU the kernels."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ FAMILIES = {
         dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=64)
         | dict(num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2)
         | dict(norm_topk_prob=True, mlp_only_layers=[1]),  # layer 1 dense
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+        | dict(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8)
+        | dict(num_experts_per_tok=2, mlp_only_layers=[1]),  # Q/K/V biases, shared experts
     ),
     "mixtral": (
         "MixtralConfig",

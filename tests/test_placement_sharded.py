@@ -283,14 +283,19 @@ else:
             sampling = dict(raw=True, max_new_tokens=10, temperature=0.9, top_k=40, seed=3)
             assert split.generate("hello", **sampling).token_ids == one.generate("hello", **sampling).token_ids
 
-    def test_fused_per_head_norms_decode_the_same_per_device(hf_checkpoint):
-        """Qwen3's per-head Q/K norms on the fused path split over 2 devices: the same greedy tokens."""
-        ckpt = load_checkpoint(hf_checkpoint("qwen3_hd64"), dtype="float32", use_cache=False)
+    @pytest.mark.parametrize("arch", ["qwen3_hd64", "qwen2_hd64", "llama_bias_hd64"])
+    def test_fused_norms_and_biases_decode_the_same_per_device(hf_checkpoint, arch):
+        """Qwen3's per-head Q/K norms, Qwen2's Q/K/V biases and an output-projection bias on the fused path split over
+        2 devices: the same greedy tokens."""
+        ckpt = load_checkpoint(hf_checkpoint(arch), dtype="float32", use_cache=False)
         one = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused")
-        expected = one.generate(FUSED_PROMPT, raw=True, max_new_tokens=12).token_ids
-        assert len(set(expected)) > 3, expected
         split = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused", placement=make_placement(ckpt.cfg, 2))
-        assert split.generate(FUSED_PROMPT, raw=True, max_new_tokens=12).token_ids == expected
+        greedy = dict(raw=True, max_new_tokens=12)
+        assert split.generate(FUSED_PROMPT, **greedy).token_ids == one.generate(FUSED_PROMPT, **greedy).token_ids
+        sampled = dict(raw=True, max_new_tokens=12, temperature=0.9, seed=3)  # varied tokens: a wrong split shows
+        expected = one.generate(FUSED_PROMPT, **sampled).token_ids
+        assert len(set(expected)) > 3, expected
+        assert split.generate(FUSED_PROMPT, **sampled).token_ids == expected
 
     def test_fused_step_with_split_kv_heads_matches_one_device():
         """8 heads over 4 KV heads at tp=4, reductions overlapped: each device holds a KV head of its

@@ -35,6 +35,6 @@ step() {  # step SHAPE FORMAT KERNELS
 log steps
 step qwen3-8b "" reference,fused
 STEP_TIMEOUT=240 step qwen3-30b-a3b q4_k_m reference,fused
-step qwen1.5-moe-a2.7b "" reference,fused  # bf16; its attention (Q/K/V biases) stays on jax.numpy
+step qwen1.5-moe-a2.7b "" reference,fused  # bf16; Q/K/V biases added between the projection calls and RoPE
 step llama-3.1-8b "" fused
 log done

@@ -257,18 +257,20 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
     )
 
 
-def _qkv_split(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, qk_norms):
-    """Q, K and V in different formats, or with per-head norms (stacked `[layers, ...]`): a projection call each
-    (f32 results from packed weights, bf16 from dense ones, as their ops give them), then the reference's norms,
-    rotation and cache write."""
+def _qkv_split(
+    h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms
+):
+    """Q, K and V in different formats, or with biases or per-head norms (stacked `[layers, ...]`): a projection call
+    each (f32 results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the
+    reference's norms, rotation and cache write."""
     layer = layer_index(layer)
 
-    def project_f32(w):
+    def project_f32(w, b):
         out_dtype = jnp.float32 if isinstance(w, QuantizedArray) else None
         y = packed_matvec(h, w, layer=layer, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype, path=path)
-        return y.astype(jnp.float32)
+        return y.astype(jnp.float32) + (0.0 if b is None else at_layer(b, layer).astype(jnp.float32))
 
-    q, k, v = (project_f32(w) for w in (wq, wk, wv))
+    q, k, v = (project_f32(w, b) for w, b in zip((wq, wk, wv), biases or (None,) * 3, strict=True))
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     caches = (k_cache, v_cache, None, None)
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, *caches, ring=ring, qk_norms=qk_norms, eps=eps)
@@ -321,22 +323,25 @@ def packed_qkv_rope_append(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     qk_norms: tuple[jax.Array, jax.Array] | None = None,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv bf16 or packed:
     returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). One kernel when all three are bf16 or packed in one
     format; three projections (then rotation and the cache write in XLA) when their formats differ, as a GGUF's
-    K-quant mix keeps V in more bits than Q and K, or when each head of Q and K has its RMSNorm (`qk_norms`: Qwen3's
-    q_norm and k_norm, `[layers, head_dim]` each), which the kernel does not apply. An FP8 cache (`k_scale`,
-    `v_scale`) goes with bf16 weights and no per-head norms only."""
+    K-quant mix keeps V in more bits than Q and K, or when the projections have biases (`biases`: Qwen2's bq, bk,
+    bv, `[layers, out]` each) or each head of Q and K its RMSNorm (`qk_norms`: Qwen3's q_norm and k_norm, `[layers,
+    head_dim]` each), which the kernel does not apply. An FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights
+    without biases or norms only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
-    if formats == {"dense"} and qk_norms is None:
+    split = qk_norms is not None or biases is not None
+    if formats == {"dense"} and not split:
         options = dict(layer=layer, eps=eps, ring=ring, path=path)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
     if k_scale is not None or v_scale is not None:
         raise LithosError(
-            "packed_qkv_rope_append: packed weights and per-head Q/K norms write a bf16 cache; use an unquantized KV "
-            "cache"
+            "packed_qkv_rope_append: packed weights, biases and per-head Q/K norms write a bf16 cache; use an "
+            "unquantized KV cache"
         )
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
     wq, wk, wv = (stacked_weight(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
@@ -355,11 +360,17 @@ def packed_qkv_rope_append(
         raise LithosError(f"packed_qkv_rope_append: wk {wk.shape} / wv {wv.shape} do not fit the cache {k_cache.shape}")
     if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
         raise LithosError(f"packed_qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
-    if len(formats) > 1 or qk_norms is not None:
-        if qk_norms is not None:
-            qk_norms = tuple(stacked(name, w, 1, layer) for name, w in zip(("q_norm", "k_norm"), qk_norms, strict=True))
-        split = (h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, qk_norms)
-        return _qkv_split(*split)
+    if len(formats) > 1 or split:
+
+        def each_stacked(names, arrays):
+            if arrays is None:
+                return None
+            return tuple(stacked(n, a, 1, layer) for n, a in zip(names, arrays, strict=True))
+
+        biases = each_stacked(("bq", "bk", "bv"), biases)
+        qk_norms = each_stacked(("q_norm", "k_norm"), qk_norms)
+        args = (h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path)
+        return _qkv_split(*args, biases=biases, qk_norms=qk_norms)
 
     def check():
         _check_packed("packed_qkv_rope_append", h, wq, wk, wv)

@@ -413,8 +413,8 @@ def kernel_gaps(cfg, kernels: str) -> list[str]:
     missing = [
         name
         for name, present in (
-            ("Q/K/V biases", cfg.qkv_bias),
-            ("output-projection bias", cfg.o_bias),
+            ("Q/K/V biases", cfg.qkv_bias and kernels == "megakernel"),
+            ("output-projection bias", cfg.o_bias and kernels == "megakernel"),
             ("MLP biases", getattr(cfg, "mlp_bias", False)),
             ("per-head Q/K norms", cfg.qk_norm and kernels == "megakernel"),
         )
@@ -681,7 +681,10 @@ def fused_layers(params, tokens, positions, cache: KVCache, cfg, mlp, aux=None, 
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     n_tokens = tokens.shape[1]
     ring = cache.ring is not None  # the kernels store position p in slot p % slots
-    qk_norms = (L.q_norm, L.k_norm) if cfg.qk_norm else None  # Qwen3's: Q/K/V then take three projection calls
+    # Q/K/V with biases (Qwen2's) or per-head norms (Qwen3's) take three projection calls; biases and norms in XLA
+    qkv_extras = dict(
+        biases=(L.bq, L.bk, L.bv) if cfg.qkv_bias else None, qk_norms=(L.q_norm, L.k_norm) if cfg.qk_norm else None
+    )
     project_residual = tp.project_residual if tp is not None else residual_matvec
 
     def layer(i, carry):
@@ -690,12 +693,14 @@ def fused_layers(params, tokens, positions, cache: KVCache, cfg, mlp, aux=None, 
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         q, k_cache, v_cache = packed_qkv_rope_append(
             *(h, L.attn_norm, L.wq, L.wk, L.wv, inv_freq, pos, k_cache, v_cache),
-            **dict(layer=i, eps=eps, ring=ring, qk_norms=qk_norms, **scales),
+            **dict(layer=i, eps=eps, ring=ring, **qkv_extras, **scales),
         )
         attn = decode_attention(
             q, k_cache, v_cache, pos, layer=i, sliding_window=cfg.sliding_window, ring=ring, **scales
         )
         h = project_residual(attn.reshape(n_tokens, cfg.q_size), L.wo, i, h)
+        if cfg.o_bias:  # after the devices' partial projections are summed: added once
+            h = h + jax.lax.dynamic_index_in_dim(L.bo, i, 0, keepdims=False).astype(h.dtype)
         h, aux = mlp(h, i, aux)
         return h, k_cache, v_cache, aux
 

@@ -37,15 +37,16 @@ def test_fused_generation_equals_reference(hf_checkpoint, arch):
     assert fused.generate("sample", **sampled).token_ids == ref.generate("sample", **sampled).token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen3_hd64", "qwen2_hd64"])
 @pytest.mark.parametrize("qk_format, v_format", [("q8_0", "q8_0"), ("q4_1", "q8_0")])
-def test_fused_per_head_norms_over_packed_attention(hf_checkpoint, qk_format, v_format):
-    """Qwen3's per-head Q/K norms on the fused path with Q/K/V packed, in one format or two (three projection
-    calls, then the norms, the rotation and the cache write): a step's logits equal the reference path's over
-    the same weights."""
+def test_fused_norms_and_biases_over_packed_attention(hf_checkpoint, arch, qk_format, v_format):
+    """Qwen3's per-head Q/K norms and Qwen2's Q/K/V biases on the fused path with Q/K/V packed, in one format or
+    two (three projection calls, then the biases, the norms, the rotation and the cache write): a step's logits
+    equal the reference path's over the same weights."""
     from lithos import quant
     from lithos.checkpoint import load_checkpoint
 
-    ck = load_checkpoint(hf_checkpoint("qwen3_hd64"), dtype="float32", use_cache=False)
+    ck = load_checkpoint(hf_checkpoint(arch), dtype="float32", use_cache=False)
     formats = {"layers.wq": qk_format, "layers.wk": qk_format, "layers.wv": v_format}
     params = quant.random_packed_params(ck.params, formats)
     ref = _step_logits(ck.cfg, params, "reference", 24, 3)

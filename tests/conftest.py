@@ -171,8 +171,9 @@ def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = N
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.experts_per_token)
+    if hasattr(cfg, "num_experts"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
     if expert_ffn is not None:
         w.add_expert_feed_forward_length(expert_ffn)
     if getattr(cfg, "shared_expert_ffn", 0):
@@ -258,6 +259,7 @@ TINY_ARCHS = {
         head_dim=64,
     ),
     "qwen2": dict(cls="Qwen2ForCausalLM"),
+    "phi3": dict(cls="Phi3ForCausalLM", sliding_window=12, pad_token_id=None),  # fused Q/K/V and gate/up
     "qwen3": dict(cls="Qwen3ForCausalLM"),
     "qwen3_hd64": dict(
         cls="Qwen3ForCausalLM", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64

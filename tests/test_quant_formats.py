@@ -441,3 +441,24 @@ def test_expert_rows_join_and_stack_in_every_record_format():
     stacked = quant.layouts.stack([q4_k, q6_k])
     assert stacked.format == quant.K_MIX and stacked.shape == (2, 3, 4, 512)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(stacked)), np.stack([q4_values, q6_values]))
+
+
+@pytest.mark.parametrize("fmt_name", ["q4_k", "mxfp4", "fp8_block128"])
+def test_split_rows_cuts_packed_matrices_plane_by_plane(fmt_name):
+    """A fused projection `[..., out, in]` (Phi-3's Q/K/V, its gate and up) cut into its parts by rows: packed plane
+    by plane, the record formats' scales and the 128-row blocks' scales with their rows, every value the whole
+    matrix's; a cut inside a block of rows falls back to exact f32 values."""
+    w = quant.random_packed(fmt_name, (2, 512, 256), RNG, spread=0.05)
+    values = np.asarray(quant.dequantize(w, jnp.float32))
+    sizes = (256, 128, 128)
+    parts = quant.layouts.split_rows(w, sizes)
+    starts = np.cumsum((0, *sizes))
+    for part, start, size in zip(parts, starts[:-1], sizes, strict=True):
+        assert isinstance(part, quant.QuantizedArray) and part.format == w.format and part.shape == (2, size, 256)
+        assert_bits_equal(np.asarray(quant.dequantize(part, jnp.float32)), values[:, start : start + size])
+    uneven = quant.layouts.split_rows(w, (192, 320))
+    packed_ok = w.format.block[0] == 1
+    assert isinstance(uneven[0], quant.QuantizedArray) == packed_ok
+    assert_bits_equal(np.asarray(quant.dequantize(uneven[1], jnp.float32)) if packed_ok else uneven[1], values[:, 192:])
+    with pytest.raises(LithosError, match="cannot be cut"):
+        quant.layouts.split_rows(w, (256, 128))

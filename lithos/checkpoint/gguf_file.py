@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): metadata, tokenizer and weights (architectures llama, mistral, qwen2, qwen3,
-qwen3moe, qwen2moe and gpt-oss; a llama file whose layers hold experts is Mixtral), packed where lithos.quant has a
-layout for their type, otherwise dequantized with `gguf`.
+phi3, qwen3moe, qwen2moe and gpt-oss; a llama file whose layers hold experts is Mixtral), packed where lithos.quant
+has a layout for their type, otherwise dequantized with `gguf`.
 
 Weights arrive in `[out, in]` order (experts `[experts, out, in]`). llama.cpp permutes the rows of Q and K for the
 `llama` architecture (to interleave rotary pairs); that is undone here so the model sees the
@@ -18,7 +18,16 @@ import numpy as np
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
-from lithos.quant.layouts import GGUF_FORMATS, NoPackedForm, from_gguf, interleave_rows, join_rows, map_planes, stack
+from lithos.quant.layouts import (
+    GGUF_FORMATS,
+    NoPackedForm,
+    from_gguf,
+    interleave_rows,
+    join_rows,
+    map_planes,
+    split_rows,
+    stack,
+)
 
 LAYER_NAMES = {
     "attn_norm.weight": "layers.attn_norm",
@@ -65,6 +74,12 @@ GPT_OSS_LAYER_NAMES = {
 # How a family's gate_up matrix holds an expert's gate and up rows: Qwen3-MoE's (and Mixtral's) gate rows then up
 # rows, GPT-OSS's alternating (its clamped SwiGLU reads them interleaved).
 GATE_UP_ROWS = {"qwen3_moe": join_rows, "gpt_oss": interleave_rows}
+# Phi-3's fused projections (llama.cpp's `phi3`): Q/K/V in one matrix, gate and up in ffn_up (gate rows first), cut
+# apart by rows as the safetensors loader cuts qkv_proj and gate_up_proj.
+PHI3_FUSED = {
+    "attn_qkv.weight": (("layers.wq", "layers.wk", "layers.wv"), lambda cfg: (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+    "ffn_up.weight": (("layers.w_gate", "layers.w_up"), lambda cfg: (cfg.intermediate_size,) * 2),
+}
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -190,6 +205,12 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
             flat[GLOBAL_NAMES[t.name]] = w
             continue
         m = _LAYER_RE.fullmatch(t.name)
+        if m and gguf_arch == "phi3" and m.group(2) in PHI3_FUSED and int(m.group(1)) < cfg.num_layers:
+            parts, sizes = PHI3_FUSED[m.group(2)]
+            for part, piece in zip(parts, split_rows(w, sizes(cfg)), strict=True):
+                per_layer.setdefault(part, {})[int(m.group(1))] = piece
+                layer_kinds.setdefault(part, set()).add(kind)
+            continue
         if not m or m.group(2) not in layer_names or int(m.group(1)) >= cfg.num_layers:
             if t.name == "rope_freqs.weight":
                 continue  # llama3 scaling stored as factors; derived from the config instead

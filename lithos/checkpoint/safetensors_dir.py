@@ -14,7 +14,7 @@ from lithos.errors import CheckpointError
 from lithos.models import family_for_architecture
 from lithos.quant import dequantize as dequantize_packed
 from lithos.quant import from_fp8_block_scaled, from_gpt_oss_mxfp4
-from lithos.quant.layouts import stack
+from lithos.quant.layouts import split_rows, stack
 
 # HF tensor name inside `model.layers.{i}.` -> lithos flat parameter name.
 LAYER_NAMES = {
@@ -37,6 +37,20 @@ LAYER_NAMES = {
     "mlp.up_proj.bias": "layers.b_up",
     "mlp.down_proj.bias": "layers.b_down",
 }
+# Fused projections (Phi-3's) -> the parts LAYER_NAMES names, cut by rows (FUSED_PARTS gives each part's rows).
+FUSED_LAYER_NAMES = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fused_parts(cfg, fused: str) -> tuple[int, ...]:
+    """The rows of each part of a fused projection (FUSED_LAYER_NAMES) for `cfg`'s sizes."""
+    if fused.startswith("self_attn."):
+        return cfg.q_size, cfg.kv_size, cfg.kv_size
+    return cfg.intermediate_size, cfg.intermediate_size
+
+
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed",
     "model.norm.weight": "final_norm",
@@ -170,6 +184,20 @@ def _read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _split_fused(tensors: dict[str, Any], cfg) -> dict[str, Any]:
+    """`tensors` with each fused projection (FUSED_LAYER_NAMES) replaced by its parts."""
+    out = {}
+    for name, value in tensors.items():
+        m = _LAYER_RE.fullmatch(name)
+        fused = m.group(2) if m else None
+        if fused not in FUSED_LAYER_NAMES:
+            out[name] = value
+            continue
+        parts = split_rows(value, fused_parts(cfg, fused))
+        out |= {f"model.layers.{m.group(1)}.{part}": w for part, w in zip(FUSED_LAYER_NAMES[fused], parts, strict=True)}
+    return out
+
+
 def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any]]:
     """Read config and weights; returns (Config, flat params `{"layers.wq": [L, out, in], ...}`).
 
@@ -189,7 +217,7 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any]]:
 
     per_layer: dict[str, list] = {}
     flat: dict[str, np.ndarray] = {}
-    for name, value in tensors.items():
+    for name, value in _split_fused(tensors, cfg).items():
         if name in GLOBAL_NAMES:
             flat[GLOBAL_NAMES[name]] = value
             continue

@@ -35,6 +35,7 @@ ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Phi-3 and Phi-4: fused Q/K/V and gate/up projections, cut apart at load
 )
 
 
@@ -144,6 +145,11 @@ def config_from_hf(d: dict[str, Any]) -> Config:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+    if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {d['partial_rotary_factor']} (rotary positions on part of each head, as "
+            "Phi-4-mini's) is not supported: lithos rotates whole heads"
+        )
     theta, scaling = _rope_scaling_from_hf(d)
     heads = int(d["num_attention_heads"])
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
@@ -183,7 +189,10 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# The GGUF architectures whose `attention.sliding_window` is the model's (Qwen files carry one they do not use).
+GGUF_WINDOWED = ("mistral", "phi3")
 
 
 def gguf_fields(meta: dict[str, Any], tensor_names: set[str], supported: dict[str, str]) -> dict[str, Any]:
@@ -234,6 +243,11 @@ def gguf_linear_rope(meta: dict[str, Any]) -> RopeScaling | None:
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
     """Build a Config from GGUF metadata (keys as llama.cpp writes them)."""
+    if "rope_factors_long.weight" in tensor_names:
+        raise UnsupportedModelError(
+            "this GGUF's RoPE is LongRoPE (rope_factors_long/short: Phi-3's 128K-context variants), which is not "
+            "supported: use a model without it (Phi-3-mini-4k, Phi-4)"
+        )
     fields = gguf_fields(meta, tensor_names, GGUF_ARCHITECTURES)
     window = meta.get(f"{meta['general.architecture']}.attention.sliding_window")
     return Config(
@@ -242,7 +256,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=int(window) if window and meta["general.architecture"] == "mistral" else None,
+        sliding_window=int(window) if window and meta["general.architecture"] in GGUF_WINDOWED else None,
     )
 
 

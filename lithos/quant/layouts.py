@@ -393,6 +393,28 @@ def join_rows(a, b):
     return np.concatenate(dense, -2)
 
 
+def split_rows(w, sizes: tuple[int, ...]) -> list:
+    """`w` (`[..., out, in]`) cut into consecutive row ranges of `sizes` (a fused Q/K/V or gate/up matrix into its
+    parts): the inverse of `join_rows`. Packed plane by plane where every cut falls on a block of rows; otherwise
+    exact f32 values."""
+    out = w.shape[-2]
+    if sum(sizes) != out:
+        raise CheckpointError(f"rows {out} cannot be cut into {list(sizes)}: the checkpoint and its config differ")
+    cuts = np.cumsum((0, *sizes))
+    if isinstance(w, QuantizedArray):
+        if all(c % w.format.block[0] == 0 for c in cuts) and w.format.tile is None:
+            rows = len(w.shape) - 2
+            planes = {n: np.asarray(p) for n, p in w.planes().items()}
+
+            def part(start, stop):  # a plane holds a row, or a block of rows, at each index of the rows axis
+                return {n: np.take(p, range(start * p.shape[rows] // out, stop * p.shape[rows] // out), rows)
+                        for n, p in planes.items()}
+
+            return [from_planes(w.format, part(a, b), w.dtype) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        w = np.asarray(dequantize(w, np.float32))
+    return [w[..., a:b, :] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
 def interleave_rows(a, b):
     """Rows of `a` and `b` (`[..., out, in]`) alternating, a's first: GPT-OSS's gate_up matrix from its gate and up
     projections. Packed plane by plane when both share a format whose blocks are one row; otherwise exact f32."""

@@ -97,3 +97,27 @@ def test_a_probe_record_names_its_date_device_command_and_environment(tmp_path, 
     assert record["command"] == "python3 benchmarks/probes/probe.py --shape tiny"
     assert record["device"] == jax.devices()[0].device_kind and record["environment"]["jax"] == jax.__version__
     assert (record["protocol"], record["rows"], record["fit"]) == ("a loop", [1], 2)
+
+
+@pytest.mark.parametrize(
+    "shape, published, digits",
+    [
+        ("smollm2-135m", 0.135, 3),
+        ("llama-3.2-1b", 1.24, 2),
+        ("llama-3.1-8b", 8.03, 2),
+        ("qwen3-8b", 8.2, 1),
+        ("qwen2.5-7b", 7.6, 1),
+        ("phi-4", 14.7, 1),
+    ],
+)
+def test_dense_shapes_hold_their_published_parameter_counts(shape, published, digits):
+    """configs/models/: each dense bench shape has the parameters its model card states (billions, as rounded
+    there), so a floor computed from it is the model's."""
+    from functools import partial
+
+    from lithos.models import family_for_architecture
+
+    cfg = bench.model_shape(shape)
+    init = partial(family_for_architecture(cfg.architecture).init_params, cfg, dtype=jnp.bfloat16)
+    count = sum(x.size for x in jax.tree_util.tree_leaves(jax.eval_shape(init, jax.random.key(0))))
+    assert round(count / 1e9, digits) == published

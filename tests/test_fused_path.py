@@ -74,7 +74,7 @@ def _step_logits(cfg, params, kernels, context, new_tokens):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the FFI kernels need a CUDA or ROCm GPU")
-@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "qwen2.5-7b"])
 @pytest.mark.parametrize("new_tokens", [1, 8])
 def test_fused_logits_within_bf16_tolerance_on_model_shapes(shape, new_tokens):
     cfg = model_shape(shape)

@@ -8,6 +8,7 @@ The kernels themselves run against these twins in tests/test_kv_fp8_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from functools import partial
@@ -216,14 +217,21 @@ def test_fp8_cache_against_the_float_cache(tiny_params):
     assert 0 < diff < 0.1 * np.abs(np.asarray(float_logits)).max()
 
 
-def test_fused_path_twins_with_fp8_cache(tiny_params):
+# Qwen3's per-head Q/K norms and Qwen2's biases: the fused path's split Q/K/V form, writing the FP8 codes in XLA.
+TINY_NORMS_AND_BIASES = dataclasses.replace(TINY, qk_norm=True, qkv_bias=True, o_bias=True)
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_NORMS_AND_BIASES], ids=["one-kernel-qkv", "norms-and-biases"])
+def test_fused_path_twins_with_fp8_cache(cfg):
     """kernels="fused" (on CPU: the kernels' reference twins) decodes from an FP8 cache like the reference
     path: same logits within f32 summation order, same codes but for rare rounding ties."""
-    prompt = jnp.asarray(RNG.integers(0, TINY.vocab_size, (1, 20)), jnp.int32)
-    _, cache = tiny_forward(tiny_params, prompt, 0, init_cache(2, 1, 2, 40, 64, FP8))
+    params = llama.init_params(cfg, jax.random.key(3), jnp.float32)
+    forward = {k: jitted_forward(cfg, k) for k in ("reference", "fused")}
+    prompt = jnp.asarray(RNG.integers(0, cfg.vocab_size, (1, 20)), jnp.int32)
+    _, cache = forward["reference"](params, prompt, jnp.arange(20)[None], init_cache(2, 1, 2, 40, 64, FP8))
     tokens = jnp.asarray([[3, 1, 4]], jnp.int32)
-    reference, ref_cache = tiny_forward(tiny_params, tokens, 20, cache)
-    fused, fused_cache = tiny_forward(tiny_params, tokens, 20, cache, kernels="fused")
+    reference, ref_cache = forward["reference"](params, tokens, jnp.arange(20, 23)[None], cache)
+    fused, fused_cache = forward["fused"](params, tokens, jnp.arange(20, 23)[None], cache)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(reference), atol=1e-4)
     same = np.asarray(fused_cache.k[:, :, :, 20:23]) == np.asarray(ref_cache.k[:, :, :, 20:23])
     assert same.mean() > 0.99

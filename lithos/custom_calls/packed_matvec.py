@@ -25,7 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lithos.custom_calls.dispatch import absent, at_layer, call_kernel, check_tokens, dispatch, layer_index, stacked
+from lithos.custom_calls.dispatch import (
+    absent,
+    at_layer,
+    call_kernel,
+    check_cache_scales,
+    check_tokens,
+    dispatch,
+    layer_index,
+    stacked,
+)
 from lithos.custom_calls.lm_head import lm_head_argmax
 from lithos.custom_calls.matvec import gate_up_silu, matvec
 from lithos.custom_calls.numerics import f32, project, rms_normalize
@@ -258,11 +267,13 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
 
 
 def _qkv_split(
-    h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms
+    h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms,
+    scales
 ):
     """Q, K and V in different formats, or with biases or per-head norms (stacked `[layers, ...]`): a projection call
     each (f32 results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the
-    reference's norms, rotation and cache write."""
+    reference's norms, rotation and cache write (an FP8 cache's codes with its `scales`, (None, None) for a float
+    cache)."""
     layer = layer_index(layer)
 
     def project_f32(w, b):
@@ -272,7 +283,7 @@ def _qkv_split(
 
     q, k, v = (project_f32(w, b) for w, b in zip((wq, wk, wv), biases or (None,) * 3, strict=True))
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    caches = (k_cache, v_cache, None, None)
+    caches = (k_cache, v_cache, *scales)
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, *caches, ring=ring, qk_norms=qk_norms, eps=eps)
 
 
@@ -331,18 +342,15 @@ def packed_qkv_rope_append(
     K-quant mix keeps V in more bits than Q and K, or when the projections have biases (`biases`: Qwen2's bq, bk,
     bv, `[layers, out]` each) or each head of Q and K its RMSNorm (`qk_norms`: Qwen3's q_norm and k_norm, `[layers,
     head_dim]` each), which the kernel does not apply. An FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights
-    without biases or norms only."""
+    only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
     split = qk_norms is not None or biases is not None
     if formats == {"dense"} and not split:
         options = dict(layer=layer, eps=eps, ring=ring, path=path)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
-    if k_scale is not None or v_scale is not None:
-        raise LithosError(
-            "packed_qkv_rope_append: packed weights, biases and per-head Q/K norms write a bf16 cache; use an "
-            "unquantized KV cache"
-        )
+    if formats != {"dense"} and (k_scale is not None or v_scale is not None):
+        raise LithosError("packed_qkv_rope_append: packed weights write a bf16 cache; use an unquantized KV cache")
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
     wq, wk, wv = (stacked_weight(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
     k_cache = stacked("k_cache", k_cache, 4, layer)
@@ -369,8 +377,9 @@ def packed_qkv_rope_append(
 
         biases = each_stacked(("bq", "bk", "bv"), biases)
         qk_norms = each_stacked(("q_norm", "k_norm"), qk_norms)
+        scales = check_cache_scales("packed_qkv_rope_append", k_cache, k_scale, v_scale, layer)
         args = (h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path)
-        return _qkv_split(*args, biases=biases, qk_norms=qk_norms)
+        return _qkv_split(*args, biases=biases, qk_norms=qk_norms, scales=scales)
 
     def check():
         _check_packed("packed_qkv_rope_append", h, wq, wk, wv)

@@ -241,7 +241,8 @@ def test_shapes_count_only_routed_expert_bytes():
 
 def test_bench_runs_the_shape_on_cpu(tmp_path, monkeypatch):
     """`lithos bench --shape` with the gpt-oss-20b config file shrunk to a few layers and experts
-    (the full shape is 14 GB and runs on the GPU machine): random MXFP4 experts, both kernel paths."""
+    (the full shape is 14 GB and runs on the GPU machine): random MXFP4 experts, attention as random Q8_0 codes
+    (`--weight-format q8_0`: the format a GGUF of it holds them in), both kernel paths."""
     configs = Path(bench.configs_dir())
     shape = json.loads((configs / "models" / "gpt-oss-20b.json").read_text())
     shape |= dict(num_hidden_layers=2, layer_types=shape["layer_types"][:2], num_local_experts=8, vocab_size=512)
@@ -252,12 +253,12 @@ def test_bench_runs_the_shape_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("LITHOS_CONFIGS", str(tmp_path / "configs"))
     argv = ["bench", "--shape", "gpt-oss-small", "--kernels", "reference,fused", "--context", "16",
             "--steps", "16", "--loops", "2", "--runs", "4", "--bandwidth-bytes", str(1 << 22),
-            "--out", str(tmp_path / "out")]  # fmt: skip
+            "--weight-format", "q8_0", "--out", str(tmp_path / "out")]  # fmt: skip
     result = bench.run(cli.build_parser().parse_args(argv), argv[1:])
     rows = result["rows"]
     assert [r["kernels"] for r in rows] == ["reference", "fused"]
-    for r in rows:
-        assert r["weight_formats"]["mxfp4"] > 0 and r["step_ms"] > 0
+    for r in rows:  # attention in Q8_0 (a GGUF's), the experts in the MXFP4 they ship in
+        assert r["weight_formats"]["mxfp4"] > 0 and r["weight_formats"]["q8_0"] > 0 and r["step_ms"] > 0
         total = sum(r["weight_formats"].values())
         assert r["weight_bytes"] < total  # unrouted experts and all but one embedding row are not counted
 

@@ -80,7 +80,7 @@ def random_packed_params(params: Any, formats: dict[str, str], seed: int = 0) ->
     rng = np.random.default_rng(seed)
     for name, fmt_name in formats.items():
         w = param_at(params, name)
-        if w is not None:
+        if w is not None and not isinstance(w, QuantizedArray):  # one already packed stays as the model holds it
             params = with_param(params, name, random_packed_like(w, fmt_name, rng))
     return params
 
@@ -93,7 +93,9 @@ def random_packed_init(init: Callable[[jax.Array], Any], key: jax.Array, formats
     from lithos.quant.quantize import param_at, with_param
 
     shapes = jax.eval_shape(init, key)
+    # A weight the model already holds packed (GPT-OSS's MXFP4 experts) stays as it is, as in random_packed_params.
     names = [name for name in formats if param_at(shapes, name) is not None]
+    names = [name for name in names if not isinstance(param_at(shapes, name), QuantizedArray)]
     spreads = {name: float(jax.jit(lambda k, n=name: spread_of(param_at(init(k), n)))(key)) for name in names}
     params = jax.jit(lambda k: functools.reduce(lambda p, n: with_param(p, n, None), names, init(k)))(key)
     rng = np.random.default_rng(seed)

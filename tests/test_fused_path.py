@@ -35,6 +35,10 @@ def test_fused_generation_equals_reference(hf_checkpoint, arch):
         ).token_ids
     sampled = dict(raw=True, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5)
     assert fused.generate("sample", **sampled).token_ids == ref.generate("sample", **sampled).token_ids
+    # n-gram speculative decoding: its verification rounds run the fused layers over several tokens
+    greedy = dict(raw=True, max_new_tokens=24)
+    plain = fused.generate("the quick brown fox jumps", **greedy).token_ids
+    assert fused.generate("the quick brown fox jumps", spec="ngram", **greedy).token_ids == plain
 
 
 @pytest.mark.parametrize("arch", ["qwen3_hd64", "qwen2_hd64"])

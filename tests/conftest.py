@@ -156,6 +156,43 @@ def assert_steps_match_transformers(model, cfg, params, prompt: int, steps: int,
         np.testing.assert_allclose(np.asarray(logits)[:, 0], expected[:, t], atol=1e-4, rtol=1e-4)
 
 
+def assert_greedy_matches_transformers(source: Path, model, prompt: str = "jumps over the lazy dog", steps: int = 12):
+    """lithos.load of `source` (a checkpoint directory or a GGUF of the same model) decodes `prompt` greedily as the
+    transformers `model` does; returns the loaded model."""
+    torch = require("torch")
+    import lithos
+
+    lm = lithos.load(source, dtype="float32", max_len=64)
+    ids = lm.prompt_ids(prompt, raw=True)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False)[0, len(ids) :].tolist()
+    assert lm.generate(prompt, raw=True, max_new_tokens=steps).token_ids == hf
+    return lm
+
+
+def assert_transformers_reads_gguf_as(gguf_path: Path, model, prompt: int = 10) -> None:
+    """transformers' own GGUF reader (given the config: its key maps lack some sizes) takes the file as the
+    checkpoint `model` came from, bit for bit; and lithos's load of it gives the same logits."""
+    torch = require("torch")
+    transformers = require("transformers")
+    from lithos.checkpoint import load_checkpoint
+    from lithos.kv_cache import init_cache
+    from lithos.models import family_of
+
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, config=model.config, dtype=torch.float32
+    ).eval()
+    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, prompt))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
+    ck = load_checkpoint(gguf_path, dtype="float32", use_cache=False)
+    cfg = ck.cfg
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim, jnp.float32)
+    logits, _ = family_of(cfg).forward(ck.params, jnp.asarray(tokens), jnp.arange(prompt)[None], cache, cfg)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+
+
 def gguf_writer(path: Path, arch: str, cfg, ffn: int, expert_ffn: int | None = None):
     """A gguf.GGUFWriter for `arch` holding the metadata llama.cpp writes for `cfg`'s sizes (experts too) and the
     byte tokenizer (no merges: every text stays bytes); the caller adds the tensors, then `close_gguf`."""

@@ -22,7 +22,13 @@ from lithos.errors import LithosError
 from lithos.kv_cache import init_cache
 from lithos.models import gpt_oss
 
-from .conftest import byte_tokenizer, close_gguf, gguf_writer, require
+from .conftest import (
+    assert_greedy_matches_transformers,
+    byte_tokenizer,
+    close_gguf,
+    gguf_writer,
+    require,
+)
 
 SHAPE = dict(
     hidden_size=64,
@@ -159,16 +165,11 @@ def test_prefill_and_decode_match_transformers(checkpoint):
 
 
 def test_greedy_generation_matches_transformers(checkpoint):
-    torch = require("torch")
-    path, model = checkpoint
-    lm = lithos.load(path, dtype="float32", max_len=64)
     prompt = "the quick brown fox"
-    ids = lm.prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    lm = assert_greedy_matches_transformers(*checkpoint, prompt)
     # Speculative decoding (n-gram drafts verified several tokens at a time) gives the same tokens.
-    assert lm.generate(prompt, raw=True, max_new_tokens=12, spec="ngram").token_ids == hf
+    plain = lm.generate(prompt, raw=True, max_new_tokens=12).token_ids
+    assert lm.generate(prompt, raw=True, max_new_tokens=12, spec="ngram").token_ids == plain
 
 
 def poison_unrouted(experts, routed: np.ndarray):

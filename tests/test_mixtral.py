@@ -16,7 +16,14 @@ from lithos import quant
 from lithos.checkpoint import load_checkpoint
 from lithos.models import family_of
 
-from .conftest import assert_steps_match_transformers, close_gguf, gguf_writer, require, save_tiny_moe
+from .conftest import (
+    assert_greedy_matches_transformers,
+    assert_steps_match_transformers,
+    close_gguf,
+    gguf_writer,
+    require,
+    save_tiny_moe,
+)
 
 SHAPE = dict(
     hidden_size=64,
@@ -48,14 +55,7 @@ def test_prefill_and_decode_match_transformers(checkpoint):
 
 
 def test_greedy_generation_matches_transformers(checkpoint):
-    torch = require("torch")
-    path, model = checkpoint
-    lm = lithos.load(path, dtype="float32", max_len=64)
-    prompt = "jumps over the lazy dog"
-    ids = lm.prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    assert_greedy_matches_transformers(*checkpoint)
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -9,18 +9,22 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lithos
 from lithos import quant
 from lithos.checkpoint import gguf_file, load_checkpoint
 from lithos.errors import UnsupportedModelError
-from lithos.kv_cache import init_cache
 from lithos.models import llama
 
-from .conftest import close_gguf, gguf_writer, make_hf_checkpoint, require
+from .conftest import (
+    assert_greedy_matches_transformers,
+    assert_transformers_reads_gguf_as,
+    close_gguf,
+    gguf_writer,
+    make_hf_checkpoint,
+    require,
+)
 
 PROMPT = 10
 
@@ -83,23 +87,8 @@ def test_transformers_reads_the_gguf_as_the_same_model_and_lithos_decodes_it_ali
     transformers = require("transformers")
     write_phi3_gguf(tmp_path / "tiny.gguf", checkpoint)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    read = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="tiny.gguf", config=model.config, dtype=torch.float32
-    ).eval()
-    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, PROMPT))
-    with torch.no_grad():
-        expected = model(torch.tensor(tokens)).logits.numpy()
-        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
-    ck = load_checkpoint(tmp_path / "tiny.gguf", dtype="float32", use_cache=False)
-    cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, 32, ck.cfg.head_dim, jnp.float32)
-    logits, _ = llama.forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
-    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
-
-    lm = lithos.load(tmp_path / "tiny.gguf", dtype="float32", max_len=64)
-    ids = lm.prompt_ids("jumps over the lazy dog", raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate("jumps over the lazy dog", raw=True, max_new_tokens=16).token_ids == hf
+    assert_transformers_reads_gguf_as(tmp_path / "tiny.gguf", model, PROMPT)
+    assert_greedy_matches_transformers(tmp_path / "tiny.gguf", model, steps=16)
 
 
 def test_unsupported_rope_forms_are_refused():

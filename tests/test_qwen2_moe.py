@@ -12,14 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lithos
 from lithos import quant
 from lithos.checkpoint import load_checkpoint
 from lithos.errors import UnsupportedModelError
 from lithos.kv_cache import init_cache
 from lithos.models import family_of, llama, qwen3_moe
 
-from .conftest import assert_steps_match_transformers, require, save_tiny_moe, write_moe_gguf
+from .conftest import (
+    assert_greedy_matches_transformers,
+    assert_steps_match_transformers,
+    assert_transformers_reads_gguf_as,
+    save_tiny_moe,
+    write_moe_gguf,
+)
 
 SHAPE = dict(
     hidden_size=64,
@@ -54,14 +59,7 @@ def test_prefill_and_decode_match_transformers(checkpoint):
 
 
 def test_greedy_generation_matches_transformers(checkpoint):
-    torch = require("torch")
-    path, model = checkpoint
-    lm = lithos.load(path, dtype="float32", max_len=64)
-    prompt = "jumps over the lazy dog"
-    ids = lm.prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    assert_greedy_matches_transformers(*checkpoint)
 
 
 def test_fused_step_equals_reference(checkpoint):
@@ -104,8 +102,6 @@ def test_gguf_file_is_the_same_model_for_transformers_and_lithos(checkpoint, tmp
     dense layer): lithos loads the config and every tensor the safetensors load has (the experts in Q8_0 kept
     packed); transformers' own GGUF reader takes the all-MoE file as the checkpoint it came from, and lithos's load of
     it gives transformers' logits; lithos.load of it decodes greedily what transformers decodes."""
-    torch = require("torch")
-    transformers = require("transformers")
     from lithos.checkpoint import gguf_file
 
     path, model = checkpoint
@@ -122,28 +118,13 @@ def test_gguf_file_is_the_same_model_for_transformers_and_lithos(checkpoint, tmp
     write_moe_gguf(tmp_path / "tiny-q8_0.gguf", path, "qwen2moe", "Q8_0")
     assert gguf_file.load(tmp_path / "tiny-q8_0.gguf")[1]["experts.gate_up"].format == quant.Q8_0
 
-    lm = lithos.load(tmp_path / "tiny.gguf", dtype="float32", max_len=64)
-    prompt = "jumps over the lazy dog"
-    ids = lm.prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    assert_greedy_matches_transformers(tmp_path / "tiny.gguf", model)
 
     all_moe, all_moe_model = save_tiny_moe(
         tmp_path / "hf", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", SHAPE | dict(mlp_only_layers=[])
     )
     write_moe_gguf(tmp_path / "all-moe.gguf", all_moe, "qwen2moe")
-    read = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="all-moe.gguf", config=all_moe_model.config, dtype=torch.float32
-    ).eval()
-    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, PROMPT))
-    with torch.no_grad():
-        expected = all_moe_model(torch.tensor(tokens)).logits.numpy()
-        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
-    ck = load_checkpoint(tmp_path / "all-moe.gguf", dtype="float32", use_cache=False)
-    cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, 32, ck.cfg.head_dim, jnp.float32)
-    logits, _ = qwen3_moe.forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
-    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+    assert_transformers_reads_gguf_as(tmp_path / "all-moe.gguf", all_moe_model, PROMPT)
 
 
 def test_qwen1_5_moe_floor_counts_the_shared_and_four_routed_experts():

@@ -19,7 +19,13 @@ from lithos.checkpoint import load_checkpoint
 from lithos.kv_cache import init_cache
 from lithos.models import qwen3_moe
 
-from .conftest import require, save_tiny_moe, write_moe_gguf
+from .conftest import (
+    assert_greedy_matches_transformers,
+    assert_transformers_reads_gguf_as,
+    require,
+    save_tiny_moe,
+    write_moe_gguf,
+)
 
 SHAPE = dict(
     hidden_size=64,
@@ -83,14 +89,7 @@ def test_prefill_and_decode_match_transformers(checkpoint):
 
 
 def test_greedy_generation_matches_transformers(checkpoint):
-    torch = require("torch")
-    path, model = checkpoint
-    lm = lithos.load(path, dtype="float32", max_len=64)
-    prompt = "jumps over the lazy dog"
-    ids = lm.prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    assert_greedy_matches_transformers(*checkpoint)
 
 
 @pytest.mark.parametrize("kernels,dtype", [("reference", jnp.float32), ("fused", jnp.bfloat16)])
@@ -194,34 +193,17 @@ def test_transformers_reads_the_gguf_as_the_same_model(tmp_path):
     takes the file the test writes as the checkpoint it came from, and lithos's load of it gives transformers'
     logits: the file's layout is llama.cpp's as transformers reads it. All layers MoE (neither reader has dense
     layers in a qwen3moe file beside lithos)."""
-    torch = require("torch")
-    transformers = require("transformers")
     path, model = _save_tiny_model(tmp_path / "hf", SHAPE | dict(mlp_only_layers=[]))
     write_moe_gguf(tmp_path / "tiny.gguf", path, "qwen3moe")
-    read = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="tiny.gguf", config=model.config, dtype=torch.float32
-    ).eval()
-    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, PROMPT))
-    with torch.no_grad():
-        expected = model(torch.tensor(tokens)).logits.numpy()
-        np.testing.assert_array_equal(read(torch.tensor(tokens)).logits.numpy(), expected)
-    ck = load_checkpoint(tmp_path / "tiny.gguf", dtype="float32", use_cache=False)
-    cache = init_cache(ck.cfg.num_layers, 1, ck.cfg.num_kv_heads, CACHE, ck.cfg.head_dim, jnp.float32)
-    logits, _ = forward(ck.params, jnp.asarray(tokens), jnp.arange(PROMPT)[None], cache, ck.cfg)
-    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+    assert_transformers_reads_gguf_as(tmp_path / "tiny.gguf", model, PROMPT)
 
 
 def test_gguf_file_generates_what_transformers_generates(checkpoint, tmp_path):
     """lithos.load of the `qwen3moe` GGUF (its tokenizer from the metadata) decodes greedily what transformers
     decodes from the checkpoint."""
-    torch = require("torch")
     path, model = checkpoint
     gguf_path = tmp_path / "tiny-qwen3moe.gguf"
     write_moe_gguf(gguf_path, path, "qwen3moe")
-    lm = lithos.load(gguf_path, dtype="float32", max_len=64)
-    prompt = "jumps over the lazy dog"
-    ids = lm.prompt_ids(prompt, raw=True)
-    assert ids == lithos.load(path, dtype="float32", max_len=64).prompt_ids(prompt, raw=True)
-    with torch.no_grad():
-        hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
-    assert lm.generate(prompt, raw=True, max_new_tokens=12).token_ids == hf
+    lm = assert_greedy_matches_transformers(gguf_path, model)
+    safetensors, prompt = lithos.load(path, dtype="float32", max_len=64), "jumps over the lazy dog"
+    assert lm.prompt_ids(prompt, raw=True) == safetensors.prompt_ids(prompt, raw=True)  # the GGUF's own tokenizer

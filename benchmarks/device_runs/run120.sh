@@ -33,7 +33,7 @@ step() {  # step SHAPE FORMAT KERNELS
 case $phase in
   dense)
     log tests
-    env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 240 python3 -m pytest -q \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q \
       -p no:cacheprovider tests/test_fused_path.py tests/test_moe_fused.py >"$work/tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -20
     save

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run 120 (two calls of the device tool, about 7 minutes each): Qwen3's per-head Q/K norms and Qwen2's Q/K/V biases on
+# Run 120 (three calls of the device tool, 5-8 minutes each): Qwen3's per-head Q/K norms and Qwen2's Q/K/V biases on
 # the fused path, and the mixture-of-experts families' fused attention (lithos/custom_calls/NOTES.md, "Qwen3 and
 # Qwen2 on the fused path").
-#   bash benchmarks/device_runs/run120.sh dense   (GPU tests, then Qwen3-8B, Qwen2.5-7B, Phi-4 and Llama-3.1-8B bf16)
+#   bash benchmarks/device_runs/run120.sh tests   (the GPU tests below)
+#   bash benchmarks/device_runs/run120.sh dense   (Qwen3-8B, Qwen2.5-7B, Phi-4 and Llama-3.1-8B bf16)
 #   bash benchmarks/device_runs/run120.sh moe     (Qwen3-30B-A3B as a Q4_K_M GGUF holds it, Qwen1.5-MoE-A2.7B bf16)
 # - GPU tests: the fused path against the reference on the model shapes (Qwen3-8B beside the llama shapes it already
 #   passed), the Qwen3-MoE / Qwen2-MoE / Mixtral fused steps (test_moe_fused.py: the kernels, not twins);
@@ -12,7 +13,7 @@
 # Everything lands in $OUT/run120-<phase>.tar.gz, rewritten after every step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: run120.sh dense|moe}
+phase=${1:?usage: run120.sh tests|dense|moe}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache
 work=/tmp/r120
 mkdir -p "$work"
@@ -31,12 +32,13 @@ step() {  # step SHAPE FORMAT KERNELS
 }
 
 case $phase in
-  dense)
+  tests)
     log tests
-    env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q \
+    env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q \
       -p no:cacheprovider tests/test_fused_path.py tests/test_moe_fused.py >"$work/tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$work/tests.log" | tail -20
-    save
+    save ;;
+  dense)
     log steps
     step qwen3-8b "" reference,fused
     step qwen2.5-7b "" reference,fused
@@ -46,6 +48,6 @@ case $phase in
     log steps
     STEP_TIMEOUT=240 step qwen3-30b-a3b q4_k_m reference,fused
     step qwen1.5-moe-a2.7b "" reference,fused ;;
-  *) echo "usage: run120.sh dense|moe"; exit 2 ;;
+  *) echo "usage: run120.sh tests|dense|moe"; exit 2 ;;
 esac
 log done

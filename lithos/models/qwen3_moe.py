@@ -103,7 +103,9 @@ class Config(llama.AttentionBias):
         return (
             f"{self.architecture}: {self.num_layers} layers ({len(self.moe_layers)} MoE), hidden {self.hidden_size}, "
             f"{self.num_heads}/{self.num_kv_heads} heads of {self.head_dim}, {self.num_experts} experts "
-            f"(top {self.experts_per_token}) of ffn {self.moe_intermediate_size}, vocab {self.vocab_size}"
+            f"(top {self.experts_per_token}) of ffn {self.moe_intermediate_size}"
+            f"{f' and a shared expert of ffn {self.shared_expert_ffn}' if self.shared_expert_ffn else ''}, "
+            f"vocab {self.vocab_size}"
             f"{' (tied)' if self.tie_word_embeddings else ''}"
         )
 

@@ -12,11 +12,12 @@ in `mlp_only_layers`, and layers off the `decoder_sparse_step` grid, have a dens
 Order of this file: config, parameters, forward. The MoE pieces are lithos.models.moe; attention,
 RoPE and the head are the llama family's.
 
-Kernel paths: "reference" and "fused": llama's fused attention (Qwen3's per-head Q/K norms between its
-projection calls and the rotation), the routed experts through the `expert_matvec` kernel, the dense layers'
-MLPs through the fused gate/up and down calls, and the LM head + argmax kernel. Where the attention kernels
-do not take the config (attention biases, a head size they are not built for: `llama.kernel_gaps`), the fused
-path keeps its attention and dense MLPs on jax.numpy and runs the experts and the head through the kernels.
+Kernel paths: "reference" and "fused": llama's fused attention (Qwen3's per-head Q/K norms and Qwen2-MoE's Q/K/V
+biases applied between its projection calls and the rotation), the routed experts through the `expert_matvec`
+kernel, the dense layers' MLPs and Qwen2-MoE's shared experts through the fused gate/up and down calls, and the LM
+head + argmax kernel. Where the attention kernels do not take the config (a head size they are not built for:
+`llama.kernel_gaps`), the fused path keeps its attention and dense MLPs on jax.numpy and runs the experts and the
+head through the kernels.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from lithos.checkpoint.safetensors_dir import fused_parts
 from lithos.errors import CheckpointError
 from lithos.models import family_for_gguf
 from lithos.quant import QuantizedArray
@@ -75,10 +76,10 @@ GPT_OSS_LAYER_NAMES = {
 # rows, GPT-OSS's alternating (its clamped SwiGLU reads them interleaved).
 GATE_UP_ROWS = {"qwen3_moe": join_rows, "gpt_oss": interleave_rows}
 # Phi-3's fused projections (llama.cpp's `phi3`): Q/K/V in one matrix, gate and up in ffn_up (gate rows first), cut
-# apart by rows as the safetensors loader cuts qkv_proj and gate_up_proj.
+# apart by rows as the safetensors loader cuts qkv_proj and gate_up_proj (their HF names give the parts' rows).
 PHI3_FUSED = {
-    "attn_qkv.weight": (("layers.wq", "layers.wk", "layers.wv"), lambda cfg: (cfg.q_size, cfg.kv_size, cfg.kv_size)),
-    "ffn_up.weight": (("layers.w_gate", "layers.w_up"), lambda cfg: (cfg.intermediate_size,) * 2),
+    "attn_qkv.weight": (("layers.wq", "layers.wk", "layers.wv"), "self_attn.qkv_proj.weight"),
+    "ffn_up.weight": (("layers.w_gate", "layers.w_up"), "mlp.gate_up_proj.weight"),
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -206,8 +207,8 @@ def load(path: Path, dequantize: bool = False) -> tuple[Any, dict[str, Any], dic
             continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and gguf_arch == "phi3" and m.group(2) in PHI3_FUSED and int(m.group(1)) < cfg.num_layers:
-            parts, sizes = PHI3_FUSED[m.group(2)]
-            for part, piece in zip(parts, split_rows(w, sizes(cfg)), strict=True):
+            parts, hf_name = PHI3_FUSED[m.group(2)]
+            for part, piece in zip(parts, split_rows(w, fused_parts(cfg, hf_name)), strict=True):
                 per_layer.setdefault(part, {})[int(m.group(1))] = piece
                 layer_kinds.setdefault(part, set()).add(kind)
             continue

@@ -358,13 +358,16 @@ def check_kernel_path(kernels: str, cfg: Config | None = None) -> None:
         raise UnsupportedModelError(f"kernel path {kernels!r} is not available; choose one of {KERNEL_PATHS}")
 
 
-def _slots(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer, its index in the MoE stack and in the dense stack (0 where it has none)."""
+def _slots(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer, whether it is a MoE layer, and its index in the MoE stack and in the dense stack (0 where it has
+    none)."""
+    is_moe = np.zeros(cfg.num_layers, bool)
+    is_moe[list(cfg.moe_layers)] = True
     moe_slot = np.zeros(cfg.num_layers, np.int32)
     dense_slot = np.zeros(cfg.num_layers, np.int32)
     moe_slot[list(cfg.moe_layers)] = np.arange(len(cfg.moe_layers))
     dense_slot[list(cfg.dense_layers)] = np.arange(len(cfg.dense_layers))
-    return moe_slot, dense_slot
+    return is_moe, moe_slot, dense_slot
 
 
 def _dense_mlp(x: jax.Array, dense: DenseMLP, slot: jax.Array) -> jax.Array:
@@ -401,9 +404,7 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
     B, T = tokens.shape
     k = max(cfg.experts_per_token, 1)
     route = _route(cfg)
-    moe_slot, dense_slot = _slots(cfg)
-    is_moe = np.zeros(cfg.num_layers, bool)
-    is_moe[list(cfg.moe_layers)] = True
+    is_moe, moe_slot, dense_slot = _slots(cfg)
 
     def routed(x, i):
         y, ids = moe.moe_mlp(x, params.experts, i, route, moe.swiglu_halves, kernels)
@@ -446,8 +447,7 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
 
     L, D, eps = params.layers, params.dense, cfg.rms_norm_eps
     n, k = tokens.shape[1], max(cfg.experts_per_token, 1)
-    moe_slot, dense_slot = (jnp.asarray(slots) for slots in _slots(cfg))
-    is_moe = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.moe_layers))
+    is_moe, moe_slot, dense_slot = (jnp.asarray(per_layer) for per_layer in _slots(cfg))
     route = _route(cfg)
 
     def routed(h, i, norm):

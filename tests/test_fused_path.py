@@ -46,16 +46,18 @@ def test_fused_generation_equals_reference(hf_checkpoint, arch):
 def test_fused_norms_and_biases_over_packed_attention(hf_checkpoint, arch, qk_format, v_format):
     """Qwen3's per-head Q/K norms and Qwen2's Q/K/V biases on the fused path with Q/K/V packed, in one format or
     two (three projection calls, then the biases, the norms, the rotation and the cache write): a step's logits
-    equal the reference path's over the same weights."""
+    equal the reference path's over the same weights (in f32 through the twins on a CPU; in bf16, which the packed
+    kernels take, within bf16 rounding on a GPU)."""
     from lithos import quant
     from lithos.checkpoint import load_checkpoint
 
-    ck = load_checkpoint(hf_checkpoint(arch), dtype="float32", use_cache=False)
+    ck = load_checkpoint(hf_checkpoint(arch), dtype="bfloat16" if ON_GPU else "float32", use_cache=False)
     formats = {"layers.wq": qk_format, "layers.wk": qk_format, "layers.wv": v_format}
     params = quant.random_packed_params(ck.params, formats)
     ref = _step_logits(ck.cfg, params, "reference", 24, 3)
     fused = _step_logits(ck.cfg, params, "fused", 24, 3)
-    np.testing.assert_allclose(fused, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    tol = 3e-2 if ON_GPU else 1e-4
+    np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
 def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):

@@ -458,12 +458,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", action="append", help="model shape from configs/models (repeatable); random weights")
-    p.add_argument("--model", help="real checkpoint to time (default when no --shape: SmolLM2-135M-Instruct)")
-    p.add_argument("--context", default="1024", help="comma-separated context lengths, e.g. 1024,8192,131072")
-    p.add_argument("--kernels", default="reference", help="comma-separated kernel paths, e.g. reference,fused")
-    p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
+def add_weight_format_arguments(p: argparse.ArgumentParser) -> None:
+    """`--weight-format` and `--quantize-groups`, which `shape_model_as_asked` reads."""
     p.add_argument(
         "--weight-format",
         choices=(*MADE_FORMATS, *READ_FORMATS, *READ_MIXES),
@@ -471,10 +467,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "GGUF formats, which lithos reads but does not make, random codes at their spread",
     )
     p.add_argument(
-        "--dequantize", action="store_true", help="load --model's packed weights (GGUF Q4/Q8, ...) as dense dtype"
-    )
-    p.add_argument(
         "--quantize-groups", default="attention,mlp", help="tensor groups --weight-format applies to (attention,mlp)"
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", action="append", help="model shape from configs/models (repeatable); random weights")
+    p.add_argument("--model", help="real checkpoint to time (default when no --shape: SmolLM2-135M-Instruct)")
+    p.add_argument("--context", default="1024", help="comma-separated context lengths, e.g. 1024,8192,131072")
+    p.add_argument("--kernels", default="reference", help="comma-separated kernel paths, e.g. reference,fused")
+    p.add_argument("--dtype", default=None, help="weight dtype (default: bf16 on GPU, f32 on CPU)")
+    add_weight_format_arguments(p)
+    p.add_argument(
+        "--dequantize", action="store_true", help="load --model's packed weights (GGUF Q4/Q8, ...) as dense dtype"
     )
     p.add_argument("--tp", type=int, default=1, help="split --shape models over this many devices (tensor parallel)")
     p.add_argument(

@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lithos import bench
 from lithos.errors import LithosError
 
 # Threads of a device's process that repeat what its streams ran (module and op annotations): skipped when
@@ -112,8 +113,9 @@ def read_trace(log_dir: Path) -> dict[str, Any]:
     return load_trace(found[-1])
 
 
-def profile_steps(shape: str, kernels: str, context: int, steps: int) -> dict[str, Any]:
-    """A trace of one timed loop of `steps` decode steps (after a warm-up loop) of random weights of `shape`."""
+def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """A trace of one timed loop of `args.steps` decode steps (after a warm-up loop) of random weights of
+    `args.shape`, in `args.weight_format` if one is named (as `lithos bench` makes them)."""
     import jax
     import jax.numpy as jnp
 
@@ -121,7 +123,8 @@ def profile_steps(shape: str, kernels: str, context: int, steps: int) -> dict[st
     from lithos.checkpoint import default_dtype
     from lithos.models import init_model_cache
 
-    cfg, params = bench.shape_model(shape, jnp.dtype(default_dtype()))
+    context, steps, kernels = args.context, args.steps, args.kernels
+    _, cfg, params = bench.shape_model_as_asked(args.shape, jnp.dtype(default_dtype()), args)
     state = bench.decode_state(init_model_cache(cfg, 1, context + 2 * steps, params.embed.dtype), context)
     state = jax.block_until_ready(bench._steps(params, state, cfg, steps, kernels))  # compile and warm up
     with tempfile.TemporaryDirectory() as log_dir:
@@ -139,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--trace", help="read this perfetto_trace.json.gz instead of running the loop")
     p.add_argument("--out", help="write the summary as JSON here")
+    bench.add_weight_format_arguments(p)
     args = p.parse_args(argv)
     try:
         if args.trace:
             trace = load_trace(args.trace)
         else:
-            trace = profile_steps(args.shape, args.kernels, args.context, args.steps)
+            trace = profile_steps(args)
         summary = summarize(device_events(trace), args.anchor)
     except LithosError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -154,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     for k in summary["kernels"]:
         print(f"{k['per_step']:>9.2f} {k['us_per_step']:>9.1f} {k['us_median']:>10.2f}  {k['name'][:90]}")
     if args.out:
-        from lithos import bench
-
         record = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3 -m lithos.step_timeline", *(argv if argv is not None else sys.argv[1:])]),

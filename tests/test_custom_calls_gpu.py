@@ -101,11 +101,16 @@ def test_gate_up_silu(model, tokens):
     assert_matches(*both_paths(gate_up_silu, x, w_gate, w_up, layer=1, norm_weight=norm, eps=1e-5))
 
 
-@pytest.mark.parametrize("model,tokens", CASES)
-def test_qkv_rope_append(model, tokens):
+# Q/K/V biases (Qwen2's) added in the kernel's epilogue, at one token and at a verification round's.
+BIASED_QKV_CASES = [("llama-3.1-8b", 1, True), ("llama-3.2-1b", 8, True), ("odd", 3, True)]
+QKV_CASES = [(*case, False) for case in CASES] + BIASED_QKV_CASES
+
+
+@pytest.mark.parametrize("model,tokens,biased", QKV_CASES)
+def test_qkv_rope_append(model, tokens, biased):
     s = SHAPES[model]
     max_len = 300
-    k = keys(f"qkv-{model}", tokens, 7)
+    k = keys(f"qkv-{model}" + ("-biased" if biased else ""), tokens, 8)
     h, norm = rand(k[0], tokens, s.hidden), 1 + rand(k[1], 2, s.hidden, scale=0.1)
     wq = rand(k[2], 2, s.q_size, s.hidden, scale=s.hidden**-0.5)
     wk, wv = (rand(kk, 2, s.kv_heads * s.head_dim, s.hidden, scale=s.hidden**-0.5) for kk in k[3:5])
@@ -115,8 +120,11 @@ def test_qkv_rope_append(model, tokens):
     # Speculative verification's consecutive positions; the last case runs past max_len (dropped).
     start = max_len - tokens // 2 if tokens >= 8 else 77 * tokens
     positions = jnp.arange(start, start + tokens, dtype=jnp.int32)
+    biases = None
+    if biased:
+        biases = tuple(rand(kk, 2, n) for kk, n in zip(jax.random.split(k[7], 3), (s.q_size, *(2 * [wk.shape[1]]))))
     fused, reference = both_paths(qkv_rope_append, h, norm, wq, wk, wv, inv_freq, positions, k_cache, v_cache,
-                                  layer=1, eps=1e-5)  # fmt: skip
+                                  layer=1, eps=1e-5, biases=biases)  # fmt: skip
     for got, want in zip(fused, reference, strict=True):
         assert_matches(got, want)
     np.testing.assert_array_equal(np.asarray(fused[1][0]), np.asarray(k_cache[0]))  # layer 0 untouched

@@ -111,9 +111,9 @@ def test_packed_gate_up_silu(fmt_name, tokens):
 QKV_CASES = [("llama-3.1-8b", 1), ("smollm2-135m", 4), ("odd", 3)]
 
 
-def check_qkv_kernel(formats: tuple[str, str, str], shape: str, tokens: int, rng) -> None:
+def check_qkv_kernel(formats: tuple[str, str, str], shape: str, tokens: int, rng, biased: bool = False) -> None:
     """The Q/K/V kernel (or, for formats that differ, its three projections) against its reference twin: Q, K
-    and V in `formats` (bf16 or packed) at `shape`, `tokens` positions from 40."""
+    and V in `formats` (bf16 or packed) at `shape`, `tokens` positions from 40, with bf16 biases if `biased`."""
     hidden, heads, kv_heads, dim = QKV_SHAPES[shape]
     layers, max_len = 2, 64
     wq, wk, wv = (
@@ -124,10 +124,13 @@ def check_qkv_kernel(formats: tuple[str, str, str], shape: str, tokens: int, rng
     caches = [rand(rng, layers, 1, kv_heads, max_len, dim) for _ in range(2)]
     inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim), jnp.float32)
     positions = jnp.arange(tokens, dtype=jnp.int32) + 40
+    biases = tuple(rand(rng, layers, n * dim) for n in (heads, kv_heads, kv_heads)) if biased else None
 
     def run(path):
         fn = jax.jit(
-            lambda h, k, v: packed_qkv_rope_append(h, norm, wq, wk, wv, inv_freq, positions, k, v, layer=1, path=path)
+            lambda h, k, v: packed_qkv_rope_append(
+                h, norm, wq, wk, wv, inv_freq, positions, k, v, layer=1, path=path, biases=biases
+            )
         )
         return fn(h, *caches)
 
@@ -143,6 +146,13 @@ def test_packed_qkv_rope_append(fmt_name, shape, tokens):
 @pytest.mark.parametrize("formats", [("q4_k", "q4_k", "k_mix"), ("q4_k", "q4_k", "bfloat16")])
 def test_packed_qkv_rope_append_of_mixed_formats(formats):
     check_qkv_kernel(formats, "llama-3.1-8b", 1, rng_for("qkv-mixed", formats))
+
+
+@pytest.mark.parametrize("formats", [("q8_0",) * 3, ("q4_k",) * 3, ("mxfp4",) * 3, ("q4_k", "q4_k", "k_mix")])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_packed_qkv_rope_append_with_biases(formats, tokens):
+    """Qwen2's Q/K/V biases: in the one kernel's epilogue, or (formats that differ) after the three projections."""
+    check_qkv_kernel(formats, "llama-3.1-8b", tokens, rng_for("qkv-biased", formats, tokens), biased=True)
 
 
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1", "q6_k"])

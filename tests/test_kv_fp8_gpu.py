@@ -87,12 +87,15 @@ def test_decode_attention_fp8_window():
     assert_matches(*both_paths(decode_attention, q, k_codes, v_codes, positions, layer=0, **scales))
 
 
-@pytest.mark.parametrize("model,tokens", [("llama-3.2-1b", 1), ("llama-3.2-1b", 16), ("llama-3.1-8b", 4), ("odd", 3)])
-def test_qkv_rope_append_fp8(model, tokens):
+@pytest.mark.parametrize(
+    "model,tokens,biased", [("llama-3.2-1b", 1, False), ("llama-3.2-1b", 16, False), ("llama-3.1-8b", 4, True),
+                            ("odd", 3, False)]
+)  # fmt: skip
+def test_qkv_rope_append_fp8(model, tokens, biased):
     heads, kv_heads, head_dim = HEADS[model]
     hidden = {"llama-3.2-1b": 2048, "llama-3.1-8b": 4096, "odd": 100}[model]
     max_len = 300
-    k = keys(f"fp8-qkv-{model}-{tokens}", 7)
+    k = keys(f"fp8-qkv-{model}-{tokens}", 8)
     h = jax.random.normal(k[0], (tokens, hidden), jnp.float32).astype(BF16)
     norm = (1 + 0.1 * jax.random.normal(k[1], (2, hidden), jnp.float32)).astype(BF16)
     wq, wk, wv = (
@@ -109,7 +112,15 @@ def test_qkv_rope_append_fp8(model, tokens):
     start = max_len - tokens // 2 if tokens >= 8 else 50 * tokens  # the 16-token case runs past max_len
     positions = jnp.arange(start, start + tokens, dtype=jnp.int32)
     args = (h, norm, wq, wk, wv, inv_freq, positions, k_cache, v_cache)
-    fused, reference = both_paths(qkv_rope_append, *args, layer=1, eps=1e-5, k_scale=scale, v_scale=scale)
+    biases = None
+    if biased:  # Qwen2's Q/K/V biases, added before the rotation and the codes
+        biases = tuple(
+            jax.random.normal(kk, (2, n * head_dim), jnp.float32).astype(BF16)
+            for kk, n in zip(jax.random.split(k[7], 3), (heads, kv_heads, kv_heads))
+        )
+    fused, reference = both_paths(
+        qkv_rope_append, *args, layer=1, eps=1e-5, k_scale=scale, v_scale=scale, biases=biases
+    )
     assert_matches(fused[0], reference[0])
     written = np.asarray(positions)[np.asarray(positions) < max_len]
     for got, want, before in zip(fused[1:], reference[1:], (k_cache, v_cache)):

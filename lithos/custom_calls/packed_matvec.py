@@ -33,6 +33,7 @@ from lithos.custom_calls.dispatch import (
     check_tokens,
     dispatch,
     layer_index,
+    require_bf16,
     stacked,
 )
 from lithos.custom_calls.lm_head import lm_head_argmax
@@ -46,7 +47,7 @@ from lithos.custom_calls.packed_weights import (
     values_f32,
     weight_at_layer,
 )
-from lithos.custom_calls.qkv import qkv_rope_append, rope_and_append
+from lithos.custom_calls.qkv import bias_args, check_biases, qkv_rope_append, rope_and_append, stacked_biases
 from lithos.errors import LithosError
 from lithos.quant import QuantizedArray
 
@@ -247,8 +248,9 @@ def packed_gate_up_silu(
 # --------------------------------------------------------------------------------------------
 
 
-def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps, ring):
+def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, bq, bk, bv, *, eps, ring):
     wq, wk, wv = (values_f32(weight_at_layer(w, layer)) for w in (wq, wk, wv))
+    biases = None if bq is None else tuple(at_layer(b, layer) for b in (bq, bk, bv))
     return qkv_rope_append(
         h,
         at_layer(norm_weight, layer),
@@ -263,6 +265,7 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
         eps=eps,
         ring=ring,
         path="reference",
+        biases=biases,
     )
 
 
@@ -270,8 +273,8 @@ def _qkv_split(
     h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms,
     scales
 ):
-    """Q, K and V in different formats, or with biases or per-head norms (stacked `[layers, ...]`): a projection call
-    each (f32 results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the
+    """Q, K and V in different formats, or with per-head norms (biases and norms stacked `[layers, ...]`): a projection
+    call each (f32 results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the
     reference's norms, rotation and cache write (an FP8 cache's codes with its `scales`, (None, None) for a float
     cache)."""
     layer = layer_index(layer)
@@ -287,7 +290,7 @@ def _qkv_split(
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, *caches, ring=ring, qk_norms=qk_norms, eps=eps)
 
 
-def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, *, eps, ring):
+def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, bq, bk, bv, *, eps, ring):
     head_dim = k_cache.shape[4]
     out_types = [
         jax.ShapeDtypeStruct((h.shape[0], wq.shape[-2] // head_dim, head_dim), h.dtype),
@@ -309,6 +312,7 @@ def _qkv_kernel(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache,
             layer,
             k_cache,
             v_cache,
+            *bias_args((bq, bk, bv)),
             aliases={14: 1, 15: 2},
             eps=np.float32(eps),
             ring=bool(ring),
@@ -337,16 +341,16 @@ def packed_qkv_rope_append(
     biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv bf16 or packed:
-    returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). One kernel when all three are bf16 or packed in one
-    format; three projections (then rotation and the cache write in XLA) when their formats differ, as a GGUF's
-    K-quant mix keeps V in more bits than Q and K, or when the projections have biases (`biases`: Qwen2's bq, bk,
-    bv, `[layers, out]` each) or each head of Q and K its RMSNorm (`qk_norms`: Qwen3's q_norm and k_norm, `[layers,
-    head_dim]` each), which the kernel does not apply. An FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights
-    only."""
+    returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). `biases`: Qwen2's bq, bk, bv (`[layers, out]` each),
+    which the kernels add before the rotation. One kernel when all three are bf16 or packed in one format; three
+    projections (then biases, rotation and the cache write in XLA) when their formats differ, as a GGUF's K-quant mix
+    keeps V in more bits than Q and K, or when each head of Q and K has its RMSNorm (`qk_norms`: Qwen3's q_norm and
+    k_norm, `[layers, head_dim]` each), which the kernels do not apply. An FP8 cache (`k_scale`, `v_scale`) goes with
+    bf16 weights only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
-    split = qk_norms is not None or biases is not None
+    split = qk_norms is not None
     if formats == {"dense"} and not split:
-        options = dict(layer=layer, eps=eps, ring=ring, path=path)
+        options = dict(layer=layer, eps=eps, ring=ring, path=path, biases=biases)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
     if formats != {"dense"} and (k_scale is not None or v_scale is not None):
@@ -368,21 +372,19 @@ def packed_qkv_rope_append(
         raise LithosError(f"packed_qkv_rope_append: wk {wk.shape} / wv {wv.shape} do not fit the cache {k_cache.shape}")
     if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
         raise LithosError(f"packed_qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
+    bq, bk, bv = stacked_biases(biases, layer)
+    check_biases("packed_qkv_rope_append", (bq, bk, bv), wq.shape[-2], wk.shape[-2])
     if len(formats) > 1 or split:
-
-        def each_stacked(names, arrays):
-            if arrays is None:
-                return None
-            return tuple(stacked(n, a, 1, layer) for n, a in zip(names, arrays, strict=True))
-
-        biases = each_stacked(("bq", "bk", "bv"), biases)
-        qk_norms = each_stacked(("q_norm", "k_norm"), qk_norms)
+        biases = None if bq is None else (bq, bk, bv)
+        if qk_norms is not None:
+            qk_norms = tuple(stacked(n, w, 1, layer) for n, w in zip(("q_norm", "k_norm"), qk_norms, strict=True))
         scales = check_cache_scales("packed_qkv_rope_append", k_cache, k_scale, v_scale, layer)
         args = (h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path)
         return _qkv_split(*args, biases=biases, qk_norms=qk_norms, scales=scales)
 
     def check():
         _check_packed("packed_qkv_rope_append", h, wq, wk, wv)
+        require_bf16("packed_qkv_rope_append", bq=bq, bk=bk, bv=bv)
         if k_cache.dtype != jnp.bfloat16 or k_cache.shape[1] != 1 or head_dim % 4 != 0:
             raise LithosError(
                 "packed_qkv_rope_append: the kernel takes a bf16 cache of batch 1 and head_dim a multiple of 4; "
@@ -403,6 +405,9 @@ def packed_qkv_rope_append(
         layer_index(layer),
         k_cache,
         v_cache,
+        bq,
+        bk,
+        bv,
         check=check,
     )
 

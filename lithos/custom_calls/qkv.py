@@ -6,7 +6,8 @@ with the caches donated (or carried through a `scan`/`while_loop`) no copy is ma
 stores position p in slot p (positions past its end are dropped), a ring (`ring`, lithos.kv_cache)
 in slot p % slots. An FP8 cache
 (lithos.kv_cache: u8 codes with scales `[layers, 1, kv_heads]`) gets the codes of K / scale and
-V / scale, the scales being read, never changed (prefill set them).
+V / scale, the scales being read, never changed (prefill set them). Q/K/V biases (Qwen2's) are added to
+the projections before the rotation.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lithos.custom_calls.dispatch import (
@@ -34,6 +36,27 @@ from lithos.errors import LithosError
 from lithos.quant.kv import quantize_kv
 
 
+def stacked_biases(biases, layer) -> tuple:
+    """Q/K/V biases (bq, bk, bv) each stacked `[layers, out]` (see `stacked`), or three Nones."""
+    if biases is None:
+        return None, None, None
+    return tuple(stacked(name, b, 1, layer) for name, b in zip(("bq", "bk", "bv"), biases, strict=True))
+
+
+def check_biases(op: str, biases: tuple, q_rows: int, kv_rows: int) -> None:
+    """Stacked biases (from `stacked_biases`) must have Q's rows and K's and V's."""
+    if biases[0] is not None and tuple(b.shape[-1] for b in biases) != (q_rows, kv_rows, kv_rows):
+        shapes = ", ".join(str(list(b.shape)) for b in biases)
+        raise LithosError(f"{op}: biases {shapes} must end in {q_rows}, {kv_rows} and {kv_rows} (the rows of Q, K, V)")
+
+
+def bias_args(biases: tuple) -> tuple:
+    """The kernels' three bias operands: the biases, or empty arrays for none (the handler reads nullptr)."""
+    if biases[0] is None:
+        return (jnp.zeros((0,), jnp.bfloat16),) * 3
+    return biases
+
+
 def _stored(new, cache, scale, layer):
     """New keys or values `[tokens, kv_heads, head_dim]` (f32) as the cache stores them: rounded once to its
     dtype, or E4M3 codes of new / scale for an FP8 cache."""
@@ -43,10 +66,12 @@ def _stored(new, cache, scale, layer):
 
 
 def _reference(
-    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, ring
+    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, bq, bk, bv, *, eps, ring
 ):
     x = rms_normalize(h, at_layer(norm_weight, layer), eps)
     q, k, v = (project(x, at_layer(w, layer)) for w in (wq, wk, wv))
+    if bq is not None:
+        q, k, v = (y + f32(at_layer(b, layer)) for y, b in ((q, bq), (k, bk), (v, bv)))
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, ring=ring)
 
 
@@ -75,7 +100,8 @@ def rope_and_append(
 
 
 def _kernel(
-    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, *, eps, ring, launch
+    h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, bq, bk, bv, *, eps,
+    ring, launch
 ):
     head_dim = k_cache.shape[4]
     dims = {"hidden": h.shape[1], "heads": wq.shape[1] // head_dim, "kv_heads": k_cache.shape[2], "head_dim": head_dim}
@@ -102,6 +128,7 @@ def _kernel(
             k_cache,
             v_cache,
             *(() if k_scale is None else (k_scale, v_scale)),
+            *bias_args((bq, bk, bv)),
             aliases={8: 1, 9: 2},
             eps=np.float32(eps),
             ring=bool(ring),
@@ -128,6 +155,7 @@ def qkv_rope_append(
     launch: Mapping[str, int] | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries for `h` `[tokens, hidden]` at `positions` `[tokens]` (int32), with K and V written into
     the caches. Weights `[out, hidden]` or stacked `[layers, out, hidden]` (norm `[hidden]` or
@@ -135,8 +163,10 @@ def qkv_rope_append(
     inv_freq `[head_dim/2]` float32 (e.g. `rope_inv_freq(cfg)`). Returns (q `[tokens, heads, head_dim]`,
     k_cache, v_cache).
     `launch` fixes the kernel's launch parameters (see launch.py); by default the tuning table's. An FP8
-    cache (u8 codes) comes with `k_scale`, `v_scale` `[layers, 1, kv_heads]` f32, set (> 0) beforehand."""
+    cache (u8 codes) comes with `k_scale`, `v_scale` `[layers, 1, kv_heads]` f32, set (> 0) beforehand.
+    `biases`: (bq, bk, bv), `[out]` or stacked `[layers, out]`, added to the projections before the rotation."""
     norm_weight = stacked("norm_weight", norm_weight, 1, layer)
+    bq, bk, bv = stacked_biases(biases, layer)
     wq, wk, wv = (stacked(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
     k_cache = stacked("k_cache", k_cache, 4, layer)
     v_cache = stacked("v_cache", v_cache, 4, layer)
@@ -151,6 +181,7 @@ def qkv_rope_append(
         )
     if inv_freq.shape != (head_dim // 2,) or positions.shape != (h.shape[0],):
         raise LithosError(f"qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
+    check_biases("qkv_rope_append", (bq, bk, bv), wq.shape[1], kv_shape[0])
 
     def check():
         check_tokens("qkv_rope_append", h.shape[0])
@@ -161,6 +192,9 @@ def qkv_rope_append(
             wq=wq,
             wk=wk,
             wv=wv,
+            bq=bq,
+            bk=bk,
+            bv=bv,
         )
         if k_scale is None:
             require_bf16("qkv_rope_append", k_cache=k_cache, v_cache=v_cache)
@@ -183,5 +217,8 @@ def qkv_rope_append(
         v_cache,
         k_scale,
         v_scale,
+        bq,
+        bk,
+        bv,
         check=check,
     )

@@ -15,6 +15,7 @@
 #include "ffi_util.h"
 #include "packed.h"
 #include "portable.h"
+#include "qkv_biases.h"
 #include "qkv_epilogue.h"
 #include "rowdot.h"
 
@@ -178,6 +179,7 @@ struct PackedQkvArgs {
   bf16_t* q;                 // [tokens, heads, head_dim]
   bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
   bf16_t* v_cache;
+  QkvBiases biases;          // or none (qkv_biases.h)
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
   bool ring;  // slot = position % max_len (lithos/kv_cache.py; else positions >= max_len are dropped)
   int k_split;
@@ -216,7 +218,9 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const int head = head_of(unit);
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v,
+        const int kind = is_q ? 0 : (is_v ? 2 : 1);
+        const bf16_t* bias = a.biases.head(layer, kind, is_q ? head : kv_head_of(head), a.head_dim);
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v, bias, half,
                          [&](int t, int position, int j, float lo, float hi) {
           if (is_q) {
             store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
@@ -236,8 +240,9 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::AnyBuffer v_data, ffi::AnyBuffer v_scales, ffi::AnyBuffer v_mins,
                                 ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
-                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
-                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
+                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Buffer<ffi::BF16> bq,
+                                ffi::Buffer<ffi::BF16> bk, ffi::Buffer<ffi::BF16> bv,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps, bool ring) {
   constexpr int32_t format = static_cast<int32_t>(F);
   const std::string op = "packed qkv_rope_append";
@@ -281,6 +286,9 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
   a.q = q->typed_data();
   a.k_cache = k_cache->typed_data();
   a.v_cache = v_cache->typed_data();
+  const int64_t layers = static_cast<int64_t>(norm_w.dimensions()[0]);
+  if (ffi::Error err = qkv_biases(op, bq, bk, bv, a.wq.n_out, a.wk.n_out, layers, a.biases); err.failure())
+    return err;
   a.eps = eps;
   if (!aligned16(a.h) || !aligned16(a.norm_w) || !packed_aligned(a.wq) || !packed_aligned(a.wk) ||
       !packed_aligned(a.wv))
@@ -353,6 +361,9 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache, aliased to out 1 */  \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache, aliased to out 2 */  \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bq [layers, rows] or empty */ \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bk or empty */                \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bv or empty */                \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* q */                          \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache */                    \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache */                    \

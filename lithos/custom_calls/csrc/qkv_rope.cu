@@ -6,12 +6,14 @@
 // updated in place (the handler's cache outputs alias its inputs): linear (slot = position, positions
 // past its end dropped) or a ring (lithos/kv_cache.py: slot = position % slots).
 // An FP8 cache (lithos/kv_cache.py) gets E4M3 codes of K / scale and V / scale, the scales being the
-// row's, set at prefill; like the reference, values beyond 448 * scale saturate.
+// row's, set at prefill; like the reference, values beyond 448 * scale saturate. Q/K/V biases (qkv_biases.h)
+// are added to the projections before the rotation.
 #include <type_traits>
 
 #include "ffi_util.h"
 #include "fp8.h"
 #include "portable.h"
+#include "qkv_biases.h"
 #include "qkv_epilogue.h"
 #include "row_groups.h"
 #include "rowdot.h"
@@ -34,6 +36,7 @@ struct QkvArgs {
   void* v_cache;
   const float* k_scale;    // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
   const float* v_scale;
+  QkvBiases biases;        // or none
   int tokens, hidden, heads, kv_heads, head_dim, slots;
   bool ring;    // slot = position % slots (else slot = position, positions >= slots dropped)
   int k_split;  // warps sharing a row group (row_group_grid)
@@ -78,7 +81,9 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const int head = head_of(unit);
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v,
+        const int kind = is_q ? 0 : (is_v ? 2 : 1);
+        const bf16_t* bias = a.biases.head(layer, kind, is_q ? head : kv_head_of(head), a.head_dim);
+        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v, bias, half,
                          [&](int t, int position, int j, float lo, float hi) {
           if (is_q) {
             store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
@@ -106,6 +111,7 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                 ffi::Result<ffi::Buffer<CacheType>> k_cache, ffi::Result<ffi::Buffer<CacheType>> v_cache,
                                 const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
+                                ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk, ffi::Buffer<ffi::BF16> bv,
                                 float eps, bool ring, int64_t k_split, int64_t warps_per_block,
                                 int64_t blocks_per_unit) {
   using Cache = std::conditional_t<CacheType == ffi::U8, uint8_t, bf16_t>;
@@ -161,6 +167,9 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                    "got " + shape_string(k_scale->dimensions()) + " and " + shape_string(v_scale->dimensions()));
   a.k_scale = k_scale ? k_scale->typed_data() : nullptr;
   a.v_scale = v_scale ? v_scale->typed_data() : nullptr;
+  if (ffi::Error err = qkv_biases("qkv_rope_append", bq, bk, bv, q_rows, kv_rows, wq.dimensions()[0], a.biases);
+      err.failure())
+    return err;
   a.eps = eps;
 
   const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
@@ -185,12 +194,13 @@ ffi::Error qkv_rope_append_bf16(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
                                 ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> /*k_cache_in*/,
-                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Result<ffi::Buffer<ffi::BF16>> q,
-                                ffi::Result<ffi::Buffer<ffi::BF16>> k_cache, ffi::Result<ffi::Buffer<ffi::BF16>> v_cache,
-                                float eps, bool ring, int64_t k_split, int64_t warps_per_block,
-                                int64_t blocks_per_unit) {
+                                ffi::Buffer<ffi::BF16> /*v_cache_in*/, ffi::Buffer<ffi::BF16> bq,
+                                ffi::Buffer<ffi::BF16> bk, ffi::Buffer<ffi::BF16> bv,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps, bool ring, int64_t k_split,
+                                int64_t warps_per_block, int64_t blocks_per_unit) {
   return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, nullptr,
-                              nullptr, eps, ring, k_split, warps_per_block, blocks_per_unit);
+                              nullptr, bq, bk, bv, eps, ring, k_split, warps_per_block, blocks_per_unit);
 }
 
 ffi::Error qkv_rope_append_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
@@ -198,12 +208,13 @@ ffi::Error qkv_rope_append_fp8(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
                                ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::S32> positions,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U8> /*k_cache_in*/,
                                ffi::Buffer<ffi::U8> /*v_cache_in*/, ffi::Buffer<ffi::F32> k_scale,
-                               ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::BF16>> q,
+                               ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk,
+                               ffi::Buffer<ffi::BF16> bv, ffi::Result<ffi::Buffer<ffi::BF16>> q,
                                ffi::Result<ffi::Buffer<ffi::U8>> k_cache, ffi::Result<ffi::Buffer<ffi::U8>> v_cache,
                                float eps, bool ring, int64_t k_split, int64_t warps_per_block,
                                int64_t blocks_per_unit) {
   return qkv_rope_append_impl(stream, h, norm_w, wq, wk, wv, inv_freq, positions, layer, q, k_cache, v_cache, &k_scale,
-                              &v_scale, eps, ring, k_split, warps_per_block, blocks_per_unit);
+                              &v_scale, bq, bk, bv, eps, ring, k_split, warps_per_block, blocks_per_unit);
 }
 
 }  // namespace
@@ -224,6 +235,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppend, lithos::qkv_rope_append_bf16,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // k cache (aliased to output 1)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // v cache (aliased to output 2)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bq [layers, heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bk [layers, kv_heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bv or empty
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // q
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // k cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v cache
@@ -250,6 +264,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppendFp8, lithos::qkv_rope_append_fp
                                   .Arg<ffi::Buffer<ffi::U8>>()    // v cache (aliased to output 2)
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k scales
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v scales
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bq [layers, heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bk [layers, kv_heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bv or empty
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // q
                                   .Ret<ffi::Buffer<ffi::U8>>()    // k cache
                                   .Ret<ffi::Buffer<ffi::U8>>()    // v cache

@@ -20,6 +20,7 @@ reference twin on the float32 values, so packed and bf16 share one specification
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +270,14 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
     )
 
 
+def biases_in_kernel() -> bool:
+    """Whether Q/K/V biases go into the Q/K/V kernels' epilogue (`LITHOS_QKV_BIASES_IN_KERNEL=1`) rather than the
+    split form (three projections, then biases in XLA). The epilogue's biases compile for CUDA and HIP and match
+    the twins on the CPU, but have not run on a GPU yet (NOTES.md, "Q/K/V biases in the Q/K/V kernels"): until they
+    have, the split form, which has, stays the default. Read when a step is traced."""
+    return os.environ.get("LITHOS_QKV_BIASES_IN_KERNEL", "0") == "1"
+
+
 def _qkv_split(
     h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms,
     scales
@@ -342,13 +351,13 @@ def packed_qkv_rope_append(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv bf16 or packed:
     returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). `biases`: Qwen2's bq, bk, bv (`[layers, out]` each),
-    which the kernels add before the rotation. One kernel when all three are bf16 or packed in one format; three
-    projections (then biases, rotation and the cache write in XLA) when their formats differ, as a GGUF's K-quant mix
-    keeps V in more bits than Q and K, or when each head of Q and K has its RMSNorm (`qk_norms`: Qwen3's q_norm and
-    k_norm, `[layers, head_dim]` each), which the kernels do not apply. An FP8 cache (`k_scale`, `v_scale`) goes with
-    bf16 weights only."""
+    which the kernels add before the rotation where `biases_in_kernel()`. One kernel when all three are bf16 or packed
+    in one format; three projections (then biases, rotation and the cache write in XLA) when their formats differ, as
+    a GGUF's K-quant mix keeps V in more bits than Q and K, when each head of Q and K has its RMSNorm (`qk_norms`:
+    Qwen3's q_norm and k_norm, `[layers, head_dim]` each), which the kernels do not apply, or for biases otherwise. An
+    FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
-    split = qk_norms is not None
+    split = qk_norms is not None or (biases is not None and not biases_in_kernel())
     if formats == {"dense"} and not split:
         options = dict(layer=layer, eps=eps, ring=ring, path=path, biases=biases)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)

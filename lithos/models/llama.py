@@ -695,7 +695,7 @@ def fused_layers(params, tokens, positions, cache: KVCache, cfg, mlp, aux=None, 
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     n_tokens = tokens.shape[1]
     ring = cache.ring is not None  # the kernels store position p in slot p % slots
-    # Q/K/V biases (Qwen2's) go into the Q/K/V kernel; per-head norms (Qwen3's) take three projection calls
+    # Q/K/V biases (Qwen2's) and per-head norms (Qwen3's): packed_qkv_rope_append says which take three projections
     qkv_extras = dict(
         biases=(L.bq, L.bk, L.bv) if cfg.qkv_bias else None, qk_norms=(L.q_norm, L.k_norm) if cfg.qk_norm else None
     )

@@ -43,7 +43,7 @@ __device__ bool qkv_task(const Args& a, const Task& task, int index) {
       [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
         const QkvRowGroup g = qkv_row_group(a, unit);
         rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, g.first_pair, g.slot != group + 1,
-                         nullptr, 0, [&](int t, int position, int j, float lo, float hi) {
+                         [&](int t, int position, int j, float lo, float hi) {
           store_qkv_pair(a, layer, t, position, g, j, lo, hi);
         });
       }))

@@ -36,19 +36,23 @@ __device__ __forceinline__ void store_pair(bf16_t* row, int j, int half, float l
 
 // A row group of two rotary pairs (first_pair, first_pair + 1; acc rows 2p and 2p + 1 are pair p's
 // halves): lane t takes token t (for_each_token), scales by the token's RMSNorm factor, adds the head's
-// bias (`bias`: its head_dim values, Qwen2's; nullptr for none) in f32 as the reference does, rotates
-// unless `rotate` is false (V rows), and calls `store(t, position, j, lo, hi)` for each pair j.
-template <int TMAX, class Store>
-__device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
-                                           const int32_t* positions, const float* inv_freq, int first_pair,
-                                           bool rotate, const bf16_t* bias, int half, Store store) {
+// bias if `kBiases` and `bias` is not nullptr (its head_dim values, Qwen2's; in f32 as the reference adds
+// it), rotates unless `rotate` is false (V rows), and calls `store(t, position, j, lo, hi)` for each pair j.
+// Without kBiases no bias code exists: the megakernel's build is the one it was before biases.
+template <int TMAX, bool kBiases, class Store>
+__device__ __forceinline__ void rope_pairs_with(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale,
+                                                int tokens, const int32_t* positions, const float* inv_freq,
+                                                int first_pair, bool rotate, const bf16_t* bias, int half,
+                                                Store store) {
   static_assert(kRowsPerWarp == 4, "a row group holds two rotary pairs");
   float bias_lo[2] = {0.f, 0.f}, bias_hi[2] = {0.f, 0.f};
-  if (bias != nullptr) {
+  if constexpr (kBiases) {
+    if (bias != nullptr) {
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      bias_lo[p] = bf16_to_float(bias[first_pair + p]);
-      bias_hi[p] = bf16_to_float(bias[first_pair + p + half]);
+      for (int p = 0; p < 2; ++p) {
+        bias_lo[p] = bf16_to_float(bias[first_pair + p]);
+        bias_hi[p] = bf16_to_float(bias[first_pair + p + half]);
+      }
     }
   }
   for_each_token<TMAX>(acc, tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
@@ -58,14 +62,32 @@ __device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX
       const int j = first_pair + p;
       float lo = sums[2 * p] * rms_scale[t];
       float hi = sums[2 * p + 1] * rms_scale[t];
-      if (bias != nullptr) {  // only then: `+ 0.f` would turn -0 into +0 (and change the megakernel's code)
-        lo += bias_lo[p];
-        hi += bias_hi[p];
+      if constexpr (kBiases) {
+        if (bias != nullptr) {  // only then: `+ 0.f` would turn -0 into +0
+          lo += bias_lo[p];
+          hi += bias_hi[p];
+        }
       }
       if (rotate) rope_rotate(lo, hi, position, inv_freq[j]);
       store(t, position, j, lo, hi);
     }
   });
+}
+
+// The row group's pairs with the head's bias (`bias`, or nullptr for none): the Q/K/V kernels.
+template <int TMAX, class Store>
+__device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
+                                           const int32_t* positions, const float* inv_freq, int first_pair,
+                                           bool rotate, const bf16_t* bias, int half, Store store) {
+  rope_pairs_with<TMAX, true>(acc, rms_scale, tokens, positions, inv_freq, first_pair, rotate, bias, half, store);
+}
+
+// Without biases: the megakernel, which refuses biased models.
+template <int TMAX, class Store>
+__device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
+                                           const int32_t* positions, const float* inv_freq, int first_pair,
+                                           bool rotate, Store store) {
+  rope_pairs_with<TMAX, false>(acc, rms_scale, tokens, positions, inv_freq, first_pair, rotate, nullptr, 0, store);
 }
 
 }  // namespace lithos

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from lithos.custom_calls import build, decode_attention, gate_up_silu, lm_head_argmax, matvec, qkv_rope_append
+from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
+from lithos.custom_calls.qkv import qkv_project
 from lithos.custom_calls.step_shape import StepShape
 
 pytestmark = [
@@ -127,6 +129,36 @@ def test_qkv_rope_append(model, tokens, biased):
                                   layer=1, eps=1e-5, biases=biases)  # fmt: skip
     for got, want in zip(fused, reference, strict=True):
         assert_matches(got, want)
+    np.testing.assert_array_equal(np.asarray(fused[1][0]), np.asarray(k_cache[0]))  # layer 0 untouched
+
+
+# Per-head Q/K norms (Qwen3's) in two launches, with and without biases; the 8-token case runs past the cache's end.
+QK_NORM_CASES = [("llama-3.1-8b", 1, False), ("llama-3.2-1b", 8, True), ("odd", 3, False), ("smollm2-135m", 16, True)]
+
+
+@pytest.mark.parametrize("model,tokens,biased", QK_NORM_CASES)
+def test_qkv_project_then_qk_norm_rope_append(model, tokens, biased):
+    """The projections stored as they are (`qkv_project`), then each Q and K head's norm, the rotation and the
+    cache write (`qk_norm_rope_append`, from the reference's projections so that it is checked alone)."""
+    s = SHAPES[model]
+    max_len, kv = 300, s.kv_heads * s.head_dim
+    k = keys(f"qk-norm-{model}-{biased}", tokens, 10)
+    h, norm = rand(k[0], tokens, s.hidden), 1 + rand(k[1], 2, s.hidden, scale=0.1)
+    wq = rand(k[2], 2, s.q_size, s.hidden, scale=s.hidden**-0.5)
+    wk, wv = (rand(kk, 2, kv, s.hidden, scale=s.hidden**-0.5) for kk in k[3:5])
+    k_cache, v_cache = (rand(kk, 2, 1, s.kv_heads, max_len, s.head_dim) for kk in k[5:7])
+    q_norm, k_norm = (1 + rand(kk, 2, s.head_dim, scale=0.3) for kk in k[7:9])
+    biases = tuple(rand(kk, 2, n) for kk, n in zip(jax.random.split(k[9], 3), (s.q_size, kv, kv))) if biased else None
+    inv_freq = jnp.asarray(1.0 / 1e6 ** (np.arange(0, s.head_dim, 2) / s.head_dim), jnp.float32)
+    start = max_len - tokens // 2 if tokens >= 8 else 77 * tokens
+    positions = jnp.arange(start, start + tokens, dtype=jnp.int32)
+    projected, want = both_paths(qkv_project, h, norm, wq, wk, wv, head_dim=s.head_dim, layer=1, biases=biases)
+    assert projected.shape == (tokens, s.heads + 2 * s.kv_heads, s.head_dim) and projected.dtype == jnp.float32
+    assert_matches(projected, want, rel=1e-4)  # f32 sums in another order
+    args = (want, q_norm, k_norm, inv_freq, positions, k_cache, v_cache)
+    fused, reference = both_paths(qk_norm_rope_append, *args, layer=1, eps=1e-6)
+    for got, expected in zip(fused, reference, strict=True):
+        assert_matches(got, expected)
     np.testing.assert_array_equal(np.asarray(fused[1][0]), np.asarray(k_cache[0]))  # layer 0 untouched
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from lithos.custom_calls.packed_matvec import (
     packed_gate_up_silu,
     packed_lm_head_argmax,
     packed_matvec,
+    packed_qkv_project,
     packed_qkv_rope_append,
 )
 from lithos.custom_calls.packed_weights import PACKED_FORMATS
@@ -153,6 +155,25 @@ def test_packed_qkv_rope_append_of_mixed_formats(formats):
 def test_packed_qkv_rope_append_with_biases(formats, tokens):
     """Qwen2's Q/K/V biases: in the one kernel's epilogue, or (formats that differ) after the three projections."""
     check_qkv_kernel(formats, "llama-3.1-8b", tokens, rng_for("qkv-biased", formats, tokens), biased=True)
+
+
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_k", "mxfp4"])
+@pytest.mark.parametrize("tokens, biased", [(1, False), (4, True)])
+def test_packed_qkv_project(fmt_name, tokens, biased):
+    """The projections a model with per-head Q/K norms takes first (stored f32, neither rotated nor cached)."""
+    rng = rng_for("qkv-project", fmt_name, tokens, biased)
+    hidden, heads, kv_heads, dim = QKV_SHAPES["llama-3.1-8b"]
+    wq, wk, wv = (random_packed(fmt_name, (2, n * dim, hidden), rng) for n in (heads, kv_heads, kv_heads))
+    h, norm = rand(rng, tokens, hidden), rand(rng, 2, hidden)
+    biases = tuple(rand(rng, 2, n * dim) for n in (heads, kv_heads, kv_heads)) if biased else None
+
+    def run(path):
+        project = partial(packed_qkv_project, head_dim=dim, layer=1, biases=biases, path=path)
+        return jax.jit(project)(h, norm, wq, wk, wv)
+
+    got, want = run(KERNEL), run("reference")
+    assert got.shape == (tokens, heads + 2 * kv_heads, dim) and got.dtype == jnp.float32
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "q8_0", "q4_1", "q6_k"])

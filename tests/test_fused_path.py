@@ -60,19 +60,20 @@ def test_fused_norms_and_biases_over_packed_attention(hf_checkpoint, arch, qk_fo
     np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("arch", ["qwen2_hd64", "llama_bias_hd64"])
+@pytest.mark.parametrize("arch", ["qwen2_hd64", "llama_bias_hd64", "qwen3_hd64"])
 @pytest.mark.parametrize("qkv_format", [None, "q8_0"])
-def test_fused_qkv_biases_in_the_kernel(hf_checkpoint, monkeypatch, arch, qkv_format):
-    """`LITHOS_QKV_BIASES_IN_KERNEL=1`: Q/K/V biases added in the Q/K/V kernel's epilogue (one launch, Q/K/V bf16 or
-    packed), never through the split form: a step's logits equal the reference path's."""
+def test_fused_new_qkv_kernels(hf_checkpoint, monkeypatch, arch, qkv_format):
+    """`LITHOS_QKV_NEW=1`: Q/K/V biases added in the Q/K/V kernel's epilogue (one launch), per-head Q/K norms through
+    `qkv_project` and `qk_norm_rope_append` (two), Q/K/V bf16 or packed, never through the split form: a step's
+    logits equal the reference path's."""
     from lithos import quant
     from lithos.checkpoint import load_checkpoint
     from lithos.custom_calls import packed_matvec
 
     def no_split(*args, **kwargs):
-        raise AssertionError("biased Q/K/V took the split form")
+        raise AssertionError("Q/K/V took the split form")
 
-    monkeypatch.setenv("LITHOS_QKV_BIASES_IN_KERNEL", "1")
+    monkeypatch.setenv("LITHOS_QKV_NEW", "1")
     monkeypatch.setattr(packed_matvec, "_qkv_split", no_split)
     ck = load_checkpoint(hf_checkpoint(arch), dtype="bfloat16" if ON_GPU else "float32", use_cache=False)
     params = ck.params

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from lithos.custom_calls import build, decode_attention, qkv_rope_append
+from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
 from lithos.kv_cache import FP8, init_cache
 from lithos.models import llama
 from lithos.quant.kv import dequantize_kv, kv_scales, quantize_kv
@@ -87,6 +88,27 @@ def test_decode_attention_fp8_window():
     assert_matches(*both_paths(decode_attention, q, k_codes, v_codes, positions, layer=0, **scales))
 
 
+def assert_fp8_writes(fused, reference, caches_before, positions, scale) -> None:
+    """A kernel's (q, k_cache, v_cache) against its twin's over an FP8 cache: q within bf16 rounding, every code of
+    a position not written (and layer 0) untouched, the written codes the twin's but for rare rounding ties."""
+    assert_matches(fused[0], reference[0])
+    max_len = caches_before[0].shape[3]
+    written = np.asarray(positions)[np.asarray(positions) < max_len]
+    for got, want, before in zip(fused[1:], reference[1:], caches_before):
+        got, want, before = np.asarray(got), np.asarray(want), np.asarray(before)
+        untouched = np.ones(max_len, bool)
+        untouched[written] = False
+        np.testing.assert_array_equal(got[:, :, :, untouched], before[:, :, :, untouched])
+        np.testing.assert_array_equal(got[0], before[0])  # layer 0 untouched
+        # Codes of values summed in another order: equal but for rare rounding ties, then one step apart.
+        new, new_ref = got[1, 0][:, written], want[1, 0][:, written]
+        assert (new == new_ref).mean() > 0.99
+        read = e4m3_values(new) * np.asarray(scale[1, 0])[:, None, None]
+        expected = e4m3_values(new_ref) * np.asarray(scale[1, 0])[:, None, None]
+        np.testing.assert_allclose(read, expected, rtol=2.0**-3, atol=float(scale.max()) * 2.0**-9)
+        assert ((new_ref & 0x7F) == 0x7E).any()  # the small scales saturate some values
+
+
 @pytest.mark.parametrize(
     "model,tokens,biased", [("llama-3.2-1b", 1, False), ("llama-3.2-1b", 16, False), ("llama-3.1-8b", 4, True),
                             ("odd", 3, False)]
@@ -121,21 +143,28 @@ def test_qkv_rope_append_fp8(model, tokens, biased):
     fused, reference = both_paths(
         qkv_rope_append, *args, layer=1, eps=1e-5, k_scale=scale, v_scale=scale, biases=biases
     )
-    assert_matches(fused[0], reference[0])
-    written = np.asarray(positions)[np.asarray(positions) < max_len]
-    for got, want, before in zip(fused[1:], reference[1:], (k_cache, v_cache)):
-        got, want, before = np.asarray(got), np.asarray(want), np.asarray(before)
-        untouched = np.ones(max_len, bool)
-        untouched[written] = False
-        np.testing.assert_array_equal(got[:, :, :, untouched], before[:, :, :, untouched])
-        np.testing.assert_array_equal(got[0], before[0])  # layer 0 untouched
-        # Codes of values summed in another order: equal but for rare rounding ties, then one step apart.
-        new, new_ref = got[1, 0][:, written], want[1, 0][:, written]
-        assert (new == new_ref).mean() > 0.99
-        read = e4m3_values(new) * np.asarray(scale[1, 0])[:, None, None]
-        expected = e4m3_values(new_ref) * np.asarray(scale[1, 0])[:, None, None]
-        np.testing.assert_allclose(read, expected, rtol=2.0**-3, atol=float(scale.max()) * 2.0**-9)
-        assert ((new_ref & 0x7F) == 0x7E).any()  # the small scales saturate some values
+    assert_fp8_writes(fused, reference, (k_cache, v_cache), positions, scale)
+
+
+@pytest.mark.parametrize("model,tokens", [("llama-3.1-8b", 1), ("llama-3.2-1b", 16), ("odd", 3)])
+def test_qk_norm_rope_append_fp8(model, tokens):
+    """Qwen3's second Q/K/V launch over an FP8 cache: each Q and K head normalised, rotated, and K and V written as
+    codes of value / scale."""
+    heads, kv_heads, head_dim = HEADS[model]
+    max_len = 300
+    k = keys(f"fp8-qk-norm-{model}-{tokens}", 5)
+    projected = 3 * jax.random.normal(k[0], (tokens, heads + 2 * kv_heads, head_dim), jnp.float32)
+    q_norm, k_norm = ((1 + 0.3 * jax.random.normal(kk, (2, head_dim), jnp.float32)).astype(BF16) for kk in k[1:3])
+    k_cache, v_cache = (
+        jax.random.randint(kk, (2, 1, kv_heads, max_len, head_dim), 0, 0x7F).astype(jnp.uint8) for kk in k[3:5]
+    )
+    scale = jnp.exp2(jnp.arange(2 * kv_heads, dtype=jnp.float32).reshape(2, 1, kv_heads) % 11 - 9)
+    inv_freq = jnp.asarray(1.0 / 1e6 ** (np.arange(0, head_dim, 2) / head_dim), jnp.float32)
+    start = max_len - tokens // 2 if tokens >= 8 else 50 * tokens
+    positions = jnp.arange(start, start + tokens, dtype=jnp.int32)
+    args = (projected, q_norm, k_norm, inv_freq, positions, k_cache, v_cache)
+    fused, reference = both_paths(qk_norm_rope_append, *args, layer=1, eps=1e-6, k_scale=scale, v_scale=scale)
+    assert_fp8_writes(fused, reference, (k_cache, v_cache), positions, scale)
 
 
 def test_fused_decode_from_fp8_cache():

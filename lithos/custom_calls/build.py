@@ -49,17 +49,20 @@ PACKED_SOURCES = (
 
 # Kernel source (csrc/<name>.cu) -> the FFI handler symbols it defines, each registered under its
 # own name as an XLA custom-call target.
+PACKED_HANDLERS = (
+    *("LithosPackedMatvec", "LithosPackedGateUpSilu"),
+    *("LithosPackedQkvRopeAppend", "LithosPackedQkvProject"),
+)
 KERNELS: dict[str, tuple[str, ...]] = {
     "matvec": ("LithosMatvec", "LithosGateUpSilu"),
     "attention": ("LithosDecodeAttention", "LithosDecodeAttentionFp8"),
-    "qkv_rope": ("LithosQkvRopeAppend", "LithosQkvRopeAppendFp8"),
+    "qkv_rope": ("LithosQkvRopeAppend", "LithosQkvRopeAppendFp8", "LithosQkvProject"),
+    "qk_norm_rope": ("LithosQkNormRopeAppend", "LithosQkNormRopeAppendFp8"),
     "lm_head": ("LithosLmHeadArgmax",),
     "megakernel": ("LithosMegakernel",),
     # One source per packed weight format (csrc/matvec_packed.h), built in parallel and only when used.
     **{
-        f"matvec_packed_{fmt}": tuple(
-            f"{op}_{fmt}" for op in ("LithosPackedMatvec", "LithosPackedGateUpSilu", "LithosPackedQkvRopeAppend")
-        )
+        f"matvec_packed_{fmt}": tuple(f"{op}_{fmt}" for op in PACKED_HANDLERS)
         for fmt in PACKED_SOURCES
     },
     "expert_matvec": ("LithosExpertMatvec",),

@@ -48,7 +48,15 @@ from lithos.custom_calls.packed_weights import (
     values_f32,
     weight_at_layer,
 )
-from lithos.custom_calls.qkv import bias_args, check_biases, qkv_rope_append, rope_and_append, stacked_biases
+from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
+from lithos.custom_calls.qkv import (
+    bias_args,
+    check_biases,
+    qkv_project,
+    qkv_rope_append,
+    rope_and_append,
+    stacked_biases,
+)
 from lithos.errors import LithosError
 from lithos.quant import QuantizedArray
 
@@ -270,12 +278,13 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
     )
 
 
-def biases_in_kernel() -> bool:
-    """Whether Q/K/V biases go into the Q/K/V kernels' epilogue (`LITHOS_QKV_BIASES_IN_KERNEL=1`) rather than the
-    split form (three projections, then biases in XLA). The epilogue's biases compile for CUDA and HIP and match
-    the twins on the CPU, but have not run on a GPU yet (NOTES.md, "Q/K/V biases in the Q/K/V kernels"): until they
-    have, the split form, which has, stays the default. Read when a step is traced."""
-    return os.environ.get("LITHOS_QKV_BIASES_IN_KERNEL", "0") == "1"
+def new_qkv_kernels() -> bool:
+    """Whether Q/K/V biases go into the Q/K/V kernels' epilogue, and per-head Q/K norms through `qkv_project` and
+    `qk_norm_rope_append` (`LITHOS_QKV_NEW=1`), rather than the split form (three projections, then biases, norms,
+    rotation and the cache write in XLA). Those kernels compile for CUDA and HIP and match their twins on the CPU,
+    but have not run on a GPU yet (NOTES.md, "Q/K/V biases in the Q/K/V kernels", "Per-head Q/K norms in two
+    launches"): until they have, the split form, which has, stays the default. Read when a step is traced."""
+    return os.environ.get("LITHOS_QKV_NEW", "0") == "1"
 
 
 def _qkv_split(
@@ -351,13 +360,22 @@ def packed_qkv_rope_append(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As `qkv_rope_append` (same shapes, cache update in place and `ring`), with wq, wk, wv bf16 or packed:
     returns (q `[tokens, heads, head_dim]`, k_cache, v_cache). `biases`: Qwen2's bq, bk, bv (`[layers, out]` each),
-    which the kernels add before the rotation where `biases_in_kernel()`. One kernel when all three are bf16 or packed
-    in one format; three projections (then biases, rotation and the cache write in XLA) when their formats differ, as
-    a GGUF's K-quant mix keeps V in more bits than Q and K, when each head of Q and K has its RMSNorm (`qk_norms`:
-    Qwen3's q_norm and k_norm, `[layers, head_dim]` each), which the kernels do not apply, or for biases otherwise. An
+    which the kernels add before the rotation. One kernel when all three are bf16 or packed in one format; with
+    `qk_norms` (Qwen3's q_norm and k_norm, `[layers, head_dim]` each: each head of Q and K normalised before its
+    rotation) two, `packed_qkv_project` and `qk_norm_rope_append`; three projections (then biases, norms, rotation
+    and the cache write in XLA) when their formats differ, as a GGUF's K-quant mix keeps V in more bits than Q and K.
+    Until the new kernels have run on a GPU (`new_qkv_kernels`), biases and norms take the three projections too. An
     FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
-    split = qk_norms is not None or (biases is not None and not biases_in_kernel())
+    new = new_qkv_kernels()
+    split = (qk_norms is not None or biases is not None) and not new
+    if new and qk_norms is not None and len(formats) == 1:
+        projected = packed_qkv_project(
+            h, norm_weight, wq, wk, wv, head_dim=k_cache.shape[-1], layer=layer, eps=eps, biases=biases, path=path
+        )
+        caches = dict(k_scale=k_scale, v_scale=v_scale)
+        options = dict(dtype=h.dtype, layer=layer, eps=eps, ring=ring, path=path, **caches)
+        return qk_norm_rope_append(projected, *qk_norms, inv_freq, positions, k_cache, v_cache, **options)
     if formats == {"dense"} and not split:
         options = dict(layer=layer, eps=eps, ring=ring, path=path, biases=biases)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
@@ -421,6 +439,73 @@ def packed_qkv_rope_append(
     )
 
 
+def _project_reference(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, *, eps, head_dim):
+    wq, wk, wv = (values_f32(weight_at_layer(w, layer)) for w in (wq, wk, wv))
+    biases = None if bq is None else tuple(at_layer(b, layer) for b in (bq, bk, bv))
+    options = dict(head_dim=head_dim, layer=layer, eps=eps, biases=biases, path="reference")
+    return qkv_project(h, at_layer(norm_weight, layer), wq, wk, wv, **options)
+
+
+def _project_kernel(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, *, eps, head_dim):
+    heads, kv_heads = wq.shape[-2] // head_dim, wk.shape[-2] // head_dim
+    out = jax.ShapeDtypeStruct((h.shape[0], heads + 2 * kv_heads, head_dim), jnp.float32)
+    (projected,) = call_kernel(
+        _kernel_name(wq),
+        f"LithosPackedQkvProject_{wq.format.name}",
+        [out],
+        *(h, norm_weight, *planes(wq), *planes(wk), *planes(wv), layer, *bias_args((bq, bk, bv))),
+        eps=np.float32(eps),
+    )
+    return projected
+
+
+def packed_qkv_project(
+    h: jax.Array,
+    norm_weight: jax.Array,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    *,
+    head_dim: int,
+    layer: int | jax.Array | None = None,
+    eps: float = 1e-5,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    path: str = "auto",
+) -> jax.Array:
+    """As `qkv_project` (f32 `[tokens, heads + 2 kv_heads, head_dim]`, neither rotated nor cached), with wq, wk, wv
+    bf16 or packed in one format."""
+    formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
+    if formats == {"dense"}:
+        options = dict(head_dim=head_dim, layer=layer, eps=eps, biases=biases, path=path)
+        return qkv_project(h, norm_weight, wq, wk, wv, **options)
+    if len(formats) > 1:
+        raise LithosError(f"packed_qkv_project: Q, K and V must share one format, got {sorted(formats)}")
+    norm_weight = stacked("norm_weight", norm_weight, 1, layer)
+    wq, wk, wv = (stacked_weight(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
+    bq, bk, bv = stacked_biases(biases, layer)
+    if h.ndim != 2 or wq.shape[-1] != h.shape[1] or wq.shape[-2] % head_dim or wk.shape[-2] % head_dim:
+        raise LithosError(
+            f"packed_qkv_project: h {list(h.shape)}, wq {wq.shape} and wk {wk.shape} do not fit head_dim {head_dim}"
+        )
+    if wk.shape != wv.shape:
+        raise LithosError(f"packed_qkv_project: wk {wk.shape} and wv {wv.shape} must be alike")
+    check_biases("packed_qkv_project", (bq, bk, bv), wq.shape[-2], wk.shape[-2])
+
+    def check():
+        _check_packed("packed_qkv_project", h, wq, wk, wv)
+        require_bf16("packed_qkv_project", bq=bq, bk=bk, bv=bv)
+        if head_dim % 4 != 0:
+            raise LithosError("packed_qkv_project: the kernel takes head_dim a multiple of 4; use path='reference'")
+
+    return dispatch(
+        path,
+        functools.partial(_project_reference, eps=eps, head_dim=head_dim),
+        functools.partial(_project_kernel, eps=eps, head_dim=head_dim),
+        *(h, norm_weight, wq, wk, wv, layer_index(layer), bq, bk, bv),
+        check=check,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # final RMSNorm -> LM head -> argmax
 # --------------------------------------------------------------------------------------------
@@ -445,4 +530,10 @@ def packed_lm_head_argmax(
     return (tokens, logits) if with_logits else tokens
 
 
-__all__ = ["packed_gate_up_silu", "packed_lm_head_argmax", "packed_matvec", "packed_qkv_rope_append"]
+__all__ = [
+    "packed_gate_up_silu",
+    "packed_lm_head_argmax",
+    "packed_matvec",
+    "packed_qkv_project",
+    "packed_qkv_rope_append",
+]

@@ -7,7 +7,8 @@ stores position p in slot p (positions past its end are dropped), a ring (`ring`
 in slot p % slots. An FP8 cache
 (lithos.kv_cache: u8 codes with scales `[layers, 1, kv_heads]`) gets the codes of K / scale and
 V / scale, the scales being read, never changed (prefill set them). Q/K/V biases (Qwen2's) are added to
-the projections before the rotation.
+the projections before the rotation. `qkv_project` is the same pass without the rotation and the
+cache, for Q and K heads normalised first (Qwen3's; then lithos.custom_calls.qk_norm_rope).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import functools
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lithos.custom_calls.dispatch import (
+    absent,
     at_layer,
     cache_slots,
     call_kernel,
@@ -52,9 +53,7 @@ def check_biases(op: str, biases: tuple, q_rows: int, kv_rows: int) -> None:
 
 def bias_args(biases: tuple) -> tuple:
     """The kernels' three bias operands: the biases, or empty arrays for none (the handler reads nullptr)."""
-    if biases[0] is None:
-        return (jnp.zeros((0,), jnp.bfloat16),) * 3
-    return biases
+    return (absent(),) * 3 if biases[0] is None else biases
 
 
 def _stored(new, cache, scale, layer):
@@ -220,5 +219,71 @@ def qkv_rope_append(
         bq,
         bk,
         bv,
+        check=check,
+    )
+
+
+def _project_reference(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, *, eps, head_dim):
+    x = rms_normalize(h, at_layer(norm_weight, layer), eps)
+    ys = [project(x, at_layer(w, layer)) for w in (wq, wk, wv)]
+    if bq is not None:
+        ys = [y + f32(at_layer(b, layer)) for y, b in zip(ys, (bq, bk, bv), strict=True)]
+    return jax.numpy.concatenate(ys, axis=-1).reshape(h.shape[0], -1, head_dim)
+
+
+def _project_kernel(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, *, eps, head_dim, launch):
+    heads, kv_heads = wq.shape[1] // head_dim, wk.shape[1] // head_dim
+    dims = {"hidden": h.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    attrs = launch_attributes("qkv_rope_append", dims, h.shape[0], launch)  # the same row groups
+    out = jax.ShapeDtypeStruct((h.shape[0], heads + 2 * kv_heads, head_dim), np.float32)
+    (projected,) = call_kernel(
+        "qkv_rope",
+        "LithosQkvProject",
+        [out],
+        *(h, norm_weight, wq, wk, wv, layer, *bias_args((bq, bk, bv))),
+        eps=np.float32(eps),
+        **attrs,
+    )
+    return projected
+
+
+def qkv_project(
+    h: jax.Array,
+    norm_weight: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    wv: jax.Array,
+    *,
+    head_dim: int,
+    layer: int | jax.Array | None = None,
+    eps: float = 1e-5,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    path: str = "auto",
+    launch: Mapping[str, int] | None = None,
+) -> jax.Array:
+    """RMSNorm(h) -> the Q, K and V projections (biases added), f32 `[tokens, heads + 2 kv_heads, head_dim]`: Q's
+    heads, then K's, then V's, neither rotated nor cached (`qk_norm_rope_append` does that after each head's
+    norm). Shapes as `qkv_rope_append`'s."""
+    norm_weight = stacked("norm_weight", norm_weight, 1, layer)
+    bq, bk, bv = stacked_biases(biases, layer)
+    wq, wk, wv = (stacked(name, w, 2, layer) for name, w in (("wq", wq), ("wk", wk), ("wv", wv)))
+    if h.ndim != 2 or wq.shape[2] != h.shape[1] or wq.shape[1] % head_dim or wk.shape[1] % head_dim:
+        raise LithosError(f"qkv_project: h {list(h.shape)}, wq {list(wq.shape)} and wk {list(wk.shape)} do not fit "
+                          f"head_dim {head_dim}")  # fmt: skip
+    if wk.shape != wv.shape or wk.shape[2] != h.shape[1]:
+        raise LithosError(f"qkv_project: wk {list(wk.shape)} and wv {list(wv.shape)} must be alike and take h")
+    check_biases("qkv_project", (bq, bk, bv), wq.shape[1], wk.shape[1])
+
+    def check():
+        check_tokens("qkv_project", h.shape[0])
+        require_bf16("qkv_project", h=h, norm_weight=norm_weight, wq=wq, wk=wk, wv=wv, bq=bq, bk=bk, bv=bv)
+        if head_dim % 4 != 0:
+            raise LithosError("qkv_project: the fused kernel takes head_dim a multiple of 4")
+
+    return dispatch(
+        path,
+        functools.partial(_project_reference, eps=eps, head_dim=head_dim),
+        functools.partial(_project_kernel, eps=eps, head_dim=head_dim, launch=launch),
+        *(h, norm_weight, wq, wk, wv, layer_index(layer), bq, bk, bv),
         check=check,
     )

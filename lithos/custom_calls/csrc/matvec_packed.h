@@ -4,9 +4,10 @@
 //   LithosPackedMatvec_<format>:        y = residual + RMSNorm?(x) @ W.T   (bf16, or f32 for an LM head)
 //   LithosPackedGateUpSilu_<format>:    y = silu(xn @ Wg.T) * (xn @ Wu.T)
 //   LithosPackedQkvRopeAppend_<format>: RMSNorm -> Q, K, V -> RoPE on Q and K -> K, V into the cache
+//   LithosPackedQkvProject_<format>:    RMSNorm -> Q, K, V, stored f32 (per-head norms follow: qk_norm_rope.cu)
 //
 // One source per format (matvec_packed_<format>.cu) instantiates these templates and defines its
-// three handlers, so the formats build in parallel and a model builds only the formats it holds.
+// four handlers, so the formats build in parallel and a model builds only the formats it holds.
 // Weights arrive as planes (data, scales, mins) stacked [layers, ...] with a device scalar `layer`.
 // The RMSNorm factor multiplies the dot products in the epilogue, so normalised activations never
 // exist in memory.
@@ -179,6 +180,7 @@ struct PackedQkvArgs {
   bf16_t* q;                 // [tokens, heads, head_dim]
   bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
   bf16_t* v_cache;
+  float* projected;          // LithosPackedQkvProject's output [tokens, heads + 2 kv_heads, head_dim] (f32)
   QkvBiases biases;          // or none (qkv_biases.h)
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
   bool ring;  // slot = position % max_len (lithos/kv_cache.py; else positions >= max_len are dropped)
@@ -186,10 +188,12 @@ struct PackedQkvArgs {
   float eps;
 };
 
-template <WeightFormat F, int TMAX>
-__global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQkvArgs a) {
+// The Q/K/V row groups after the block's RMSNorm factors: unit u is two rotary pairs (j0, j0 + 1) of head
+// u / (head_dim / 4), q heads, then k heads, then v heads; `epilogue(head, first_pair, bias, rms_scale, acc)` gets
+// each unit's dot products and its head's bias (or nullptr).
+template <WeightFormat F, int TMAX, class Epilogue>
+__device__ __forceinline__ void packed_qkv_row_groups(const PackedQkvArgs& a, float* rms_scale, Epilogue epilogue) {
   static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
-  __shared__ float rms_scale[TMAX];
   const int64_t layer = *a.layer;
   const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
   block_rms_scale<TMAX, 8>(in, a.eps, rms_scale);
@@ -197,8 +201,6 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
   const int half = a.head_dim / 2;
   const int units_per_head = half / 2;
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
-  // Unit u: q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of one head.
   auto head_of = [&](int unit) { return unit / units_per_head; };
   auto first_pair_of = [&](int unit) { return (unit % units_per_head) * 2; };
   auto kv_head_of = [&](int head) { return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads; };
@@ -220,17 +222,105 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
         const int kind = is_q ? 0 : (is_v ? 2 : 1);
         const bf16_t* bias = a.biases.head(layer, kind, is_q ? head : kv_head_of(head), a.head_dim);
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v, bias, half,
-                         [&](int t, int position, int j, float lo, float hi) {
-          if (is_q) {
-            store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
-          } else if (const int at = cache_slot(position, a.max_len, a.ring); at >= 0) {
-            store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer +
-                           (static_cast<size_t>(kv_head_of(head)) * a.max_len + at) * a.head_dim,
-                       j, half, lo, hi);
-          }
-        });
+        epilogue(head, first_pair_of(unit), bias, acc);
       });
+}
+
+template <WeightFormat F, int TMAX>
+__global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQkvArgs a) {
+  __shared__ float rms_scale[TMAX];
+  const int64_t layer = *a.layer;
+  const int half = a.head_dim / 2;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  packed_qkv_row_groups<F, TMAX>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
+                                                   const float (&acc)[kRowsPerWarp][TMAX]) {
+    const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, !is_v, bias, half,
+                     [&](int t, int position, int j, float lo, float hi) {
+      if (is_q) {
+        store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
+      } else if (const int at = cache_slot(position, a.max_len, a.ring); at >= 0) {
+        const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
+        store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer + (static_cast<size_t>(kv_head) * a.max_len + at) *
+                                                                      a.head_dim,
+                   j, half, lo, hi);
+      }
+    });
+  });
+}
+
+// The projections (biases added) as they are, for heads normalised before their rotation (qk_norm_rope.cu).
+template <WeightFormat F, int TMAX>
+__global__ void __launch_bounds__(kMatvecThreads) packed_qkv_project_kernel(PackedQkvArgs a) {
+  __shared__ float rms_scale[TMAX];
+  const int half = a.head_dim / 2;
+  const int all_heads = a.heads + 2 * a.kv_heads;
+  packed_qkv_row_groups<F, TMAX>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
+                                                   const float (&acc)[kRowsPerWarp][TMAX]) {
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, half,
+                     [&](int t, int, int j, float lo, float hi) {
+      float* row = a.projected + (static_cast<size_t>(t) * all_heads + head) * a.head_dim;
+      row[j] = lo;
+      row[j + half] = hi;
+    });
+  });
+}
+
+// The arguments both packed Q/K/V handlers share: h, the norm, the three weights' planes for `heads` and
+// `kv_heads` of `head_dim`, the layer and the biases.
+template <WeightFormat F>
+ffi::Error packed_projection_args(const std::string& op, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                                  ffi::AnyBuffer q_data, ffi::AnyBuffer q_scales, ffi::AnyBuffer q_mins,
+                                  ffi::AnyBuffer k_data, ffi::AnyBuffer k_scales, ffi::AnyBuffer k_mins,
+                                  ffi::AnyBuffer v_data, ffi::AnyBuffer v_scales, ffi::AnyBuffer v_mins,
+                                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk,
+                                  ffi::Buffer<ffi::BF16> bv, int heads, int kv_heads, int head_dim, float eps,
+                                  PackedQkvArgs& a) {
+  constexpr int32_t format = static_cast<int32_t>(F);
+  auto hd = h.dimensions();
+  if (hd.size() != 2) return invalid(op + ": h must be [tokens, hidden], got " + shape_string(hd));
+  a.tokens = static_cast<int>(hd[0]);
+  a.hidden = static_cast<int>(hd[1]);
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = head_dim;
+  if (a.head_dim % 4 != 0) return invalid(op + ": head_dim must be a multiple of 4, got " + std::to_string(head_dim));
+  if (ffi::Error err = packed_weight(op, format, q_data, q_scales, q_mins, 1, a.hidden, a.wq); err.failure())
+    return err;
+  if (ffi::Error err = packed_weight(op, format, k_data, k_scales, k_mins, 1, a.hidden, a.wk); err.failure())
+    return err;
+  if (ffi::Error err = packed_weight(op, format, v_data, v_scales, v_mins, 1, a.hidden, a.wv); err.failure())
+    return err;
+  if (a.wq.n_out != a.heads * a.head_dim || a.wk.n_out != a.kv_heads * a.head_dim || a.wv.n_out != a.wk.n_out)
+    return invalid(op + ": wq/wk/wv rows do not fit " + std::to_string(a.heads) + " query and " +
+                   std::to_string(a.kv_heads) + " key/value heads of " + std::to_string(a.head_dim));
+  if (norm_w.dimensions().size() != 2 || norm_w.dimensions()[1] != a.hidden)
+    return invalid(op + ": norm weight " + shape_string(norm_w.dimensions()) + " must be [layers, hidden]");
+  if (layer.element_count() != 1) return invalid(op + ": layer must be a scalar");
+  a.h = h.typed_data();
+  a.norm_w = norm_w.typed_data();
+  a.norm_layer_stride = layer_stride(norm_w);
+  a.layer = layer.typed_data();
+  a.eps = eps;
+  if (!aligned16(a.h) || !aligned16(a.norm_w) || !packed_aligned(a.wq) || !packed_aligned(a.wk) ||
+      !packed_aligned(a.wv))
+    return invalid(op + ": inputs must be 16-byte aligned");
+  const int64_t layers = static_cast<int64_t>(norm_w.dimensions()[0]);
+  return qkv_biases(op, bq, bk, bv, a.wq.n_out, a.wk.n_out, layers, a.biases);
+}
+
+// Launches `kernel_for(tmax)`'s kernel over the Q/K/V row groups with `a`.
+template <class KernelFor>
+ffi::Error launch_packed_qkv(gpuStream_t stream, const PackedQkvArgs& a, const char* op, KernelFor kernel_for) {
+  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
+  return with_packed_token_bucket(a.tokens, [&](auto tmax) {
+    constexpr auto kernel = decltype(kernel_for(tmax))::value;
+    const RowGroupGrid grid = packed_grid(units, a.hidden, resident_blocks_per_unit<kernel>(kMatvecThreads));
+    PackedQkvArgs args = a;
+    args.k_split = grid.k_split;
+    kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
+    return launch_status(op);
+  });
 }
 
 template <WeightFormat F>
@@ -244,63 +334,66 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 ffi::Buffer<ffi::BF16> bk, ffi::Buffer<ffi::BF16> bv,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> q, ffi::Result<ffi::Buffer<ffi::BF16>> k_cache,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> v_cache, float eps, bool ring) {
-  constexpr int32_t format = static_cast<int32_t>(F);
   const std::string op = "packed qkv_rope_append";
-  auto hd = h.dimensions();
   auto cd = k_cache->dimensions();
   auto qd = q->dimensions();
-  if (hd.size() != 2 || cd.size() != 5 || qd.size() != 3 || cd[1] != 1)
-    return invalid(op + ": expected h [tokens, hidden], q [tokens, heads, head_dim] and caches [layers, 1, "
-                        "kv_heads, max_len, head_dim]; got h " + shape_string(hd) + ", q " + shape_string(qd) +
-                   ", cache " + shape_string(cd));
+  if (cd.size() != 5 || qd.size() != 3 || cd[1] != 1)
+    return invalid(op + ": expected q [tokens, heads, head_dim] and caches [layers, 1, kv_heads, max_len, "
+                        "head_dim]; got q " + shape_string(qd) + ", cache " + shape_string(cd));
   PackedQkvArgs a{};
-  a.tokens = static_cast<int>(hd[0]);
-  a.hidden = static_cast<int>(hd[1]);
-  a.heads = static_cast<int>(qd[1]);
-  a.kv_heads = static_cast<int>(cd[2]);
+  if (ffi::Error err = packed_projection_args<F>(op, h, norm_w, q_data, q_scales, q_mins, k_data, k_scales, k_mins,
+                                                 v_data, v_scales, v_mins, layer, bq, bk, bv, static_cast<int>(qd[1]),
+                                                 static_cast<int>(cd[2]), static_cast<int>(cd[4]), eps, a);
+      err.failure())
+    return err;
   a.max_len = static_cast<int>(cd[3]);
   a.ring = ring;
-  a.head_dim = static_cast<int>(cd[4]);
-  if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
-    return invalid(op + ": head_dim must be a multiple of 4 and match q " + shape_string(qd));
-  if (ffi::Error err = packed_weight(op, format, q_data, q_scales, q_mins, 1, a.hidden, a.wq); err.failure())
-    return err;
-  if (ffi::Error err = packed_weight(op, format, k_data, k_scales, k_mins, 1, a.hidden, a.wk); err.failure())
-    return err;
-  if (ffi::Error err = packed_weight(op, format, v_data, v_scales, v_mins, 1, a.hidden, a.wv); err.failure())
-    return err;
-  if (a.wq.n_out != a.heads * a.head_dim || a.wk.n_out != a.kv_heads * a.head_dim || a.wv.n_out != a.wk.n_out)
-    return invalid(op + ": wq/wk/wv rows do not fit " + std::to_string(a.heads) + " query and " +
-                   std::to_string(a.kv_heads) + " key/value heads of " + std::to_string(a.head_dim));
-  if (norm_w.dimensions().size() != 2 || norm_w.dimensions()[1] != a.hidden)
-    return invalid(op + ": norm weight " + shape_string(norm_w.dimensions()) + " must be [layers, hidden]");
+  if (qd[2] != a.head_dim || qd[0] != a.tokens)
+    return invalid(op + ": q " + shape_string(qd) + " does not fit the cache's head_dim and h's tokens");
   if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) ||
-      positions.element_count() != static_cast<size_t>(hd[0]) || layer.element_count() != 1)
-    return invalid(op + ": inv_freq must be [head_dim/2], positions [tokens], layer a scalar");
-  a.h = h.typed_data();
-  a.norm_w = norm_w.typed_data();
-  a.norm_layer_stride = layer_stride(norm_w);
+      positions.element_count() != static_cast<size_t>(a.tokens))
+    return invalid(op + ": inv_freq must be [head_dim/2] and positions [tokens]");
   a.inv_freq = inv_freq.typed_data();
   a.positions = positions.typed_data();
-  a.layer = layer.typed_data();
   a.q = q->typed_data();
   a.k_cache = k_cache->typed_data();
   a.v_cache = v_cache->typed_data();
-  const int64_t layers = static_cast<int64_t>(norm_w.dimensions()[0]);
-  if (ffi::Error err = qkv_biases(op, bq, bk, bv, a.wq.n_out, a.wk.n_out, layers, a.biases); err.failure())
+  return launch_packed_qkv(stream, a, "packed qkv_rope_append", [](auto tmax) {
+    return std::integral_constant<decltype(&packed_qkv_rope_kernel<F, 1>),
+                                  packed_qkv_rope_kernel<F, decltype(tmax)::value>>{};
+  });
+}
+
+template <WeightFormat F>
+ffi::Error packed_qkv_project_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                                   ffi::AnyBuffer q_data, ffi::AnyBuffer q_scales, ffi::AnyBuffer q_mins,
+                                   ffi::AnyBuffer k_data, ffi::AnyBuffer k_scales, ffi::AnyBuffer k_mins,
+                                   ffi::AnyBuffer v_data, ffi::AnyBuffer v_scales, ffi::AnyBuffer v_mins,
+                                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk,
+                                   ffi::Buffer<ffi::BF16> bv, ffi::Result<ffi::Buffer<ffi::F32>> projected,
+                                   float eps) {
+  const std::string op = "packed qkv_project";
+  auto pd = projected->dimensions();
+  auto qdims = q_data.dimensions(), kdims = k_data.dimensions();
+  // The rows of Q and K from their data planes ([layers, rows, ...]); PackedWeight checks them against the rest.
+  const int64_t head_dim = pd.size() == 3 ? pd[2] : 0;
+  if (pd.size() != 3 || head_dim == 0 || qdims.size() < 2 || kdims.size() < 2 || qdims[1] % head_dim != 0 ||
+      kdims[1] % head_dim != 0 || pd[1] != (qdims[1] + 2 * kdims[1]) / head_dim)
+    return invalid(op + ": the output " + shape_string(pd) + " must be [tokens, heads + 2 kv_heads, head_dim] for " +
+                   "Q and K data planes " + shape_string(qdims) + " and " + shape_string(kdims));
+  PackedQkvArgs a{};
+  if (ffi::Error err = packed_projection_args<F>(op, h, norm_w, q_data, q_scales, q_mins, k_data, k_scales, k_mins,
+                                                 v_data, v_scales, v_mins, layer, bq, bk, bv,
+                                                 static_cast<int>(qdims[1] / head_dim),
+                                                 static_cast<int>(kdims[1] / head_dim), static_cast<int>(head_dim),
+                                                 eps, a);
+      err.failure())
     return err;
-  a.eps = eps;
-  if (!aligned16(a.h) || !aligned16(a.norm_w) || !packed_aligned(a.wq) || !packed_aligned(a.wk) ||
-      !packed_aligned(a.wv))
-    return invalid(op + ": inputs must be 16-byte aligned");
-  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
-  return with_packed_token_bucket(a.tokens, [&](auto tmax) {
-    constexpr auto kernel = packed_qkv_rope_kernel<F, decltype(tmax)::value>;
-    const RowGroupGrid grid = packed_grid(units, a.hidden, resident_blocks_per_unit<kernel>(kMatvecThreads));
-    PackedQkvArgs args = a;
-    args.k_split = grid.k_split;
-    kernel<<<grid.blocks, kMatvecThreads, 0, stream>>>(args);
-    return launch_status("packed qkv_rope_append");
+  if (pd[0] != a.tokens) return invalid(op + ": the output " + shape_string(pd) + " does not have h's tokens");
+  a.projected = projected->typed_data();
+  return launch_packed_qkv(stream, a, "packed qkv_project", [](auto tmax) {
+    return std::integral_constant<decltype(&packed_qkv_project_kernel<F, 1>),
+                                  packed_qkv_project_kernel<F, decltype(tmax)::value>>{};
   });
 }
 
@@ -308,8 +401,25 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
 }  // namespace lithos
 
 
-// Defines the three handlers of one format: LithosPackedMatvec_<SUFFIX>, LithosPackedGateUpSilu_<SUFFIX>
-// and LithosPackedQkvRopeAppend_<SUFFIX>.
+// The Q/K/V handlers' weight operands (data, scales, mins or empty, for wq, wk, wv) and their biases (bf16
+// [layers, rows] or empty).
+#define LITHOS_PACKED_QKV_PLANES                                                                          \
+  .Arg<xla::ffi::AnyBuffer>()       /* wq data */                                                        \
+      .Arg<xla::ffi::AnyBuffer>()   /* wq scales */                                                      \
+      .Arg<xla::ffi::AnyBuffer>()   /* wq mins or empty */                                               \
+      .Arg<xla::ffi::AnyBuffer>()   /* wk data */                                                        \
+      .Arg<xla::ffi::AnyBuffer>()   /* wk scales */                                                      \
+      .Arg<xla::ffi::AnyBuffer>()   /* wk mins or empty */                                               \
+      .Arg<xla::ffi::AnyBuffer>()   /* wv data */                                                        \
+      .Arg<xla::ffi::AnyBuffer>()   /* wv scales */                                                      \
+      .Arg<xla::ffi::AnyBuffer>()   /* wv mins or empty */
+#define LITHOS_QKV_BIAS_ARGS                                                                              \
+  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()     /* bq [layers, rows] or empty */                          \
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bk or empty */                                         \
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bv or empty */
+
+// Defines the four handlers of one format: LithosPackedMatvec_<SUFFIX>, LithosPackedGateUpSilu_<SUFFIX>,
+// LithosPackedQkvRopeAppend_<SUFFIX> and LithosPackedQkvProject_<SUFFIX>.
 #define LITHOS_PACKED_MATVEC_HANDLERS(FORMAT, SUFFIX)                                                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosPackedMatvec_##SUFFIX,                                                  \
                                 lithos::packed_matvec::packed_matvec_impl<lithos::WeightFormat::FORMAT>,      \
@@ -347,26 +457,28 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                     .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()                             \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* h */                          \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* attention norm weight */      \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wq data */                    \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wq scales */                  \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wq mins or empty */           \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wk data */                    \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wk scales */                  \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wk mins or empty */           \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wv data */                    \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wv scales */                  \
-                                    .Arg<xla::ffi::AnyBuffer>()              /* wv mins or empty */           \
+                                    LITHOS_PACKED_QKV_PLANES                                                  \
                                     .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  /* inv_freq */                   \
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* positions */                  \
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache, aliased to out 1 */  \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache, aliased to out 2 */  \
-                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bq [layers, rows] or empty */ \
-                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bk or empty */                \
-                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* bv or empty */                \
+                                    LITHOS_QKV_BIAS_ARGS                                                      \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* q */                          \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* k cache */                    \
                                     .Ret<xla::ffi::Buffer<xla::ffi::BF16>>() /* v cache */                    \
                                     .Attr<float>("eps")                                                       \
                                     .Attr<bool>("ring"), /* slot = position % max_len */                      \
+                                {xla::ffi::Traits::kCmdBufferCompatible});                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosPackedQkvProject_##SUFFIX,                                              \
+                                lithos::packed_matvec::packed_qkv_project_impl<lithos::WeightFormat::FORMAT>, \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<gpuStream_t>>()                             \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* h */                          \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() /* attention norm weight */      \
+                                    LITHOS_PACKED_QKV_PLANES                                                  \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  /* layer */                      \
+                                    LITHOS_QKV_BIAS_ARGS                                                      \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  /* projections */                \
+                                    .Attr<float>("eps"),                                                      \
                                 {xla::ffi::Traits::kCmdBufferCompatible})

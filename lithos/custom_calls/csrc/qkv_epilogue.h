@@ -36,17 +36,19 @@ __device__ __forceinline__ void store_pair(bf16_t* row, int j, int half, float l
 
 // A row group of two rotary pairs (first_pair, first_pair + 1; acc rows 2p and 2p + 1 are pair p's
 // halves): lane t takes token t (for_each_token), scales by the token's RMSNorm factor, adds the head's
-// bias if `kBiases` and `bias` is not nullptr (its head_dim values, Qwen2's; in f32 as the reference adds
-// it), rotates unless `rotate` is false (V rows), and calls `store(t, position, j, lo, hi)` for each pair j.
-// Without kBiases no bias code exists: the megakernel's build is the one it was before biases.
-template <int TMAX, bool kBiases, class Store>
+// bias (its head_dim values, Qwen2's; in f32 as the reference adds it), rotates unless `rotate` is false
+// (V rows, or a projection stored before its per-head norm), and calls `store(t, position, j, lo, hi)` for
+// each pair j. With kOptional, `bias` and `positions` may be nullptr (no bias; no positions, position -1,
+// when nothing rotates or goes to a cache); without it no such code exists, and the megakernel's build is
+// the one it was before either.
+template <int TMAX, bool kOptional, class Store>
 __device__ __forceinline__ void rope_pairs_with(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale,
                                                 int tokens, const int32_t* positions, const float* inv_freq,
                                                 int first_pair, bool rotate, const bf16_t* bias, int half,
                                                 Store store) {
   static_assert(kRowsPerWarp == 4, "a row group holds two rotary pairs");
   float bias_lo[2] = {0.f, 0.f}, bias_hi[2] = {0.f, 0.f};
-  if constexpr (kBiases) {
+  if constexpr (kOptional) {
     if (bias != nullptr) {
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
@@ -56,13 +58,13 @@ __device__ __forceinline__ void rope_pairs_with(const float (&acc)[kRowsPerWarp]
     }
   }
   for_each_token<TMAX>(acc, tokens, [&](int t, const float (&sums)[kRowsPerWarp]) {
-    const int position = positions[t];
+    const int position = (kOptional && positions == nullptr) ? -1 : positions[t];
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int j = first_pair + p;
       float lo = sums[2 * p] * rms_scale[t];
       float hi = sums[2 * p + 1] * rms_scale[t];
-      if constexpr (kBiases) {
+      if constexpr (kOptional) {
         if (bias != nullptr) {  // only then: `+ 0.f` would turn -0 into +0
           lo += bias_lo[p];
           hi += bias_hi[p];
@@ -74,7 +76,7 @@ __device__ __forceinline__ void rope_pairs_with(const float (&acc)[kRowsPerWarp]
   });
 }
 
-// The row group's pairs with the head's bias (`bias`, or nullptr for none): the Q/K/V kernels.
+// The fused Q/K/V kernels' pairs: the head's `bias` or nullptr, `positions` or nullptr (see above).
 template <int TMAX, class Store>
 __device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
                                            const int32_t* positions, const float* inv_freq, int first_pair,
@@ -82,7 +84,7 @@ __device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX
   rope_pairs_with<TMAX, true>(acc, rms_scale, tokens, positions, inv_freq, first_pair, rotate, bias, half, store);
 }
 
-// Without biases: the megakernel, which refuses biased models.
+// Without biases, every position given: the megakernel, which refuses biased and normed models.
 template <int TMAX, class Store>
 __device__ __forceinline__ void rope_pairs(const float (&acc)[kRowsPerWarp][TMAX], const float* rms_scale, int tokens,
                                            const int32_t* positions, const float* inv_freq, int first_pair,

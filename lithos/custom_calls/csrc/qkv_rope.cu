@@ -8,10 +8,13 @@
 // An FP8 cache (lithos/kv_cache.py) gets E4M3 codes of K / scale and V / scale, the scales being the
 // row's, set at prefill; like the reference, values beyond 448 * scale saturate. Q/K/V biases (qkv_biases.h)
 // are added to the projections before the rotation.
+// LithosQkvProject is the same pass without the rotation and the cache: for Q and K heads with RMSNorms of
+// their own (Qwen3's), which need a whole head's values, and then qk_norm_rope.cu.
+#include <string>
 #include <type_traits>
 
+#include "cache_store.h"
 #include "ffi_util.h"
-#include "fp8.h"
 #include "portable.h"
 #include "qkv_biases.h"
 #include "qkv_epilogue.h"
@@ -36,6 +39,7 @@ struct QkvArgs {
   void* v_cache;
   const float* k_scale;    // [layers, 1, kv_heads]: an FP8 cache's scales (nullptr for bf16)
   const float* v_scale;
+  float* projected;        // LithosQkvProject's output [tokens, heads + 2 kv_heads, head_dim] (f32)
   QkvBiases biases;        // or none
   int tokens, hidden, heads, kv_heads, head_dim, slots;
   bool ring;    // slot = position % slots (else slot = position, positions >= slots dropped)
@@ -43,21 +47,14 @@ struct QkvArgs {
   float eps;
 };
 
-template <int TMAX, int VEC, typename Cache>
-__global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
-  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
-  __shared__ float rms_scale[TMAX];
-
-  const int64_t layer = *a.layer;
-  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
-  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
-
+// Unit u of the Q/K/V row groups: heads are q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of
+// one. `epilogue(unit, head, first_pair, bias, acc)` gets each unit's dot products and its head's bias (or nullptr).
+template <int TMAX, int VEC, class Epilogue>
+__device__ __forceinline__ void qkv_row_groups(const QkvArgs& a, int64_t layer, const TokenRows& in,
+                                               Epilogue epilogue) {
   const int half = a.head_dim / 2;
   const int units_per_head = half / 2;
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
-
-  // Unit u: heads are q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of one.
   auto head_of = [&](int unit) { return unit / units_per_head; };
   auto first_pair_of = [&](int unit) { return (unit % units_per_head) * 2; };
   auto kv_head_of = [&](int head) {
@@ -83,24 +80,120 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
         const int kind = is_q ? 0 : (is_v ? 2 : 1);
         const bf16_t* bias = a.biases.head(layer, kind, is_q ? head : kv_head_of(head), a.head_dim);
-        rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair_of(unit), !is_v, bias, half,
-                         [&](int t, int position, int j, float lo, float hi) {
-          if (is_q) {
-            store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
-          } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
-            const int kv_head = kv_head_of(head);
-            Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
-                          (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
-            if constexpr (std::is_same_v<Cache, uint8_t>) {
-              const float scale = (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head];
-              slot[j] = float_to_e4m3(lo / scale);  // a division, as the reference's
-              slot[j + half] = float_to_e4m3(hi / scale);
-            } else {
-              store_pair(slot, j, half, lo, hi);
-            }
-          }
-        });
+        epilogue(unit, head, first_pair_of(unit), bias, acc);
       });
+}
+
+template <int TMAX, int VEC, typename Cache>
+__global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
+  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
+  __shared__ float rms_scale[TMAX];
+
+  const int64_t layer = *a.layer;
+  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
+  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
+
+  const int half = a.head_dim / 2;
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
+  qkv_row_groups<TMAX, VEC>(a, layer, in, [&](int, int head, int first_pair, const bf16_t* bias,
+                                              const float (&acc)[kRowsPerWarp][TMAX]) {
+    const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, !is_v, bias, half,
+                     [&](int t, int position, int j, float lo, float hi) {
+      if (is_q) {
+        store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
+      } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
+        const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
+        Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
+                      (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
+        const float scale =
+            std::is_same_v<Cache, uint8_t> ? (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head] : 1.f;
+        store_cache_pair(slot, j, half, lo, hi, scale);
+      }
+    });
+  });
+}
+
+// RMSNorm -> Q, K, V projections (biases added), stored as they are: a per-head norm comes between them and the
+// rotation (Qwen3's), and qk_norm_rope.cu applies it.
+template <int TMAX, int VEC>
+__global__ void __launch_bounds__(kMatvecThreads) qkv_project_kernel(QkvArgs a) {
+  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
+  __shared__ float rms_scale[TMAX];
+
+  const int64_t layer = *a.layer;
+  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
+  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
+
+  const int half = a.head_dim / 2;
+  const int all_heads = a.heads + 2 * a.kv_heads;
+  qkv_row_groups<TMAX, VEC>(a, layer, in, [&](int, int head, int first_pair, const bf16_t* bias,
+                                              const float (&acc)[kRowsPerWarp][TMAX]) {
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, half,
+                     [&](int t, int, int j, float lo, float hi) {
+      float* row = a.projected + (static_cast<size_t>(t) * all_heads + head) * a.head_dim;
+      row[j] = lo;
+      row[j + half] = hi;
+    });
+  });
+}
+
+// The checks and arguments both handlers share: h [tokens, hidden], the norm, wq / wk / wv for `heads` and
+// `kv_heads` of `head_dim`, the layer and the biases.
+ffi::Error projection_args(const std::string& op, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                           ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk,
+                           ffi::Buffer<ffi::BF16> bv, int heads, int kv_heads, int head_dim, float eps, QkvArgs& a) {
+  auto hd = h.dimensions();
+  if (hd.size() != 2) return invalid(op + ": h must be [tokens, hidden], got " + shape_string(hd));
+  a.tokens = static_cast<int>(hd[0]);
+  a.hidden = static_cast<int>(hd[1]);
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = head_dim;
+  if (a.head_dim % 4 != 0) return invalid(op + ": head_dim must be a multiple of 4, got " + std::to_string(head_dim));
+  const int64_t q_rows = int64_t{a.heads} * a.head_dim, kv_rows = int64_t{a.kv_heads} * a.head_dim;
+  if (wq.dimensions().size() != 3 || wq.dimensions()[1] != q_rows || wq.dimensions()[2] != a.hidden ||
+      wk.dimensions().size() != 3 || wk.dimensions()[1] != kv_rows || wk.dimensions()[2] != a.hidden ||
+      wv.element_count() != wk.element_count() || norm_w.dimensions().back() != a.hidden)
+    return invalid(op + ": weights wq " + shape_string(wq.dimensions()) + ", wk " + shape_string(wk.dimensions()) +
+                   ", wv " + shape_string(wv.dimensions()) + ", norm " + shape_string(norm_w.dimensions()) +
+                   " do not fit hidden " + std::to_string(a.hidden));
+  if (layer.element_count() != 1) return invalid(op + ": layer must be a scalar");
+  a.h = h.typed_data();
+  a.norm_w = norm_w.typed_data();
+  a.wq = wq.typed_data();
+  a.wk = wk.typed_data();
+  a.wv = wv.typed_data();
+  a.layer = layer.typed_data();
+  a.norm_layer_stride = layer_stride(norm_w);
+  a.q_layer_stride = layer_stride(wq);
+  a.kv_layer_stride = layer_stride(wk);
+  if (layer_stride(wv) != a.kv_layer_stride) return invalid(op + ": wk and wv must be stacked alike");
+  a.eps = eps;
+  return qkv_biases(op, bq, bk, bv, q_rows, kv_rows, wq.dimensions()[0], a.biases);
+}
+
+// Launches `kernel_for(tmax, vec)`'s kernel over the Q/K/V row groups with `a`.
+template <class KernelFor>
+ffi::Error launch_row_groups(gpuStream_t stream, const QkvArgs& a, const RowGroupLaunch& launch, const char* op,
+                             KernelFor kernel_for) {
+  const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
+                       aligned16(a.wv) && a.norm_layer_stride % 8 == 0 && a.q_layer_stride % 8 == 0 &&
+                       a.kv_layer_stride % 8 == 0;
+  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
+  return with_token_bucket(a.tokens, [&](auto tmax) {
+    return with_vector_width(a.hidden, aligned, [&](auto vec) {
+      constexpr auto kernel = decltype(kernel_for(tmax, vec))::value;
+      const RowGroupGrid grid =
+          row_group_grid(row_group_work<decltype(tmax)::value, decltype(vec)::value, kWideForRest>(units),
+                         a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
+      QkvArgs args = a;
+      args.k_split = grid.k_split;
+      kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);
+      return launch_status(op);
+    });
+  });
 }
 
 // The cache is bf16 (CacheType BF16, no scales) or E4M3 codes (U8) with scales [layers, 1, kv_heads].
@@ -115,78 +208,71 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
                                 float eps, bool ring, int64_t k_split, int64_t warps_per_block,
                                 int64_t blocks_per_unit) {
   using Cache = std::conditional_t<CacheType == ffi::U8, uint8_t, bf16_t>;
+  const std::string op = "qkv_rope_append";
   const RowGroupLaunch launch{k_split, warps_per_block, blocks_per_unit};
-  if (ffi::Error err = check_launch("qkv_rope_append", launch); err.failure()) return err;
-  auto hd = h.dimensions();
+  if (ffi::Error err = check_launch(op.c_str(), launch); err.failure()) return err;
   auto cd = k_cache->dimensions();
   auto qd = q->dimensions();
-  if (hd.size() != 2 || cd.size() != 5 || qd.size() != 3)
-    return invalid("qkv_rope_append: expected h [tokens, hidden], q [tokens, heads, head_dim] and caches "
-                   "[layers, batch, kv_heads, slots, head_dim]; got h " + shape_string(hd) + ", q " +
-                   shape_string(qd) + ", cache " + shape_string(cd));
-  if (cd[1] != 1) return invalid("qkv_rope_append: the fused kernels decode batch 1, cache has batch " +
-                                 std::to_string(cd[1]));
+  if (cd.size() != 5 || qd.size() != 3)
+    return invalid(op + ": expected q [tokens, heads, head_dim] and caches [layers, batch, kv_heads, slots, "
+                        "head_dim]; got q " + shape_string(qd) + ", cache " + shape_string(cd));
+  if (cd[1] != 1) return invalid(op + ": the fused kernels decode batch 1, cache has batch " + std::to_string(cd[1]));
   QkvArgs a{};
-  a.tokens = static_cast<int>(hd[0]);
-  a.hidden = static_cast<int>(hd[1]);
-  a.heads = static_cast<int>(qd[1]);
-  a.kv_heads = static_cast<int>(cd[2]);
+  if (ffi::Error err = projection_args(op, h, norm_w, wq, wk, wv, layer, bq, bk, bv, static_cast<int>(qd[1]),
+                                       static_cast<int>(cd[2]), static_cast<int>(cd[4]), eps, a);
+      err.failure())
+    return err;
   a.slots = static_cast<int>(cd[3]);
   a.ring = ring;
-  a.head_dim = static_cast<int>(cd[4]);
-  if (a.head_dim % 4 != 0 || qd[2] != a.head_dim || qd[0] != hd[0])
-    return invalid("qkv_rope_append: head_dim must be a multiple of 4 and match q " + shape_string(qd));
-  const int64_t q_rows = int64_t{a.heads} * a.head_dim, kv_rows = int64_t{a.kv_heads} * a.head_dim;
-  if (wq.dimensions().size() != 3 || wq.dimensions()[1] != q_rows || wq.dimensions()[2] != a.hidden ||
-      wk.dimensions().size() != 3 || wk.dimensions()[1] != kv_rows || wk.dimensions()[2] != a.hidden ||
-      wv.element_count() != wk.element_count() || norm_w.dimensions().back() != a.hidden)
-    return invalid("qkv_rope_append: weights wq " + shape_string(wq.dimensions()) + ", wk " +
-                   shape_string(wk.dimensions()) + ", wv " + shape_string(wv.dimensions()) + ", norm " +
-                   shape_string(norm_w.dimensions()) + " do not fit hidden " + std::to_string(a.hidden));
-  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) || positions.element_count() != static_cast<size_t>(hd[0]) ||
-      layer.element_count() != 1)
-    return invalid("qkv_rope_append: inv_freq must be [head_dim/2], positions [tokens], layer a scalar");
-  a.h = h.typed_data();
-  a.norm_w = norm_w.typed_data();
-  a.wq = wq.typed_data();
-  a.wk = wk.typed_data();
-  a.wv = wv.typed_data();
+  if (qd[2] != a.head_dim || qd[0] != a.tokens)
+    return invalid(op + ": q " + shape_string(qd) + " does not fit the cache's head_dim and h's tokens");
+  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) ||
+      positions.element_count() != static_cast<size_t>(a.tokens))
+    return invalid(op + ": inv_freq must be [head_dim/2] and positions [tokens]");
   a.inv_freq = inv_freq.typed_data();
   a.positions = positions.typed_data();
-  a.layer = layer.typed_data();
-  a.norm_layer_stride = layer_stride(norm_w);
-  a.q_layer_stride = layer_stride(wq);
-  a.kv_layer_stride = layer_stride(wk);
-  if (layer_stride(wv) != a.kv_layer_stride) return invalid("qkv_rope_append: wk and wv must be stacked alike");
   a.q = q->typed_data();
   a.k_cache = k_cache->typed_data();
   a.v_cache = v_cache->typed_data();
   const size_t scale_count = static_cast<size_t>(cd[0]) * cd[1] * cd[2];
   if (k_scale && (k_scale->element_count() != scale_count || v_scale->element_count() != scale_count))
-    return invalid("qkv_rope_append: an FP8 cache " + shape_string(cd) + " needs k/v scales [layers, 1, kv_heads], "
-                   "got " + shape_string(k_scale->dimensions()) + " and " + shape_string(v_scale->dimensions()));
+    return invalid(op + ": an FP8 cache " + shape_string(cd) + " needs k/v scales [layers, 1, kv_heads], got " +
+                   shape_string(k_scale->dimensions()) + " and " + shape_string(v_scale->dimensions()));
   a.k_scale = k_scale ? k_scale->typed_data() : nullptr;
   a.v_scale = v_scale ? v_scale->typed_data() : nullptr;
-  if (ffi::Error err = qkv_biases("qkv_rope_append", bq, bk, bv, q_rows, kv_rows, wq.dimensions()[0], a.biases);
+  return launch_row_groups(stream, a, launch, "qkv_rope_append", [](auto tmax, auto vec) {
+    return std::integral_constant<decltype(&qkv_rope_append_kernel<1, 1, Cache>),
+                                  qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value, Cache>>{};
+  });
+}
+
+ffi::Error qkv_project(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> norm_w,
+                       ffi::Buffer<ffi::BF16> wq, ffi::Buffer<ffi::BF16> wk, ffi::Buffer<ffi::BF16> wv,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> bq, ffi::Buffer<ffi::BF16> bk,
+                       ffi::Buffer<ffi::BF16> bv, ffi::Result<ffi::Buffer<ffi::F32>> projected, float eps,
+                       int64_t k_split, int64_t warps_per_block, int64_t blocks_per_unit) {
+  const std::string op = "qkv_project";
+  const RowGroupLaunch launch{k_split, warps_per_block, blocks_per_unit};
+  if (ffi::Error err = check_launch(op.c_str(), launch); err.failure()) return err;
+  auto pd = projected->dimensions();
+  const int64_t head_dim = pd.size() == 3 ? pd[2] : 0;
+  if (pd.size() != 3 || head_dim == 0 || wq.dimensions().size() != 3 || wk.dimensions().size() != 3 ||
+      wq.dimensions()[1] % head_dim != 0 || wk.dimensions()[1] % head_dim != 0 ||
+      pd[1] != (wq.dimensions()[1] + 2 * wk.dimensions()[1]) / head_dim)
+    return invalid(op + ": the output " + shape_string(pd) + " must be [tokens, heads + 2 kv_heads, head_dim] for wq " +
+                   shape_string(wq.dimensions()) + " and wk " + shape_string(wk.dimensions()));
+  QkvArgs a{};
+  if (ffi::Error err = projection_args(op, h, norm_w, wq, wk, wv, layer, bq, bk, bv,
+                                       static_cast<int>(wq.dimensions()[1] / head_dim),
+                                       static_cast<int>(wk.dimensions()[1] / head_dim), static_cast<int>(head_dim),
+                                       eps, a);
       err.failure())
     return err;
-  a.eps = eps;
-
-  const bool aligned = aligned16(a.h) && aligned16(a.norm_w) && aligned16(a.wq) && aligned16(a.wk) &&
-                       aligned16(a.wv) && a.norm_layer_stride % 8 == 0 && a.q_layer_stride % 8 == 0 &&
-                       a.kv_layer_stride % 8 == 0;
-  const int64_t units = int64_t{a.heads + 2 * a.kv_heads} * (a.head_dim / 4);
-  return with_token_bucket(a.tokens, [&](auto tmax) {
-    return with_vector_width(a.hidden, aligned, [&](auto vec) {
-      constexpr auto kernel = qkv_rope_append_kernel<decltype(tmax)::value, decltype(vec)::value, Cache>;
-      const RowGroupGrid grid =
-          row_group_grid(row_group_work<decltype(tmax)::value, decltype(vec)::value, kWideForRest>(units),
-                         a.hidden, resident_blocks_per_unit<kernel>(launch.threads()), launch);
-      QkvArgs args = a;
-      args.k_split = grid.k_split;
-      kernel<<<grid.blocks, grid.warps * WARP_SIZE, 0, stream>>>(args);
-      return launch_status("qkv_rope_append");
-    });
+  if (pd[0] != a.tokens) return invalid(op + ": the output " + shape_string(pd) + " does not have h's tokens");
+  a.projected = projected->typed_data();
+  return launch_row_groups(stream, a, launch, "qkv_project", [](auto tmax, auto vec) {
+    return std::integral_constant<decltype(&qkv_project_kernel<1, 1>),
+                                  qkv_project_kernel<decltype(tmax)::value, decltype(vec)::value>>{};
   });
 }
 
@@ -272,6 +358,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvRopeAppendFp8, lithos::qkv_rope_append_fp
                                   .Ret<ffi::Buffer<ffi::U8>>()    // v cache
                                   .Attr<float>("eps")
                                   .Attr<bool>("ring")        // slot = position % slots
+                                  .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
+                                  .Attr<int64_t>("warps_per_block")
+                                  .Attr<int64_t>("blocks_per_unit"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// RMSNorm -> Q, K, V projections (and their biases), f32 [tokens, heads + 2 kv_heads, head_dim], for a model whose
+// Q and K heads have their own RMSNorm (then LithosQkNormRopeAppend, qk_norm_rope.cu).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosQkvProject, lithos::qkv_project,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // attention norm weight
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wq
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wk
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // wv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bq [layers, heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bk [layers, kv_heads * head_dim] or empty
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // bv or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // projections
+                                  .Attr<float>("eps")
                                   .Attr<int64_t>("k_split")  // launch parameters: 0 = heuristic
                                   .Attr<int64_t>("warps_per_block")
                                   .Attr<int64_t>("blocks_per_unit"),

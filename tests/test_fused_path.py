@@ -85,6 +85,46 @@ def test_fused_new_qkv_kernels(hf_checkpoint, monkeypatch, arch, qkv_format):
     np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_qkv_of_mixed_k_quants_in_one_format(monkeypatch, qk_norm):
+    """`LITHOS_QKV_NEW=1`: a Q4_K_M file's Q4_K Q and K beside its K_MIX V are laid out all in K_MIX for the fused
+    path (`params_for_kernels`), every value the same, and a step takes the Q/K/V kernels, not the split form, with
+    the reference path's logits. Without the switch nothing is laid out."""
+    from lithos import quant
+    from lithos.custom_calls import packed_matvec
+    from lithos.models import params_for_kernels
+    from lithos.quant import dequantize
+
+    cfg = llama.Config(
+        "Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
+        *(300, 256, 512, 2, 4, 2, 64),  # vocab, hidden, ffn, layers, heads, kv heads, head_dim
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        qk_norm=qk_norm,
+    )
+    dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+    params = llama.init_params(cfg, jax.random.key(0), dtype)
+    params = quant.random_packed_params(params, {"layers.wq": "q4_k", "layers.wk": "q4_k", "layers.wv": "k_mix"})
+    assert params_for_kernels(params, cfg, "fused") is params
+
+    def no_split(*args, **kwargs):
+        raise AssertionError("Q/K/V took the split form")
+
+    monkeypatch.setenv("LITHOS_QKV_NEW", "1")
+    laid_out = params_for_kernels(params, cfg, "fused")
+    for name in ("wq", "wk", "wv"):
+        before, after = getattr(params.layers, name), getattr(laid_out.layers, name)
+        assert after.format.name == "k_mix"
+        np.testing.assert_array_equal(np.asarray(dequantize(after, jnp.float32)), dequantize(before, jnp.float32))
+    monkeypatch.setattr(packed_matvec, "_qkv_split", no_split)
+    ref = _step_logits(cfg, params, "reference", 24, 3)
+    fused = _step_logits(cfg, laid_out, "fused", 24, 3)
+    tol = 3e-2 if ON_GPU else 1e-4
+    np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
 def test_fused_rejects_what_it_does_not_implement(hf_checkpoint):
     with pytest.raises(UnsupportedModelError, match="megakernel kernels do not implement Q/K/V biases"):
         lithos.load(hf_checkpoint("qwen2_hd64"), dtype="float32", kernels="megakernel")

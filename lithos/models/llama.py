@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lithos.errors import UnsupportedModelError
+from lithos.errors import LithosError, UnsupportedModelError
 from lithos.kv_cache import KVCache, append, attention_inputs, check_step_tokens, slot_positions
 from lithos.quant import QuantizedArray, dequantize
 
@@ -442,8 +442,10 @@ def kernel_gaps(cfg, kernels: str) -> list[str]:
 def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
     """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
     (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
-    tiles on CUDA (gate and up by default: tiles_for_megakernel). The values are the same; the reference path reads
-    any layout."""
+    tiles on CUDA (gate and up by default: tiles_for_megakernel); for the fused path, `qkv_in_one_format`. The values
+    are the same; the reference path reads any layout."""
+    if kernels == "fused":
+        return qkv_in_one_format(params)
     if kernels != "megakernel":
         return params
     from lithos.custom_calls.megakernel import one_format_a_group, tiles_for_megakernel
@@ -452,6 +454,25 @@ def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
     layers = params.layers
     laid_out = one_format_a_group({name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)})
     laid_out = tiles_for_megakernel(laid_out, cfg.head_dim)
+    return params.replace(layers=layers.replace(**laid_out))
+
+
+def qkv_in_one_format(params):
+    """For the fused path with the new Q/K/V kernels (`LITHOS_QKV_NEW=1`): Q/K/V that mix K-quants (a Q4_K_M file's
+    Q4_K Q and K beside its V, K_MIX) all in K_MIX, every value the same, so that they take one Q/K/V launch (two
+    with per-head norms) instead of three projections and XLA's rotation and cache writes, at 7.1 bits a weight on
+    Q and K where Q4_K takes 4.5. `params` with a `layers` of wq/wk/wv (every family on `fused_layers`)."""
+    from lithos.custom_calls.megakernel import one_format_a_group
+    from lithos.custom_calls.megakernel.kernel import QKV_WEIGHTS
+    from lithos.custom_calls.packed_matvec import new_qkv_kernels
+
+    if not new_qkv_kernels():
+        return params
+    layers = params.layers
+    try:
+        laid_out = one_format_a_group({name: getattr(layers, name) for name in QKV_WEIGHTS})
+    except LithosError:  # a mix K_MIX does not hold: the split form reads any
+        return params
     return params.replace(layers=layers.replace(**laid_out))
 
 

@@ -171,12 +171,14 @@ def tiles_wanted(platform: str | None) -> frozenset[str]:
 
 
 def one_format_a_group(matrices: dict) -> dict:
-    """The layer matrices `matrices` (a dict of ATTENTION_WEIGHTS' and MLP_WEIGHTS' names) with each group whose
-    matrices mix K-quants (a Q4_K_M file's Q4_K Q and K beside its V, K_MIX) all in K_MIX, every value the same:
+    """The layer matrices `matrices` (a dict of ATTENTION_WEIGHTS' and MLP_WEIGHTS' names, or of some) with each group
+    whose matrices mix K-quants (a Q4_K_M file's Q4_K Q and K beside its V, K_MIX) all in K_MIX, every value the same:
     the megakernel reads one format a group (Q/K/V, gate/up; O and down each their own), at 7.1 bits a weight where
     Q4_K takes 4.5. Anything else unchanged."""
     out = dict(matrices)
     for names in (QKV_WEIGHTS, GATE_UP_WEIGHTS):
+        if not all(name in matrices for name in names):
+            continue
         ws = [matrices[name] for name in names]
         if not all(isinstance(w, QuantizedArray) for w in ws):
             continue

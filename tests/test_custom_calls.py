@@ -146,6 +146,61 @@ def test_qkv_rope_append_reference():
     np.testing.assert_array_equal(f64(k_new[0]), f64(k_cache[0]))  # other layers untouched
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_qkv_project_and_qk_norm_rope_append_reference(biased):
+    """Qwen3's two launches' twins against float64 numpy: the projections (biases added), then each Q and K head's
+    RMSNorm, the rotation and the cache write; and the one-kernel twin's biases (Qwen2's) likewise."""
+    from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
+    from lithos.custom_calls.qkv import qkv_project
+
+    rng = np.random.default_rng(4)
+    layers, hidden, heads, kv_heads, dim, max_len, tokens = 2, 32, 4, 2, 8, 12, 3
+    h, norm = rand(rng, tokens, hidden), rand(rng, layers, hidden)
+    wq, wk, wv = (rand(rng, layers, n * dim, hidden) for n in (heads, kv_heads, kv_heads))
+    biases = tuple(rand(rng, layers, n * dim) for n in (heads, kv_heads, kv_heads)) if biased else None
+    q_norm, k_norm = rand(rng, layers, dim), rand(rng, layers, dim)
+    k_cache, v_cache = rand(rng, layers, 1, kv_heads, max_len, dim), rand(rng, layers, 1, kv_heads, max_len, dim)
+    inv_freq = 1.0 / 100.0 ** (np.arange(0, dim, 2) / dim)
+    positions = np.asarray([5, 11, 12], np.int32)  # 12 is past max_len: dropped
+    projected = qkv_project(h, norm, wq, wk, wv, head_dim=dim, layer=1, biases=biases, path="reference")
+    x = rms64(h, norm[1], 1e-5)
+    rows = [x @ f64(w[1]).T + (0 if biases is None else f64(b[1])) for w, b in zip((wq, wk, wv), biases or [None] * 3)]
+    assert_close(projected, np.concatenate(rows, -1).reshape(tokens, heads + 2 * kv_heads, dim))
+
+    args = (jnp.asarray(inv_freq, jnp.float32), jnp.asarray(positions), k_cache, v_cache)
+    q, k_new, v_new = qk_norm_rope_append(projected, q_norm, k_norm, *args, layer=1, eps=1e-6, path="reference")
+
+    def head_norm(y, w, n):  # [tokens, n * dim] -> [tokens, n, dim], each head's RMSNorm
+        y = y.reshape(tokens, n, dim)
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + 1e-6) * f64(w[1])
+
+    assert_close(q, rope64(head_norm(rows[0], q_norm, heads), positions, inv_freq))
+    k_rows = rope64(head_norm(rows[1], k_norm, kv_heads), positions, inv_freq)
+    expect_k, expect_v = f64(k_cache), f64(v_cache)
+    for t in range(2):
+        expect_k[1, 0, :, positions[t]] = k_rows[t]
+        expect_v[1, 0, :, positions[t]] = rows[2].reshape(tokens, kv_heads, dim)[t]
+    assert_close(k_new, expect_k)
+    assert_close(v_new, expect_v)
+    if biased:  # the one-kernel twin with biases and no norms
+        q, _, _ = qkv_rope_append(h, norm, wq, wk, wv, *args, layer=1, eps=1e-5, biases=biases, path="reference")
+        assert_close(q, rope64(rows[0].reshape(tokens, heads, dim), positions, inv_freq))
+
+
+def test_q_k_v_biases_and_projections_of_the_wrong_size_are_refused():
+    from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
+
+    rng = np.random.default_rng(5)
+    h, norm = rand(rng, 1, 32), rand(rng, 32)
+    wq, wk, wv = rand(rng, 32, 32), rand(rng, 16, 32), rand(rng, 16, 32)
+    caches = (rand(rng, 1, 1, 2, 8, 8), rand(rng, 1, 1, 2, 8, 8))
+    rope = (jnp.ones((4,), jnp.float32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(LithosError, match="biases .* must end in 32, 16 and 16"):
+        qkv_rope_append(h, norm, wq, wk, wv, *rope, *caches, biases=(rand(rng, 32),) * 3, path="reference")
+    with pytest.raises(LithosError, match="projections \\[1, 5, 8\\] must be"):
+        qk_norm_rope_append(jnp.zeros((1, 5, 8)), rand(rng, 8), rand(rng, 8), *rope, *caches, path="reference")
+
+
 def test_rotate_matches_model_rope():
     rng = np.random.default_rng(3)
     cfg = llama.config_from_hf(

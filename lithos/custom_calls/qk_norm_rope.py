@@ -84,10 +84,11 @@ def qk_norm_rope_append(
     v_cache = stacked("v_cache", v_cache, 4, layer)
     k_scale, v_scale = check_cache_scales("qk_norm_rope_append", k_cache, k_scale, v_scale, layer)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
-    if projected.ndim != 3 or projected.shape[2] != head_dim or projected.shape[1] <= 2 * kv_heads:
+    heads = projected.shape[1] - 2 * kv_heads if projected.ndim == 3 else 0
+    if projected.ndim != 3 or projected.shape[2] != head_dim or heads <= 0 or heads % kv_heads:
         raise LithosError(
             f"qk_norm_rope_append: projections {list(projected.shape)} must be [tokens, heads + 2 * {kv_heads}, "
-            f"{head_dim}] for the cache {list(k_cache.shape)}"
+            f"{head_dim}] (heads a multiple of {kv_heads}) for the cache {list(k_cache.shape)}"
         )
     if q_norm.shape[-1] != head_dim or k_norm.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise LithosError(

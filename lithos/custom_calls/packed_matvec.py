@@ -291,10 +291,10 @@ def _qkv_split(
     h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms,
     scales
 ):
-    """Q, K and V in different formats, or with per-head norms (biases and norms stacked `[layers, ...]`): a projection
-    call each (f32 results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the
-    reference's norms, rotation and cache write (an FP8 cache's codes with its `scales`, (None, None) for a float
-    cache)."""
+    """Q, K and V in different formats, or with biases or per-head norms where the new kernels are not asked for
+    (`new_qkv_kernels`; biases and norms stacked `[layers, ...]`): a projection call each (f32 results from packed
+    weights, bf16 from dense ones, as their ops give them) and its bias, then the reference's norms, rotation and
+    cache write (an FP8 cache's codes with its `scales`, (None, None) for a float cache)."""
     layer = layer_index(layer)
 
     def project_f32(w, b):

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Run 122 (three calls of the device tool, 4-7 minutes each): the Q/K/V kernels written on 2026-12-05 and not yet run
+# Run 122 (three calls of the device tool, 4-7 minutes each, and a fourth for a trace): the Q/K/V kernels written on 2026-12-05 and not yet run
 # on a GPU, asked for with LITHOS_QKV_NEW=1 (lithos/custom_calls/NOTES.md, "Q/K/V biases in the Q/K/V kernels" and
 # "Per-head Q/K norms in two launches"). Where they pass, make them the default and drop the switch
 # (packed_matvec.new_qkv_kernels).
 #   bash benchmarks/device_runs/run122.sh tests   (the GPU tests below)
 #   bash benchmarks/device_runs/run122.sh steps   (the bf16 steps below)
 #   bash benchmarks/device_runs/run122.sh steps2  (the Q4_K_M and mixture-of-experts steps below)
+#   bash benchmarks/device_runs/run122.sh trace   (where the Qwen3-30B-A3B Q4_K_M fused step goes, kernel by kernel,
+#                                                  with the new kernels: run 121's ran past its 200 s)
 # - GPU tests (30 cases): the bf16 and FP8-cache Q/K/V kernels with biases (and one case without), the packed one
 #   with biases (Q8_0, Q4_K, mixed) and without; qkv_project and qk_norm_rope_append (bf16 and FP8 caches), the
 #   packed projection (Q8_0, Q4_K, MXFP4); the fused path's Qwen2, Qwen3 and biased Llama over them, and a Q4_K_M
@@ -16,7 +18,7 @@
 # Everything lands in $OUT/run122-<phase>.tar.gz, rewritten after every step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: run122.sh tests|steps|steps2}
+phase=${1:?usage: run122.sh tests|steps|steps2|trace}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache
 work=/tmp/r122
 mkdir -p "$work"
@@ -73,6 +75,13 @@ case $phase in
     LITHOS_QKV_NEW=0 step llama-3.1-8b llama-3.1-8b-q4_k_m-split --weight-format q4_k_m
     LITHOS_QKV_NEW=1 step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-new
     LITHOS_QKV_NEW=1 STEP_TIMEOUT=200 step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-new --weight-format q4_k_m ;;
-  *) echo "usage: run122.sh tests|steps|steps2"; exit 2 ;;
+  trace)
+    log trace
+    LITHOS_QKV_NEW=1 timeout 500 python3 -m lithos.step_timeline --shape qwen3-30b-a3b --weight-format q4_k_m \
+      --kernels fused --anchor pick_tokens --out "$work/run122-timeline-a3b-q4_k_m.json" \
+      >"$work/run122-timeline-a3b-q4_k_m.log" 2>&1
+    head -40 "$work/run122-timeline-a3b-q4_k_m.log"
+    save ;;
+  *) echo "usage: run122.sh tests|steps|steps2|trace"; exit 2 ;;
 esac
 log done

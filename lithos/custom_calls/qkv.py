@@ -64,13 +64,19 @@ def _stored(new, cache, scale, layer):
     return quantize_kv(new.swapaxes(0, 1), at_layer(scale, layer)[0]).swapaxes(0, 1)
 
 
+def _projections(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, eps) -> list[jax.Array]:
+    """The twins' Q, K and V `[tokens, out]` in f32: RMSNorm(h) projected, biases (if any) added."""
+    x = rms_normalize(h, at_layer(norm_weight, layer), eps)
+    ys = [project(x, at_layer(w, layer)) for w in (wq, wk, wv)]
+    if bq is not None:
+        ys = [y + f32(at_layer(b, layer)) for y, b in zip(ys, (bq, bk, bv), strict=True)]
+    return ys
+
+
 def _reference(
     h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, bq, bk, bv, *, eps, ring
 ):
-    x = rms_normalize(h, at_layer(norm_weight, layer), eps)
-    q, k, v = (project(x, at_layer(w, layer)) for w in (wq, wk, wv))
-    if bq is not None:
-        q, k, v = (y + f32(at_layer(b, layer)) for y, b in ((q, bq), (k, bk), (v, bv)))
+    q, k, v = _projections(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, eps)
     return rope_and_append(q, k, v, h.dtype, inv_freq, positions, layer, k_cache, v_cache, k_scale, v_scale, ring=ring)
 
 
@@ -224,10 +230,7 @@ def qkv_rope_append(
 
 
 def _project_reference(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, *, eps, head_dim):
-    x = rms_normalize(h, at_layer(norm_weight, layer), eps)
-    ys = [project(x, at_layer(w, layer)) for w in (wq, wk, wv)]
-    if bq is not None:
-        ys = [y + f32(at_layer(b, layer)) for y, b in zip(ys, (bq, bk, bv), strict=True)]
+    ys = _projections(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, eps)
     return jax.numpy.concatenate(ys, axis=-1).reshape(h.shape[0], -1, head_dim)
 
 

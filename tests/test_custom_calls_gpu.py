@@ -122,9 +122,8 @@ def test_qkv_rope_append(model, tokens, biased):
     # Speculative verification's consecutive positions; the last case runs past max_len (dropped).
     start = max_len - tokens // 2 if tokens >= 8 else 77 * tokens
     positions = jnp.arange(start, start + tokens, dtype=jnp.int32)
-    biases = None
-    if biased:
-        biases = tuple(rand(kk, 2, n) for kk, n in zip(jax.random.split(k[7], 3), (s.q_size, *(2 * [wk.shape[1]]))))
+    kv = s.kv_heads * s.head_dim
+    biases = tuple(rand(kk, 2, n) for kk, n in zip(jax.random.split(k[7], 3), (s.q_size, kv, kv))) if biased else None
     fused, reference = both_paths(qkv_rope_append, h, norm, wq, wk, wv, inv_freq, positions, k_cache, v_cache,
                                   layer=1, eps=1e-5, biases=biases)  # fmt: skip
     for got, want in zip(fused, reference, strict=True):

@@ -16,7 +16,7 @@
 #include "ffi_util.h"
 #include "packed.h"
 #include "portable.h"
-#include "qkv_biases.h"
+#include "qkv_host.h"
 #include "qkv_epilogue.h"
 #include "rowdot.h"
 
@@ -181,7 +181,7 @@ struct PackedQkvArgs {
   bf16_t* k_cache;           // [layers, 1, kv_heads, max_len, head_dim], aliased
   bf16_t* v_cache;
   float* projected;          // LithosPackedQkvProject's output [tokens, heads + 2 kv_heads, head_dim] (f32)
-  QkvBiases biases;          // or none (qkv_biases.h)
+  QkvBiases biases;          // or none (qkv_host.h)
   int tokens, hidden, heads, kv_heads, head_dim, max_len;
   bool ring;  // slot = position % max_len (lithos/kv_cache.py; else positions >= max_len are dropped)
   int k_split;
@@ -348,11 +348,8 @@ ffi::Error packed_qkv_rope_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
     return err;
   a.max_len = static_cast<int>(cd[3]);
   a.ring = ring;
-  if (qd[2] != a.head_dim || qd[0] != a.tokens)
-    return invalid(op + ": q " + shape_string(qd) + " does not fit the cache's head_dim and h's tokens");
-  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) ||
-      positions.element_count() != static_cast<size_t>(a.tokens))
-    return invalid(op + ": inv_freq must be [head_dim/2] and positions [tokens]");
+  if (ffi::Error err = check_rotary_inputs(op, qd, a.tokens, a.head_dim, inv_freq, positions); err.failure())
+    return err;
   a.inv_freq = inv_freq.typed_data();
   a.positions = positions.typed_data();
   a.q = q->typed_data();

@@ -6,7 +6,7 @@
 // updated in place (the handler's cache outputs alias its inputs): linear (slot = position, positions
 // past its end dropped) or a ring (lithos/kv_cache.py: slot = position % slots).
 // An FP8 cache (lithos/kv_cache.py) gets E4M3 codes of K / scale and V / scale, the scales being the
-// row's, set at prefill; like the reference, values beyond 448 * scale saturate. Q/K/V biases (qkv_biases.h)
+// row's, set at prefill; like the reference, values beyond 448 * scale saturate. Q/K/V biases (qkv_host.h)
 // are added to the projections before the rotation.
 // LithosQkvProject is the same pass without the rotation and the cache: for Q and K heads with RMSNorms of
 // their own (Qwen3's), which need a whole head's values, and then qk_norm_rope.cu.
@@ -16,7 +16,7 @@
 #include "cache_store.h"
 #include "ffi_util.h"
 #include "portable.h"
-#include "qkv_biases.h"
+#include "qkv_host.h"
 #include "qkv_epilogue.h"
 #include "row_groups.h"
 #include "rowdot.h"
@@ -224,11 +224,8 @@ ffi::Error qkv_rope_append_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ff
     return err;
   a.slots = static_cast<int>(cd[3]);
   a.ring = ring;
-  if (qd[2] != a.head_dim || qd[0] != a.tokens)
-    return invalid(op + ": q " + shape_string(qd) + " does not fit the cache's head_dim and h's tokens");
-  if (inv_freq.element_count() != static_cast<size_t>(a.head_dim / 2) ||
-      positions.element_count() != static_cast<size_t>(a.tokens))
-    return invalid(op + ": inv_freq must be [head_dim/2] and positions [tokens]");
+  if (ffi::Error err = check_rotary_inputs(op, qd, a.tokens, a.head_dim, inv_freq, positions); err.failure())
+    return err;
   a.inv_freq = inv_freq.typed_data();
   a.positions = positions.typed_data();
   a.q = q->typed_data();

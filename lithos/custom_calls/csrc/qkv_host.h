@@ -1,7 +1,8 @@
-// Q/K/V projection biases (Qwen2's, Qwen2-MoE's) for the two Q/K/V kernels (qkv_rope.cu and its packed twin in
-// matvec_packed.h): three bf16 arrays `[layers, rows]` that travel as empty arrays when a model has none. The
-// epilogue (qkv_epilogue.h, rope_pairs) adds a head's values to its projections before the rotation, so one
-// launch does what the split form did in three launches and an XLA fusion.
+// Host-side pieces the Q/K/V handlers share (qkv_rope.cu and its packed twin in matvec_packed.h): the Q/K/V
+// projection biases (Qwen2's, Qwen2-MoE's), three bf16 arrays `[layers, rows]` that travel as empty arrays when a
+// model has none (the epilogue, qkv_epilogue.h's rope_pairs, adds a head's values to its projections before the
+// rotation, so one launch does what the split form did in three launches and an XLA fusion), and the checks of
+// the rotation's inputs.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +48,18 @@ inline ffi::Error qkv_biases(const std::string& op, const ffi::Buffer<ffi::BF16>
   out.v = bv.typed_data();
   out.q_layer_stride = layer_stride(bq);
   out.kv_layer_stride = layer_stride(bk);
+  return ffi::Error::Success();
+}
+
+// q [tokens, heads, head_dim] against the projections' `tokens` and `head_dim`, and the rotation's inputs:
+// inv_freq [head_dim / 2], positions [tokens].
+inline ffi::Error check_rotary_inputs(const std::string& op, ffi::Span<const int64_t> qd, int tokens, int head_dim,
+                                      const ffi::Buffer<ffi::F32>& inv_freq, const ffi::Buffer<ffi::S32>& positions) {
+  if (qd[2] != head_dim || qd[0] != tokens)
+    return invalid(op + ": q " + shape_string(qd) + " does not fit the cache's head_dim and h's tokens");
+  if (inv_freq.element_count() != static_cast<size_t>(head_dim / 2) ||
+      positions.element_count() != static_cast<size_t>(tokens))
+    return invalid(op + ": inv_freq must be [head_dim/2] and positions [tokens]");
   return ffi::Error::Success();
 }
 

@@ -84,3 +84,22 @@ def test_without_stream_names_every_thread_but_the_annotations_counts():
     assert len(events) == 9  # three steps of three activities, the "XLA Ops" repeats left out
     trace["traceEvents"].append({"ph": "X", "pid": 2, "tid": 9, "ts": 5000.0, "dur": 1.0, "name": "an op"})
     assert len(step_timeline.device_events(trace)) == 9
+
+
+def test_profile_steps_times_the_weight_format_asked_for(monkeypatch):
+    """`--weight-format` makes the shape's weights as `lithos bench` does (here Q8_0 codes), and the loop that is
+    profiled reads them."""
+    from lithos import bench
+
+    seen = {}
+    steps = bench._steps
+
+    def spy(params, state, cfg, n, kernels, *args, **kwargs):
+        seen["format"] = params.layers.wq.format.name
+        return steps(params, state, cfg, n, kernels, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_steps", spy)
+    shape = dict(shape="smollm2-135m", kernels="reference", context=16, steps=2)
+    args = step_timeline.argparse.Namespace(**shape, weight_format="q8_0", quantize_groups="attention")
+    trace = step_timeline.profile_steps(args)
+    assert seen["format"] == "q8_0" and trace["traceEvents"]

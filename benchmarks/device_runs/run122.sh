@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run 122 (three calls of the device tool, 4-7 minutes each, and a fourth for a trace): the Q/K/V kernels written on 2026-12-05 and not yet run
-# on a GPU, asked for with LITHOS_QKV_NEW=1 (lithos/custom_calls/NOTES.md, "Q/K/V biases in the Q/K/V kernels" and
+# Run 122 (three calls of the device tool, 4-7 minutes each, and a fourth for a trace): the Q/K/V kernels written
+# on 2026-12-05 and not yet run on a GPU, asked for with LITHOS_QKV_NEW=1 (lithos/custom_calls/NOTES.md, "Q/K/V biases in the Q/K/V kernels" and
 # "Per-head Q/K norms in two launches"). Where they pass, make them the default and drop the switch
 # (packed_matvec.new_qkv_kernels).
 #   bash benchmarks/device_runs/run122.sh tests   (the GPU tests below)
@@ -8,7 +8,7 @@
 #   bash benchmarks/device_runs/run122.sh steps2  (the Q4_K_M and mixture-of-experts steps below)
 #   bash benchmarks/device_runs/run122.sh trace   (where the Qwen3-30B-A3B Q4_K_M fused step goes, kernel by kernel,
 #                                                  with the new kernels: run 121's ran past its 200 s)
-# - GPU tests (30 cases): the bf16 and FP8-cache Q/K/V kernels with biases (and one case without), the packed one
+# - GPU tests (42 cases): the bf16 and FP8-cache Q/K/V kernels with biases (and one case without), the packed one
 #   with biases (Q8_0, Q4_K, mixed) and without; qkv_project and qk_norm_rope_append (bf16 and FP8 caches), the
 #   packed projection (Q8_0, Q4_K, MXFP4); the fused path's Qwen2, Qwen3 and biased Llama over them, and a Q4_K_M
 #   mix's Q/K/V laid out in K_MIX;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run 122 (three calls of the device tool, 4-7 minutes each, and a fourth for a trace): the Q/K/V kernels written
-# on 2026-12-05 and not yet run on a GPU, asked for with LITHOS_QKV_NEW=1 (lithos/custom_calls/NOTES.md, "Q/K/V biases in the Q/K/V kernels" and
-# "Per-head Q/K norms in two launches"). Where they pass, make them the default and drop the switch
-# (packed_matvec.new_qkv_kernels).
+# on 2026-12-05 and not yet run on a GPU, asked for with LITHOS_QKV_NEW=1 (lithos/custom_calls/NOTES.md, "Q/K/V
+# biases in the Q/K/V kernels" and "Per-head Q/K norms in two launches"). Where they pass, make them the default and
+# drop the switch (packed_matvec.new_qkv_kernels).
 #   bash benchmarks/device_runs/run122.sh tests   (the GPU tests below)
 #   bash benchmarks/device_runs/run122.sh steps   (the bf16 steps below)
 #   bash benchmarks/device_runs/run122.sh steps2  (the Q4_K_M and mixture-of-experts steps below)

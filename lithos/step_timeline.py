@@ -24,7 +24,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lithos import bench
 from lithos.errors import LithosError
 
 # Threads of a device's process that repeat what its streams ran (module and op annotations): skipped when
@@ -134,6 +133,8 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lithos import bench
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b", help="model shape from configs/models (random weights)")
     p.add_argument("--kernels", default="megakernel", help="kernel path (reference, fused, megakernel)")

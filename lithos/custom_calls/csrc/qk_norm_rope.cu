@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(kNormRopeThreads) qk_norm_rope_append_kernel(Q
   const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
   const int at = is_q ? -1 : cache_slot(position, a.slots, a.ring);
   if (!is_q && at < 0) return;  // a position this cache does not keep
+  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
   for (int j = lane; j < half; j += WARP_SIZE) {
     float lo = row[j], hi = row[j + half];
     if (!is_v) {
@@ -73,7 +74,6 @@ __global__ void __launch_bounds__(kNormRopeThreads) qk_norm_rope_append_kernel(Q
     if (is_q) {
       store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
     } else {
-      const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
       Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
                     (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
       const float scale =

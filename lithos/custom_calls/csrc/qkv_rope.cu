@@ -47,11 +47,16 @@ struct QkvArgs {
   float eps;
 };
 
-// Unit u of the Q/K/V row groups: heads are q heads, then k heads, then v heads; two rotary pairs (j0, j0 + 1) of
-// one. `epilogue(unit, head, first_pair, bias, acc)` gets each unit's dot products and its head's bias (or nullptr).
+// The Q/K/V row groups after the block's RMSNorm factors (into `rms_scale`): unit u is two rotary pairs (j0, j0 + 1)
+// of head u / (head_dim / 4), q heads, then k heads, then v heads; `epilogue(head, first_pair, bias, acc)` gets each
+// unit's dot products and its head's bias (or nullptr).
 template <int TMAX, int VEC, class Epilogue>
-__device__ __forceinline__ void qkv_row_groups(const QkvArgs& a, int64_t layer, const TokenRows& in,
-                                               Epilogue epilogue) {
+__device__ __forceinline__ void qkv_row_groups(const QkvArgs& a, float* rms_scale, Epilogue epilogue) {
+  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
+  const int64_t layer = *a.layer;
+  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
+  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
+
   const int half = a.head_dim / 2;
   const int units_per_head = half / 2;
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
@@ -80,22 +85,17 @@ __device__ __forceinline__ void qkv_row_groups(const QkvArgs& a, int64_t layer, 
         const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
         const int kind = is_q ? 0 : (is_v ? 2 : 1);
         const bf16_t* bias = a.biases.head(layer, kind, is_q ? head : kv_head_of(head), a.head_dim);
-        epilogue(unit, head, first_pair_of(unit), bias, acc);
+        epilogue(head, first_pair_of(unit), bias, acc);
       });
 }
 
 template <int TMAX, int VEC, typename Cache>
 __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
-  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
   __shared__ float rms_scale[TMAX];
-
   const int64_t layer = *a.layer;
-  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
-  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
-
   const int half = a.head_dim / 2;
   const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
-  qkv_row_groups<TMAX, VEC>(a, layer, in, [&](int, int head, int first_pair, const bf16_t* bias,
+  qkv_row_groups<TMAX, VEC>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                               const float (&acc)[kRowsPerWarp][TMAX]) {
     const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
     rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, !is_v, bias, half,
@@ -118,16 +118,10 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
 // rotation (Qwen3's), and qk_norm_rope.cu applies it.
 template <int TMAX, int VEC>
 __global__ void __launch_bounds__(kMatvecThreads) qkv_project_kernel(QkvArgs a) {
-  static_assert(kRowsPerWarp == 4, "a warp owns two rotary pairs");
   __shared__ float rms_scale[TMAX];
-
-  const int64_t layer = *a.layer;
-  const TokenRows in{a.h, a.norm_w + layer * a.norm_layer_stride, a.tokens, a.hidden};
-  block_rms_scale<TMAX, VEC>(in, a.eps, rms_scale);
-
   const int half = a.head_dim / 2;
   const int all_heads = a.heads + 2 * a.kv_heads;
-  qkv_row_groups<TMAX, VEC>(a, layer, in, [&](int, int head, int first_pair, const bf16_t* bias,
+  qkv_row_groups<TMAX, VEC>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                               const float (&acc)[kRowsPerWarp][TMAX]) {
     rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, half,
                      [&](int t, int, int j, float lo, float hi) {

@@ -152,9 +152,8 @@ def test_packed_qkv_rope_append_of_mixed_formats(formats):
 
 @pytest.mark.parametrize("formats", [("q8_0",) * 3, ("q4_k",) * 3, ("mxfp4",) * 3, ("q4_k", "q4_k", "k_mix")])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_packed_qkv_rope_append_with_biases(formats, tokens, monkeypatch):
+def test_packed_qkv_rope_append_with_biases(formats, tokens):
     """Qwen2's Q/K/V biases: in the one kernel's epilogue, or (formats that differ) after the three projections."""
-    monkeypatch.setenv("LITHOS_QKV_NEW", "1")  # the epilogue's biases, until they are the default
     check_qkv_kernel(formats, "llama-3.1-8b", tokens, rng_for("qkv-biased", formats, tokens), biased=True)
 
 

@@ -63,7 +63,7 @@ def test_fused_norms_and_biases_over_packed_attention(hf_checkpoint, arch, qk_fo
 @pytest.mark.parametrize("arch", ["qwen2_hd64", "llama_bias_hd64", "qwen3_hd64"])
 @pytest.mark.parametrize("qkv_format", [None, "q8_0"])
 def test_fused_new_qkv_kernels(hf_checkpoint, monkeypatch, arch, qkv_format):
-    """`LITHOS_QKV_NEW=1`: Q/K/V biases added in the Q/K/V kernel's epilogue (one launch), per-head Q/K norms through
+    """Q/K/V biases added in the Q/K/V kernel's epilogue (one launch), per-head Q/K norms through
     `qkv_project` and `qk_norm_rope_append` (two), Q/K/V bf16 or packed, never through the split form: a step's
     logits equal the reference path's."""
     from lithos import quant
@@ -73,7 +73,6 @@ def test_fused_new_qkv_kernels(hf_checkpoint, monkeypatch, arch, qkv_format):
     def no_split(*args, **kwargs):
         raise AssertionError("Q/K/V took the split form")
 
-    monkeypatch.setenv("LITHOS_QKV_NEW", "1")
     monkeypatch.setattr(packed_matvec, "_qkv_split", no_split)
     ck = load_checkpoint(hf_checkpoint(arch), dtype="bfloat16" if ON_GPU else "float32", use_cache=False)
     params = ck.params
@@ -87,9 +86,9 @@ def test_fused_new_qkv_kernels(hf_checkpoint, monkeypatch, arch, qkv_format):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fused_qkv_of_mixed_k_quants_in_one_format(monkeypatch, qk_norm):
-    """`LITHOS_QKV_NEW=1`: a Q4_K_M file's Q4_K Q and K beside its K_MIX V are laid out all in K_MIX for the fused
-    path (`params_for_kernels`), every value the same, and a step takes the Q/K/V kernels, not the split form, with
-    the reference path's logits. Without the switch nothing is laid out."""
+    """A Q4_K_M file's Q4_K Q and K beside its K_MIX V are laid out all in K_MIX for the fused path
+    (`params_for_kernels`), every value the same, and a step takes the Q/K/V kernels, not the split form, with the
+    reference path's logits. The other paths keep the file's formats."""
     from lithos import quant
     from lithos.custom_calls import packed_matvec
     from lithos.models import params_for_kernels
@@ -107,12 +106,11 @@ def test_fused_qkv_of_mixed_k_quants_in_one_format(monkeypatch, qk_norm):
     dtype = jnp.bfloat16 if ON_GPU else jnp.float32
     params = llama.init_params(cfg, jax.random.key(0), dtype)
     params = quant.random_packed_params(params, {"layers.wq": "q4_k", "layers.wk": "q4_k", "layers.wv": "k_mix"})
-    assert params_for_kernels(params, cfg, "fused") is params
+    assert params_for_kernels(params, cfg, "reference") is params
 
     def no_split(*args, **kwargs):
         raise AssertionError("Q/K/V took the split form")
 
-    monkeypatch.setenv("LITHOS_QKV_NEW", "1")
     laid_out = params_for_kernels(params, cfg, "fused")
     for name in ("wq", "wk", "wv"):
         before, after = getattr(params.layers, name), getattr(laid_out.layers, name)

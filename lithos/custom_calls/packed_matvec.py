@@ -20,7 +20,6 @@ reference twin on the float32 values, so packed and bf16 share one specification
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +49,7 @@ from lithos.custom_calls.packed_weights import (
 )
 from lithos.custom_calls.qk_norm_rope import qk_norm_rope_append
 from lithos.custom_calls.qkv import (
+    add_bias,
     bias_args,
     check_biases,
     qkv_project,
@@ -278,29 +278,19 @@ def _qkv_reference(h, norm_weight, wq, wk, wv, inv_freq, positions, layer, k_cac
     )
 
 
-def new_qkv_kernels() -> bool:
-    """Whether Q/K/V biases go into the Q/K/V kernels' epilogue, and per-head Q/K norms through `qkv_project` and
-    `qk_norm_rope_append` (`LITHOS_QKV_NEW=1`), rather than the split form (three projections, then biases, norms,
-    rotation and the cache write in XLA). Those kernels compile for CUDA and HIP and match their twins on the CPU,
-    but have not run on a GPU yet (NOTES.md, "Q/K/V biases in the Q/K/V kernels", "Per-head Q/K norms in two
-    launches"): until they have, the split form, which has, stays the default. Read when a step is traced."""
-    return os.environ.get("LITHOS_QKV_NEW", "0") == "1"
-
-
 def _qkv_split(
     h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, layer, eps, ring, path, *, biases, qk_norms,
     scales
 ):
-    """Q, K and V in different formats, or with biases or per-head norms where the new kernels are not asked for
-    (`new_qkv_kernels`; biases and norms stacked `[layers, ...]`): a projection call each (f32 results from packed
-    weights, bf16 from dense ones, as their ops give them) and its bias, then the reference's norms, rotation and
-    cache write (an FP8 cache's codes with its `scales`, (None, None) for a float cache)."""
+    """Q, K and V in different formats (biases and norms stacked `[layers, ...]`): a projection call each (f32
+    results from packed weights, bf16 from dense ones, as their ops give them) and its bias, then the reference's
+    norms, rotation and cache write (an FP8 cache's codes with its `scales`, (None, None) for a float cache)."""
     layer = layer_index(layer)
 
     def project_f32(w, b):
         out_dtype = jnp.float32 if isinstance(w, QuantizedArray) else None
         y = packed_matvec(h, w, layer=layer, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype, path=path)
-        return y.astype(jnp.float32) + (0.0 if b is None else at_layer(b, layer).astype(jnp.float32))
+        return y.astype(jnp.float32) if b is None else add_bias(y, at_layer(b, layer), h.dtype)
 
     q, k, v = (project_f32(w, b) for w, b in zip((wq, wk, wv), biases or (None,) * 3, strict=True))
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
@@ -363,20 +353,18 @@ def packed_qkv_rope_append(
     which the kernels add before the rotation. One kernel when all three are bf16 or packed in one format; with
     `qk_norms` (Qwen3's q_norm and k_norm, `[layers, head_dim]` each: each head of Q and K normalised before its
     rotation) two, `packed_qkv_project` and `qk_norm_rope_append`; three projections (then biases, norms, rotation
-    and the cache write in XLA) when their formats differ, as a GGUF's K-quant mix keeps V in more bits than Q and K.
-    Until the new kernels have run on a GPU (`new_qkv_kernels`), biases and norms take the three projections too. An
-    FP8 cache (`k_scale`, `v_scale`) goes with bf16 weights only."""
+    and the cache write in XLA) when their formats differ, as a GGUF's K-quant mix keeps V in more bits than Q and K
+    (`llama.qkv_in_one_format` lays such a mix out in one format for the fused path). An FP8 cache (`k_scale`,
+    `v_scale`) goes with bf16 weights only."""
     formats = {w.format.name if isinstance(w, QuantizedArray) else "dense" for w in (wq, wk, wv)}
-    new = new_qkv_kernels()
-    split = (qk_norms is not None or biases is not None) and not new
-    if new and qk_norms is not None and len(formats) == 1:
+    if qk_norms is not None and len(formats) == 1:
         projected = packed_qkv_project(
             h, norm_weight, wq, wk, wv, head_dim=k_cache.shape[-1], layer=layer, eps=eps, biases=biases, path=path
         )
         caches = dict(k_scale=k_scale, v_scale=v_scale)
         options = dict(dtype=h.dtype, layer=layer, eps=eps, ring=ring, path=path, **caches)
         return qk_norm_rope_append(projected, *qk_norms, inv_freq, positions, k_cache, v_cache, **options)
-    if formats == {"dense"} and not split:
+    if formats == {"dense"}:
         options = dict(layer=layer, eps=eps, ring=ring, path=path, biases=biases)
         scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return qkv_rope_append(h, norm_weight, wq, wk, wv, inv_freq, positions, k_cache, v_cache, **options, **scales)
@@ -401,7 +389,7 @@ def packed_qkv_rope_append(
         raise LithosError(f"packed_qkv_rope_append: inv_freq must be [{head_dim // 2}] and positions [{h.shape[0]}]")
     bq, bk, bv = stacked_biases(biases, layer)
     check_biases("packed_qkv_rope_append", (bq, bk, bv), wq.shape[-2], wk.shape[-2])
-    if len(formats) > 1 or split:
+    if len(formats) > 1:
         biases = None if bq is None else (bq, bk, bv)
         if qk_norms is not None:
             qk_norms = tuple(stacked(n, w, 1, layer) for n, w in zip(("q_norm", "k_norm"), qk_norms, strict=True))

@@ -64,12 +64,18 @@ def _stored(new, cache, scale, layer):
     return quantize_kv(new.swapaxes(0, 1), at_layer(scale, layer)[0]).swapaxes(0, 1)
 
 
+def add_bias(y: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """A projection `y` plus its bias `b` in f32, with the model's rounding: `y` in the activations' `dtype` plus
+    `b` in it, as `linear(x, w, b)` computes them (the kernels' epilogue does the same for bf16)."""
+    return f32(y.astype(dtype) + b.astype(dtype))
+
+
 def _projections(h, norm_weight, wq, wk, wv, layer, bq, bk, bv, eps) -> list[jax.Array]:
     """The twins' Q, K and V `[tokens, out]` in f32: RMSNorm(h) projected, biases (if any) added."""
     x = rms_normalize(h, at_layer(norm_weight, layer), eps)
     ys = [project(x, at_layer(w, layer)) for w in (wq, wk, wv)]
     if bq is not None:
-        ys = [y + f32(at_layer(b, layer)) for y, b in zip(ys, (bq, bk, bv), strict=True)]
+        ys = [add_bias(y, at_layer(b, layer), h.dtype) for y, b in zip(ys, (bq, bk, bv), strict=True)]
     return ys
 
 

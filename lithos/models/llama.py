@@ -458,16 +458,14 @@ def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
 
 
 def qkv_in_one_format(params):
-    """For the fused path with the new Q/K/V kernels (`LITHOS_QKV_NEW=1`): Q/K/V that mix K-quants (a Q4_K_M file's
-    Q4_K Q and K beside its V, K_MIX) all in K_MIX, every value the same, so that they take one Q/K/V launch (two
-    with per-head norms) instead of three projections and XLA's rotation and cache writes, at 7.1 bits a weight on
-    Q and K where Q4_K takes 4.5. `params` with a `layers` of wq/wk/wv (every family on `fused_layers`)."""
+    """For the fused path: Q/K/V that mix K-quants (a Q4_K_M file's Q4_K Q and K beside its V, K_MIX) all in K_MIX,
+    every value the same, so that they take one Q/K/V launch (two with per-head norms) instead of three projections
+    and XLA's norms, rotation and cache writes, at 7.1 bits a weight on Q and K where Q4_K takes 4.5 (on an H100,
+    a wash for Llama-3.1-8B, 8% of Qwen3-30B-A3B's step saved: NOTES.md, run 122). `params` with a `layers` of
+    wq/wk/wv (every family on `fused_layers`)."""
     from lithos.custom_calls.megakernel import one_format_a_group
     from lithos.custom_calls.megakernel.kernel import QKV_WEIGHTS
-    from lithos.custom_calls.packed_matvec import new_qkv_kernels
 
-    if not new_qkv_kernels():
-        return params
     layers = params.layers
     try:
         laid_out = one_format_a_group({name: getattr(layers, name) for name in QKV_WEIGHTS})

@@ -136,6 +136,9 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
   return static_cast<bf16_t>(u >> 16);
 }
 
+// `f` rounded to bf16 and back: a value as a bf16 array holds it.
+__device__ __forceinline__ float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
 // Element i of two bf16 packed in a 32-bit word (element 0 is at the lower address: the low half).
 __device__ __forceinline__ float bf16_pair_at(uint32_t pair, int i) {
   return __uint_as_float(i == 0 ? pair << 16 : pair & 0xffff0000u);

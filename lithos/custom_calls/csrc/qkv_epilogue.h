@@ -36,7 +36,8 @@ __device__ __forceinline__ void store_pair(bf16_t* row, int j, int half, float l
 
 // A row group of two rotary pairs (first_pair, first_pair + 1; acc rows 2p and 2p + 1 are pair p's
 // halves): lane t takes token t (for_each_token), scales by the token's RMSNorm factor, adds the head's
-// bias (its head_dim values, Qwen2's; in f32 as the reference adds it), rotates unless `rotate` is false
+// bias (its head_dim values, Qwen2's) as the reference adds it (the projection rounded to bf16, the sum rounded
+// again: a bf16 `linear(x, w) + b`; greedy tokens follow that rounding), rotates unless `rotate` is false
 // (V rows, or a projection stored before its per-head norm), and calls `store(t, position, j, lo, hi)` for
 // each pair j. With kOptional, `bias` and `positions` may be nullptr (no bias; no positions, position -1,
 // when nothing rotates or goes to a cache); without it no such code exists, and the megakernel's build is
@@ -65,9 +66,9 @@ __device__ __forceinline__ void rope_pairs_with(const float (&acc)[kRowsPerWarp]
       float lo = sums[2 * p] * rms_scale[t];
       float hi = sums[2 * p + 1] * rms_scale[t];
       if constexpr (kOptional) {
-        if (bias != nullptr) {  // only then: `+ 0.f` would turn -0 into +0
-          lo += bias_lo[p];
-          hi += bias_hi[p];
+        if (bias != nullptr) {  // only then: `+ 0.f` would turn -0 into +0, and unbiased sums stay unrounded
+          lo = round_to_bf16(round_to_bf16(lo) + bias_lo[p]);
+          hi = round_to_bf16(round_to_bf16(hi) + bias_hi[p]);
         }
       }
       if (rotate) rope_rotate(lo, hi, position, inv_freq[j]);

@@ -29,9 +29,8 @@ def random_experts(seed: int, packed: bool, dtype=jnp.float32) -> moe.Experts:
 
 @partial(jax.jit, static_argnames="kernels")
 def gpt_oss_mlp(x, experts, layer, kernels="reference"):
-    route = partial(moe.route_topk_then_softmax, top_k=K)
     activation = partial(moe.clamped_swiglu_interleaved, alpha=1.702, limit=7.0)
-    return moe.moe_mlp(x, experts, layer, route, activation, kernels)
+    return moe.moe_mlp(x, experts, layer, moe.Routing(K, softmax_first=False), activation, kernels)
 
 
 def test_routers_match_transformers():
@@ -52,7 +51,7 @@ def test_routers_match_transformers():
         router.weight.copy_(torch.tensor(weight))
         router.bias.copy_(torch.tensor(bias))
         _, hf_weights, hf_ids = router(torch.tensor(x))
-    weights, ids = moe.route_topk_then_softmax(logits, K)
+    weights, ids = moe.Routing(K, softmax_first=False)(logits)
     np.testing.assert_array_equal(np.asarray(ids), hf_ids.numpy())
     np.testing.assert_allclose(np.asarray(weights), hf_weights.numpy(), rtol=1e-5, atol=1e-6)
 
@@ -64,7 +63,7 @@ def test_routers_match_transformers():
         with torch.no_grad():
             router.weight.copy_(torch.tensor(weight))
             _, hf_weights, hf_ids = router(torch.tensor(x))
-        weights, ids = moe.route_softmax_then_topk(jnp.asarray(x @ weight.T), K, renormalize)
+        weights, ids = moe.Routing(K, renormalize=renormalize)(jnp.asarray(x @ weight.T))
         np.testing.assert_array_equal(np.asarray(ids), hf_ids.numpy())
         np.testing.assert_allclose(np.asarray(weights), hf_weights.numpy(), rtol=1e-5, atol=1e-6)
         assert np.allclose(np.asarray(weights).sum(-1), 1.0) == renormalize

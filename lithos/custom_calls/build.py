@@ -66,6 +66,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         for fmt in PACKED_SOURCES
     },
     "expert_matvec": ("LithosExpertMatvec",),
+    "moe_route": ("LithosMoeRoute",),
 }
 
 PLATFORMS = ("cuda", "rocm")

@@ -346,7 +346,7 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
         )
     inv_freq, rope_scale = rope_inv_freq(cfg)
     eps = cfg.rms_norm_eps
-    route = partial(moe.route_topk_then_softmax, top_k=cfg.experts_per_token)
+    routing = moe.Routing(cfg.experts_per_token, softmax_first=False)
     activation = partial(moe.clamped_swiglu_interleaved, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
     def layer(h, xs):
@@ -357,7 +357,7 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
             cfg, inv_freq, positions, x, p, kv.k, kv.v, rope_scale=rope_scale, sinks=p.sinks, window=window, **scales
         )
         h = h + attn
-        y, expert_ids = moe.moe_mlp(llama.rms_norm(h, p.mlp_norm, eps), params.experts, i, route, activation, kernels)
+        y, expert_ids = moe.moe_mlp(llama.rms_norm(h, p.mlp_norm, eps), params.experts, i, routing, activation, kernels)
         return h + y, (new_kv, expert_ids)
 
     xs = (params.layers, cache, jnp.asarray(layer_windows(cfg)), jnp.arange(cfg.num_layers))

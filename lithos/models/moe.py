@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers as pure functions: routers, the experts' activations, and expert
-computation that at small batch reads only the experts the router selected.
+"""Mixture-of-experts layers as pure functions: the experts' activations, and expert computation that at small
+batch reads only the experts the router selected (the routers: lithos.custom_calls.moe_route's `Routing`).
 
 Weights. Every MoE layer's experts are stacked `[moe_layers, experts, out, in]` (dense or packed,
 lithos.quant), in an `Experts` pytree. The expert computation sees them flattened to
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from lithos.custom_calls.moe_route import Routing, moe_route
 from lithos.errors import UnsupportedModelError
 from lithos.quant import MXFP4, QuantizedArray, dequantize, from_planes
 
@@ -186,22 +187,6 @@ def unread_expert_bytes(experts: Experts | None, top_k: int, tokens: int = 1) ->
 # --------------------------------------------------------------------------------------------
 
 
-def route_topk_then_softmax(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """GPT-OSS: the top-k logits, then a softmax over those k only."""
-    top, ids = jax.lax.top_k(logits.astype(jnp.float32), top_k)
-    return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-
-
-def route_softmax_then_topk(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Qwen3-MoE (and Mixtral, Qwen2-MoE): a softmax over all experts, then the top-k probabilities,
-    rescaled to sum to one when `renormalize` (`norm_topk_prob`)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, ids = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top, ids.astype(jnp.int32)
-
-
 # --------------------------------------------------------------------------------------------
 # Activations: gate_up [n, 2*ffn] -> [n, ffn], computed in float32
 # --------------------------------------------------------------------------------------------
@@ -310,25 +295,23 @@ def moe_mlp(
     x: jax.Array,
     experts: Experts,
     layer: jax.Array | int,
-    route: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+    routing: Routing,
     activation: Callable[[jax.Array], jax.Array],
     kernels: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """A routed MLP: router, the selected experts, their weighted sum.
 
     x: normed hidden states `[batch, tokens, hidden]`; experts: all MoE layers' weights; layer: this
-    layer's index in the MoE stack (traced inside a layer loop); route: router logits `[n, E]` ->
-    (weights, ids) `[n, k]`; activation: `[n, 2*ffn]` -> `[n, ffn]`.
+    layer's index in the MoE stack (traced inside a layer loop); routing: how the router's logits pick each
+    token's experts (lithos.custom_calls.moe_route: one kernel on the fused path); activation: `[n, 2*ffn]` ->
+    `[n, ffn]`.
     Returns the output `[batch, tokens, hidden]` (x's dtype) and the expert ids `[batch*tokens, k]`.
     """
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     E = experts.num_experts
-    router = jax.lax.dynamic_index_in_dim(experts.router, layer, 0, keepdims=False)  # [E, hidden]
-    logits = jnp.einsum("nd,ed->ne", tokens, router, preferred_element_type=jnp.float32)
-    if experts.router_bias is not None:
-        logits = logits + jax.lax.dynamic_index_in_dim(experts.router_bias, layer, 0, keepdims=False)
-    weights, ids = route(logits)
+    path = "auto" if kernels == "fused" else "reference"
+    weights, ids = moe_route(tokens, experts.router, routing, layer=layer, bias=experts.router_bias, path=path)
     first = jnp.asarray(layer, jnp.int32) * E
     if uses_gather(B * T, ids.shape[-1], E, kernels):
         out = _gathered_experts(tokens, weights, ids, experts, first, activation, kernels)

@@ -403,11 +403,11 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
     eps = cfg.rms_norm_eps
     B, T = tokens.shape
     k = max(cfg.experts_per_token, 1)
-    route = _route(cfg)
+    routing = _routing(cfg)
     is_moe, moe_slot, dense_slot = _slots(cfg)
 
     def routed(x, i):
-        y, ids = moe.moe_mlp(x, params.experts, i, route, moe.swiglu_halves, kernels)
+        y, ids = moe.moe_mlp(x, params.experts, i, routing, moe.swiglu_halves, kernels)
         if params.shared is not None:
             y = y + _shared_expert(x.reshape(B * T, -1), params.shared, i, kernels).reshape(y.shape)
         return y, ids
@@ -436,8 +436,8 @@ def _decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config, ker
     return h, append(cache, positions, k_new, v_new), expert_ids
 
 
-def _route(cfg: Config):
-    return partial(moe.route_softmax_then_topk, top_k=cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
+def _routing(cfg: Config) -> moe.Routing:
+    return moe.Routing(cfg.experts_per_token, renormalize=cfg.norm_topk_prob)
 
 
 def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Config):
@@ -448,11 +448,11 @@ def _fused_decoder(params: Params, tokens, positions, cache: KVCache, cfg: Confi
     L, D, eps = params.layers, params.dense, cfg.rms_norm_eps
     n, k = tokens.shape[1], max(cfg.experts_per_token, 1)
     is_moe, moe_slot, dense_slot = (jnp.asarray(per_layer) for per_layer in _slots(cfg))
-    route = _route(cfg)
+    routing = _routing(cfg)
 
     def routed(h, i, norm):
         x = llama.rms_norm(h, norm, eps)
-        y, ids = moe.moe_mlp(x[None], params.experts, moe_slot[i], route, moe.swiglu_halves, "fused")
+        y, ids = moe.moe_mlp(x[None], params.experts, moe_slot[i], routing, moe.swiglu_halves, "fused")
         if params.shared is not None:
             y = y + _shared_expert(x, params.shared, moe_slot[i], "fused")
         return h + y[0], ids

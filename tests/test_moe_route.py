@@ -44,9 +44,10 @@ def inputs(seed: int, tokens: int, biased: bool):
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_moe_route_reference(routing, biased, tokens):
     x, router, bias = inputs(tokens * 10 + routing.top_k, tokens, biased)
-    as32 = (lambda a: None if a is None else jnp.asarray(a, jnp.float32))
-    weights, ids = moe_route(as32(x), as32(router), routing, layer=2, bias=as32(bias), path="reference")
-    want_weights, want_ids = numpy_route(x, router[2], None if bias is None else bias[2], routing)
+    bias = None if bias is None else jnp.asarray(bias, jnp.float32)
+    weights, ids = moe_route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32), routing, layer=2,
+                             bias=bias, path="reference")  # fmt: skip
+    want_weights, want_ids = numpy_route(x, router[2], None if bias is None else np.asarray(bias)[2], routing)
     assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-6)

@@ -64,21 +64,24 @@ def _reference(x, router, bias, layer, *, routing):
 
 def _kernel(x, router, bias, layer, *, routing):
     n, k = x.shape[0], routing.top_k
-    out_types = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
-    return tuple(
-        call_kernel(
-            "moe_route",
-            "LithosMoeRoute",
-            out_types,
-            x,
-            router,
-            absent(jnp.float32) if bias is None else bias.astype(jnp.float32),
-            layer,
-            top_k=np.int32(k),
-            softmax_first=bool(routing.softmax_first),
-            renormalize=bool(routing.renormalize),
-        )
+    out_types = [
+        jax.ShapeDtypeStruct((n, k), jnp.float32),
+        jax.ShapeDtypeStruct((n, k), jnp.int32),
+        jax.ShapeDtypeStruct((n, router.shape[1]), jnp.float32),  # the logits: the kernel's blocks hand them over
+    ]
+    weights, ids, _ = call_kernel(
+        "moe_route",
+        "LithosMoeRoute",
+        out_types,
+        x,
+        router,
+        absent(jnp.float32) if bias is None else bias.astype(jnp.float32),
+        layer,
+        top_k=np.int32(k),
+        softmax_first=bool(routing.softmax_first),
+        renormalize=bool(routing.renormalize),
     )
+    return weights, ids
 
 
 def moe_route(

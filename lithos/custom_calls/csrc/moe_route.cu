@@ -2,12 +2,12 @@
 // row, f32 sums of bf16 products, plus the router's bias where a model has one), then the experts each token takes
 // and their weights, in one launch where XLA took a slice, a reduce, a softmax, a sort and the renormalisation.
 //
-// One block a token: its warps take the router's rows in turn (a router is at most 128 x 4096 bf16 in the models
-// served, 1 MB, read from the stacked [layers, experts, hidden] matrix in place) into shared logits, and one warp
+// A grid of blocks a token, a warp a router row (read from the stacked [layers, experts, hidden] matrix in place,
+// every load of the row in flight at once), each block's logits to memory; the last block of a token to arrive
 // routes: a softmax over every expert, then the top k, renormalised when asked (Qwen3-MoE, Qwen2-MoE, Mixtral);
-// or the top k of the logits, then a softmax over those k (GPT-OSS). Ties go to the lower expert id, as
-// jax.lax.top_k's. One block needs no hand-off between blocks (NOTES.md, "The router in one launch").
-#include <climits>
+// or the top k of the logits, then a softmax over those k (GPT-OSS). Each expert's place in the order is a count
+// over the others (one pass, no rounds); ties go to the lower expert id, as jax.lax.top_k's (NOTES.md, "The
+// router in one launch": run 124's one-block form streamed the router at a tenth of this).
 #include <string>
 
 #include "ffi_util.h"
@@ -16,9 +16,13 @@
 namespace lithos {
 namespace {
 
-constexpr int kRouteThreads = 1024;
+constexpr int kRouteThreads = 256;
+constexpr int kRowsPerBlock = kRouteThreads / WARP_SIZE;  // a warp a row
 constexpr int kMaxExperts = 512;
-constexpr int kExpertsPerLane = kMaxExperts / WARP_SIZE;
+
+// Blocks of token t that have written their logits. The last to arrive sets it back to 0 for the next launch
+// (launches on one stream follow one another; the router is never run on two streams at once).
+__device__ unsigned int route_arrivals[kMaxTokens];
 
 struct RouteArgs {
   const bf16_t* x;           // [tokens, hidden], normed
@@ -27,25 +31,17 @@ struct RouteArgs {
   const float* bias;         // [layers, experts] or nullptr
   int64_t bias_layer_stride;
   const int32_t* layer;      // [] device scalar
+  float* logits;             // [tokens, experts]: the blocks' hand-off
   float* weights;            // [tokens, top_k]
   int32_t* ids;              // [tokens, top_k]
   int hidden, experts, top_k;
   bool softmax_first, renormalize;
 };
 
-struct Pick {
-  float value;
-  int index;
-};
-
-__device__ __forceinline__ Pick better(Pick a, Pick b) {
-  return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
-}
-
 template <int VEC>
 __device__ __forceinline__ float row_dot(const bf16_t* x, const bf16_t* row, int hidden, int lane) {
   float sum = 0.f;
-#pragma unroll 4
+#pragma unroll 16
   for (int i = lane * VEC; i < hidden; i += WARP_SIZE * VEC) {
     const Bf16Vec<VEC> w = load_streaming<VEC>(row + i);
     const Bf16Vec<VEC> v = load_cached<VEC>(x + i);
@@ -55,82 +51,93 @@ __device__ __forceinline__ float row_dot(const bf16_t* x, const bf16_t* row, int
   return group_sum(sum);
 }
 
-// The top k of the lanes' values (expert e is lane e % WARP_SIZE's value e / WARP_SIZE; absent ones -inf): each
-// round the warp's best, lower id first on ties, is taken out. Every lane ends with the same picks.
-__device__ __forceinline__ void top_k(float (&values)[kExpertsPerLane], int k, int lane, Pick* picks) {
-  for (int r = 0; r < k; ++r) {
-    Pick best{-INFINITY, INT_MAX};
-#pragma unroll
-    for (int s = 0; s < kExpertsPerLane; ++s) best = better(best, Pick{values[s], s * WARP_SIZE + lane});
-#pragma unroll
-    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2)
-      best = better(best, Pick{shfl_xor(best.value, mask), shfl_xor(best.index, mask)});
-    if (best.index % WARP_SIZE == lane) {
-#pragma unroll
-      for (int s = 0; s < kExpertsPerLane; ++s)
-        if (s == best.index / WARP_SIZE) values[s] = -INFINITY;
-    }
-    picks[r] = best;
-  }
+// The block's max or sum of each thread's `v` (every thread gets it). `partial` holds a value a warp.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* partial) {
+  v = kMax ? group_max(v) : group_sum(v);
+  __syncthreads();  // `partial` may still be read from the last call
+  if (lane_id() == 0) partial[warp_id()] = v;
+  __syncthreads();
+  v = partial[0];
+  for (int w = 1; w < kRowsPerBlock; ++w) v = kMax ? fmaxf(v, partial[w]) : v + partial[w];
+  return v;
 }
 
-template <int VEC>
-__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(RouteArgs a) {
-  __shared__ float logits[kMaxExperts];
-  __shared__ Pick picks[kMaxExperts];
-  const int t = static_cast<int>(blockIdx.x), lane = lane_id(), warp = warp_id();
-  const int64_t layer = *a.layer;
-  const bf16_t* x = a.x + static_cast<size_t>(t) * a.hidden;
-  const bf16_t* router = a.router + layer * a.router_layer_stride;
-  for (int e = warp; e < a.experts; e += kRouteThreads / WARP_SIZE) {
-    const float dot = row_dot<VEC>(x, router + static_cast<size_t>(e) * a.hidden, a.hidden, lane);
-    if (lane == 0) logits[e] = a.bias ? dot + a.bias[layer * a.bias_layer_stride + e] : dot;
-  }
-  __syncthreads();
-  if (warp != 0) return;
-
-  float values[kExpertsPerLane];
-#pragma unroll
-  for (int s = 0; s < kExpertsPerLane; ++s) {
-    const int e = s * WARP_SIZE + lane;
-    values[s] = e < a.experts ? logits[e] : -INFINITY;
-  }
+// The last block's work: `score` (shared, the token's logits) routed into weights and ids.
+__device__ void route(const RouteArgs& a, int t, float* score, float* partial, float* top_value, int* top_id) {
+  const int tid = static_cast<int>(threadIdx.x);
   if (a.softmax_first) {  // jax.nn.softmax: exp(l - max) / sum(exp(l - max))
     float peak = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kExpertsPerLane; ++s) peak = fmaxf(peak, values[s]);
-    peak = group_max(peak);
+    for (int e = tid; e < a.experts; e += kRouteThreads) peak = fmaxf(peak, score[e]);
+    peak = block_reduce<true>(peak, partial);
     float total = 0.f;
-#pragma unroll
-    for (int s = 0; s < kExpertsPerLane; ++s) {
-      values[s] = expf(values[s] - peak);  // absent experts: exp(-inf) = 0
-      total += values[s];
-    }
-    total = group_sum(total);
-#pragma unroll
-    for (int s = 0; s < kExpertsPerLane; ++s)
-      values[s] = s * WARP_SIZE + lane < a.experts ? values[s] / total : -INFINITY;
+    for (int e = tid; e < a.experts; e += kRouteThreads) total += expf(score[e] - peak);
+    total = block_reduce<false>(total, partial);
+    for (int e = tid; e < a.experts; e += kRouteThreads) score[e] = expf(score[e] - peak) / total;
+    __syncthreads();
   }
-  top_k(values, a.top_k, lane, picks);
-  if (lane != 0) return;
+  // Expert e's place: the experts above it, or level with it and of a lower id.
+  for (int e = tid; e < a.experts; e += kRouteThreads) {
+    const float v = score[e];
+    int place = 0;
+    for (int j = 0; j < a.experts; ++j) place += (score[j] > v || (score[j] == v && j < e)) ? 1 : 0;
+    if (place < a.top_k) {
+      top_value[place] = v;
+      top_id[place] = e;
+    }
+  }
+  __syncthreads();
+  if (tid != 0) return;
   float* weights = a.weights + static_cast<size_t>(t) * a.top_k;
   int32_t* ids = a.ids + static_cast<size_t>(t) * a.top_k;
   float total = 0.f;
   for (int r = 0; r < a.top_k; ++r) {
     // After a softmax: the probability (summed to renormalise). Before one: exp(logit - the top logit).
-    const float w = a.softmax_first ? picks[r].value : expf(picks[r].value - picks[0].value);
+    const float w = a.softmax_first ? top_value[r] : expf(top_value[r] - top_value[0]);
     weights[r] = w;
-    ids[r] = picks[r].index;
+    ids[r] = top_id[r];
     total += w;
   }
   if (!a.softmax_first || a.renormalize)
     for (int r = 0; r < a.top_k; ++r) weights[r] /= total;
 }
 
+template <int VEC>
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(RouteArgs a) {
+  __shared__ float score[kMaxExperts];
+  __shared__ float top_value[kMaxExperts];
+  __shared__ int top_id[kMaxExperts];
+  __shared__ float partial[kRowsPerBlock];
+  __shared__ bool last;
+  const int t = static_cast<int>(blockIdx.y), lane = lane_id();
+  const int64_t layer = *a.layer;
+  const int e = static_cast<int>(blockIdx.x) * kRowsPerBlock + warp_id();
+  if (e < a.experts) {
+    const bf16_t* row = a.router + layer * a.router_layer_stride + static_cast<size_t>(e) * a.hidden;
+    const float dot = row_dot<VEC>(a.x + static_cast<size_t>(t) * a.hidden, row, a.hidden, lane);
+    const float bias = a.bias ? a.bias[layer * a.bias_layer_stride + e] : 0.f;
+    if (lane == 0) a.logits[static_cast<size_t>(t) * a.experts + e] = a.bias ? dot + bias : dot;
+  }
+  // The hand-off: each writer's fence orders its logits before the block's arrival is counted; the last block's
+  // fence after the count, and loads that skip L1 (volatile), make every block's logits visible to it.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&route_arrivals[t], 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const volatile float* logits = a.logits + static_cast<size_t>(t) * a.experts;
+  for (int i = static_cast<int>(threadIdx.x); i < a.experts; i += kRouteThreads) score[i] = logits[i];
+  if (threadIdx.x == 0) route_arrivals[t] = 0;
+  __syncthreads();
+  route(a, t, score, partial, top_value, top_id);
+}
+
 ffi::Error moe_route_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> router,
                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> layer,
                           ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<ffi::Buffer<ffi::S32>> ids,
-                          int32_t top_k, bool softmax_first, bool renormalize) {
+                          ffi::Result<ffi::Buffer<ffi::F32>> logits, int32_t top_k, bool softmax_first,
+                          bool renormalize) {
   const std::string op = "moe_route";
   auto xd = x.dimensions();
   auto rd = router.dimensions();
@@ -154,6 +161,8 @@ ffi::Error moe_route_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   if (bias.element_count() != 0 && (bias.dimensions().back() != a.experts || bias.dimensions().size() != 2))
     return invalid(op + ": a router bias must be [layers, experts], got " + shape_string(bias.dimensions()));
   if (layer.element_count() != 1) return invalid(op + ": layer must be a scalar");
+  if (logits->element_count() != static_cast<size_t>(xd[0]) * a.experts)
+    return invalid(op + ": logits must be [tokens, experts], got " + shape_string(logits->dimensions()));
   if (xd[0] < 1 || xd[0] > kMaxTokens)
     return invalid(op + ": the kernel routes 1.." + std::to_string(kMaxTokens) + " tokens, got " +
                    std::to_string(xd[0]) + "; use the reference path for prefill");
@@ -165,9 +174,11 @@ ffi::Error moe_route_impl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   a.layer = layer.typed_data();
   a.weights = weights->typed_data();
   a.ids = ids->typed_data();
+  a.logits = logits->typed_data();
   const bool aligned = aligned16(a.x) && aligned16(a.router);
   return with_vector_width(a.hidden, aligned, [&](auto vec) {
-    moe_route_kernel<decltype(vec)::value><<<static_cast<unsigned>(xd[0]), kRouteThreads, 0, stream>>>(a);
+    const dim3 grid((a.experts + kRowsPerBlock - 1) / kRowsPerBlock, static_cast<unsigned>(xd[0]));
+    moe_route_kernel<decltype(vec)::value><<<grid, kRouteThreads, 0, stream>>>(a);
     return launch_status(op.c_str());
   });
 }
@@ -186,6 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LithosMoeRoute, lithos::moe_route_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()   // weights [tokens, top_k]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // expert ids [tokens, top_k]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // logits [tokens, experts]: the hand-off
                                   .Attr<int32_t>("top_k")
                                   .Attr<bool>("softmax_first")
                                   .Attr<bool>("renormalize"),

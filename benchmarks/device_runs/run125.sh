@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run 125 (one call of the device tool, what is left of the session's device time): the router kernel as a grid
+# of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
+# in one launch"), against the sources before the router kernel (commit e69af71, copied to base125/ for the call,
+# not committed) in the same call.
+#   bash benchmarks/device_runs/run125.sh route
+# In order of need, each step saved as it ends: the router kernel's GPU tests; Qwen1.5-MoE-A2.7B fused, 1K, with
+# the kernel and without; then Qwen3-30B-A3B as a Q4_K_M file holds it, with and without.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:?usage: run125.sh route}
+export PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+work=/tmp/r125
+mkdir -p "$work"
+save() { tar -C "$work" -czf "$OUT/run125-$phase.tar.gz" .; }
+start=$SECONDS
+log() { echo "== $* at $((SECONDS - start)) s"; }
+# -P: the lithos on PYTHONPATH, not the working directory's
+lithos=(python3 -P -c 'import sys; from lithos.cli import main; sys.exit(main())')
+base=$PWD/benchmarks/device_runs/base125
+
+step() {  # step SOURCES SHAPE TAG [BENCH ARGS...]
+  local sources=$1 shape=$2 tag=run125-$3
+  shift 3
+  PYTHONPATH=$sources timeout 120 "${lithos[@]}" bench --shape "$shape" --context 1024 --kernels fused "$@" \
+    --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
+  grep -E "^$shape" "$work/$tag.log"
+  save
+}
+case $phase in
+  route)
+    log build
+    PYTHONPATH=$PWD python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel matvec \
+      --kernel attention --kernel lm_head --kernel expert_matvec >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
+    log tests
+    PYTHONPATH=$PWD timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_moe_route_gpu.py \
+      >"$work/gpu-tests-route.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$work/gpu-tests-route.log" | tail -8
+    save
+    log steps
+    step "$PWD" qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route
+    step "$base" qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-xla
+    PYTHONPATH=$PWD python3 -m lithos.custom_calls.build --kernel qk_norm_rope --kernel matvec_packed_q4_k \
+      --kernel matvec_packed_k_mix >>"$work/build.log" 2>&1
+    step "$PWD" qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
+    step "$base" qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla --weight-format q4_k_m ;;
+  *) echo "usage: run125.sh route"; exit 2 ;;
+esac
+log done

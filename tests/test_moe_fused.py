@@ -50,8 +50,12 @@ def model(request, tmp_path_factory):
     return ck.cfg, ck.params
 
 
+@pytest.mark.parametrize("router_kernel", [False, True])
 @pytest.mark.parametrize("new_tokens", [1, 3])
-def test_fused_step_equals_reference(model, new_tokens, monkeypatch):
+def test_fused_step_equals_reference(model, new_tokens, router_kernel, monkeypatch):
+    """With `router_kernel` the routers go through lithos.custom_calls.moe_route's kernel (`LITHOS_MOE_ROUTE=1`; on
+    a CPU through its twin, as without)."""
+    monkeypatch.setenv("LITHOS_MOE_ROUTE", "1" if router_kernel else "0")
     cfg, params = model
     assert not llama.kernel_gaps(cfg, "fused")
     family = family_of(cfg)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run 125 (one call of the device tool, what is left of the session's device time): the router kernel as a grid
 # of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
-# in one launch"), against the sources before the router kernel (commit e69af71, copied to base125/ for the call,
-# not committed) in the same call.
+# in one launch"), asked for with LITHOS_MOE_ROUTE=1, against the sources before the router kernel in the same call.
+# Those sources travel as an untracked copy (not committed): before the call, from the repository root,
+#   mkdir -p benchmarks/device_runs/base125 && git archive e69af71 lithos | tar -x -C benchmarks/device_runs/base125
 #   bash benchmarks/device_runs/run125.sh route
 # In order of need, each step saved as it ends: the router kernel's GPU tests; Qwen1.5-MoE-A2.7B fused, 1K, with
 # the kernel and without; then Qwen3-30B-A3B as a Q4_K_M file holds it, with and without.
@@ -18,6 +19,7 @@ log() { echo "== $* at $((SECONDS - start)) s"; }
 # -P: the lithos on PYTHONPATH, not the working directory's
 lithos=(python3 -P -c 'import sys; from lithos.cli import main; sys.exit(main())')
 base=$PWD/benchmarks/device_runs/base125
+[ -d "$base/lithos" ] || { echo "no $base/lithos: make it as this script's header says"; exit 2; }
 
 step() {  # step SOURCES SHAPE TAG [BENCH ARGS...]
   local sources=$1 shape=$2 tag=run125-$3
@@ -33,11 +35,12 @@ case $phase in
     PYTHONPATH=$PWD python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel matvec \
       --kernel attention --kernel lm_head --kernel expert_matvec >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
     log tests
-    PYTHONPATH=$PWD timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_moe_route_gpu.py \
-      >"$work/gpu-tests-route.log" 2>&1
+    PYTHONPATH=$PWD timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_moe_route_gpu.py \
+      "tests/test_moe_fused.py::test_fused_step_equals_reference" >"$work/gpu-tests-route.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$work/gpu-tests-route.log" | tail -8
     save
     log steps
+    export LITHOS_MOE_ROUTE=1  # read by the sources under test; the ones before have no such kernel
     step "$PWD" qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route
     step "$base" qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-xla
     PYTHONPATH=$PWD python3 -m lithos.custom_calls.build --kernel qk_norm_rope --kernel matvec_packed_q4_k \

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lithos.custom_calls.moe_route import Routing, moe_route
+from lithos.custom_calls.moe_route import Routing, moe_route, router_kernel_asked
 from lithos.errors import UnsupportedModelError
 from lithos.quant import MXFP4, QuantizedArray, dequantize, from_planes
 
@@ -303,14 +303,14 @@ def moe_mlp(
 
     x: normed hidden states `[batch, tokens, hidden]`; experts: all MoE layers' weights; layer: this
     layer's index in the MoE stack (traced inside a layer loop); routing: how the router's logits pick each
-    token's experts (lithos.custom_calls.moe_route: one kernel on the fused path); activation: `[n, 2*ffn]` ->
-    `[n, ffn]`.
+    token's experts (lithos.custom_calls.moe_route; a kernel on the fused path when asked for: `router_kernel_asked`);
+    activation: `[n, 2*ffn]` -> `[n, ffn]`.
     Returns the output `[batch, tokens, hidden]` (x's dtype) and the expert ids `[batch*tokens, k]`.
     """
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     E = experts.num_experts
-    path = "auto" if kernels == "fused" else "reference"
+    path = "auto" if kernels == "fused" and router_kernel_asked() else "reference"
     weights, ids = moe_route(tokens, experts.router, routing, layer=layer, bias=experts.router_bias, path=path)
     first = jnp.asarray(layer, jnp.int32) * E
     if uses_gather(B * T, ids.shape[-1], E, kernels):

@@ -1,0 +1,37 @@
+# Shared by the device-run scripts from run 125 on: `source benchmarks/device_runs/lib.sh RUN PHASE` from the
+# repository root. Sets the environment every run uses and defines:
+#   work                    the run's scratch folder (/tmp/RUN), packed into $OUT/RUN-PHASE.tar.gz by `save`
+#   log WHAT                a timestamped progress line
+#   lithos                  the CLI, importing the lithos on PYTHONPATH (python -P: not the working directory's)
+#   bench_step SHAPE TAG [BENCH ARGS...]
+#                           `lithos bench` of SHAPE at 1K on the fused kernels into $work, tagged RUN-TAG, its table
+#                           line printed and saved; SOURCES (default: this tree) is the lithos it imports,
+#                           STEP_TIMEOUT (default 120 s) its limit
+#   run_tests NAME TIMEOUT PYTEST_ARGS...
+#                           pytest into $work/NAME.log, its summary printed and saved
+run_name=${1:?usage: source lib.sh RUN PHASE}
+run_phase=${2:?usage: source lib.sh RUN PHASE}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+work=/tmp/$run_name
+mkdir -p "$work"
+run_start=$SECONDS
+save() { tar -C "$work" -czf "$OUT/$run_name-$run_phase.tar.gz" .; }
+log() { echo "== $* at $((SECONDS - run_start)) s"; }
+lithos=(python3 -P -c 'import sys; from lithos.cli import main; sys.exit(main())')
+
+bench_step() {
+  local shape=$1 tag=$run_name-$2
+  shift 2
+  PYTHONPATH=${SOURCES:-$PWD} timeout "${STEP_TIMEOUT:-120}" "${lithos[@]}" bench --shape "$shape" --context 1024 \
+    --kernels fused "$@" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
+  grep -E "^$shape" "$work/$tag.log"
+  save
+}
+
+run_tests() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" >"$work/$name.log" 2>&1
+  grep -E "passed|failed|FAILED|Error" "$work/$name.log" | tail -8
+  save
+}

@@ -3,7 +3,7 @@
 // and their weights, in one launch where XLA took a slice, a reduce, a softmax, a sort and the renormalisation.
 //
 // A grid of blocks a token, a warp a router row (read from the stacked [layers, experts, hidden] matrix in place,
-// every load of the row in flight at once), each block's logits to memory; the last block of a token to arrive
+// the row's loads in flight together), each block's logits to memory; the last block of a token to arrive
 // routes: a softmax over every expert, then the top k, renormalised when asked (Qwen3-MoE, Qwen2-MoE, Mixtral);
 // or the top k of the logits, then a softmax over those k (GPT-OSS). Each expert's place in the order is a count
 // over the others (one pass, no rounds); ties go to the lower expert id, as jax.lax.top_k's (NOTES.md, "The
@@ -38,15 +38,30 @@ struct RouteArgs {
   bool softmax_first, renormalize;
 };
 
+// A warp's dot product of x and one router row. The row's loads are issued kChunks at a time, all before their
+// products (a 2048-wide row is one round of eight 16-byte loads a lane): a row is one trip to memory, not eight.
+constexpr int kChunks = 8;
+
 template <int VEC>
 __device__ __forceinline__ float row_dot(const bf16_t* x, const bf16_t* row, int hidden, int lane) {
   float sum = 0.f;
-#pragma unroll 16
-  for (int i = lane * VEC; i < hidden; i += WARP_SIZE * VEC) {
-    const Bf16Vec<VEC> w = load_streaming<VEC>(row + i);
-    const Bf16Vec<VEC> v = load_cached<VEC>(x + i);
+  for (int base = 0; base < hidden; base += kChunks * WARP_SIZE * VEC) {
+    Bf16Vec<VEC> w[kChunks], v[kChunks];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) sum += w[j] * v[j];
+    for (int c = 0; c < kChunks; ++c) {
+      const int i = base + (c * WARP_SIZE + lane) * VEC;
+      if (i < hidden) {
+        w[c] = load_streaming<VEC>(row + i);
+        v[c] = load_cached<VEC>(x + i);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (base + (c * WARP_SIZE + lane) * VEC < hidden) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum += w[c][j] * v[c][j];
+      }
+    }
   }
   return group_sum(sum);
 }

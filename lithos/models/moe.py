@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lithos.custom_calls.moe_route import Routing, moe_route, router_kernel_asked
+from lithos.custom_calls.moe_route import MAX_EXPERTS, Routing, moe_route, router_kernel_asked
 from lithos.errors import UnsupportedModelError
 from lithos.quant import MXFP4, QuantizedArray, dequantize, from_planes
 
@@ -310,7 +310,9 @@ def moe_mlp(
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     E = experts.num_experts
-    path = "auto" if kernels == "fused" and router_kernel_asked() else "reference"
+    # The kernel keeps at most MAX_EXPERTS logits a token; a larger router takes XLA's ops, the same arithmetic.
+    kernel = kernels == "fused" and router_kernel_asked() and E <= MAX_EXPERTS
+    path = "auto" if kernel else "reference"
     weights, ids = moe_route(tokens, experts.router, routing, layer=layer, bias=experts.router_bias, path=path)
     first = jnp.asarray(layer, jnp.int32) * E
     if uses_gather(B * T, ids.shape[-1], E, kernels):

@@ -13,6 +13,7 @@ import pytest
 
 from lithos import quant
 from lithos.custom_calls import build, expert_matvec, gate_up_silu, matvec
+from lithos.custom_calls.expert_matvec import expert_gate_up_silu
 from lithos.custom_calls.packed_matvec import (
     packed_gate_up_silu,
     packed_lm_head_argmax,
@@ -154,6 +155,27 @@ def test_expert_matvec_reference(fmt_name):
     assert_close(y, np.einsum("pi,poi->po", f64(x), dense[1][nearest]))
     one_layer = jax.tree_util.tree_map(lambda p: p[1], w)
     np.testing.assert_array_equal(f64(expert_matvec(x, one_layer, ids, path="reference")), f64(y))
+
+
+@pytest.mark.parametrize("fmt_name", ["bfloat16", "q4_k", "mxfp4"])
+def test_expert_gate_up_silu_reference(fmt_name):
+    """The gated op against float64: each pair's [gate | up] rows of its expert against its token's row of x (a
+    token's k experts together), gate and up rounded to x's dtype, then silu(gate) * up."""
+    rng = np.random.default_rng(20)
+    layers, experts, ffn, n_in = 2, 5, 24, 64 if fmt_name == "bfloat16" else fitting(fmt_name, 64)
+    shape = (layers, experts, 2 * ffn, n_in)
+    w = rand(rng, *shape) if fmt_name == "bfloat16" else random_packed(fmt_name, shape, rng)
+    dense = f64(w) if fmt_name == "bfloat16" else values64(w)
+    x = rand(rng, 3, n_in)
+    ids = jnp.asarray([4, 0, 2, 2, 1, 3], jnp.int32)  # tokens 0, 1, 2 with two experts each
+    y = expert_gate_up_silu(x, w, ids, layer=1, path="reference")
+    gate_up = np.einsum("pi,poi->po", np.repeat(f64(x), 2, axis=0), dense[1][np.asarray(ids)])
+    gate_up = f64(jnp.asarray(gate_up, x.dtype))  # rounded as the plain op stores it
+    gate, up = gate_up[:, :ffn], gate_up[:, ffn:]
+    assert y.shape == (6, ffn)
+    assert_close(y, gate / (1 + np.exp(-gate)) * up)
+    with pytest.raises(LithosError, match="must hold k for each of x's 3 rows"):
+        expert_gate_up_silu(x, w, ids[:5], layer=1, path="reference")
 
 
 @pytest.mark.parametrize("fmt_name", ["bfloat16", "mxfp4"])

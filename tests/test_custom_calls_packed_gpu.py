@@ -20,6 +20,7 @@ import pytest
 from lithos import quant
 from lithos.bench import model_shape
 from lithos.custom_calls import build, expert_matvec
+from lithos.custom_calls.expert_matvec import expert_gate_up_silu
 from lithos.custom_calls.packed_matvec import (
     packed_gate_up_silu,
     packed_lm_head_argmax,
@@ -205,6 +206,22 @@ def test_expert_matvec(fmt_name, shape):
     ids = jnp.asarray(rng.integers(-1, experts + 1, pairs), jnp.int32)  # includes out-of-range ids
     want = expert_matvec(x, w, ids, layer=1, path="reference")
     assert_close(jax.jit(lambda *a: expert_matvec(*a, layer=1, path=KERNEL))(x, w, ids), want)
+
+
+@pytest.mark.parametrize("fmt_name, shape", [("bfloat16", "qwen1.5-moe"), ("q4_k", "qwen3-30b-a3b"), ("q8_0", "odd")])
+def test_expert_gate_up_silu(fmt_name, shape):
+    """The gated build: (experts, ffn, in, tokens, k) of Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's experts, and an odd
+    stack; x a row a token, out-of-range ids among the pairs."""
+    experts, ffn, n_in, tokens, k = {
+        "qwen1.5-moe": (60, 1408, 2048, 1, 4), "qwen3-30b-a3b": (128, 768, 2048, 3, 8), "odd": (5, 22, 96, 2, 3)
+    }[shape]  # fmt: skip
+    rng = rng_for("expert-gated", fmt_name, shape)
+    dims = (2, experts, 2 * ffn, n_in)
+    w = rand(rng, *dims) if fmt_name == "bfloat16" else random_packed(fmt_name, dims, rng)
+    x = rand(rng, tokens, n_in)
+    ids = jnp.asarray(rng.integers(-1, experts + 1, tokens * k), jnp.int32)
+    want = expert_gate_up_silu(x, w, ids, layer=1, path="reference")
+    assert_close(jax.jit(lambda *a: expert_gate_up_silu(*a, layer=1, path=KERNEL))(x, w, ids), want)
 
 
 def test_expert_matvec_kernel_reads_only_routed_experts():

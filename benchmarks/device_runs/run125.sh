@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Run 125 (one call of the device tool, what is left of the session's device time): the router kernel as a grid
+# Run 125 (one call of the device tool, 4-6 minutes; written 2026-12-05, not yet run): the router kernel as a grid
 # of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
-# in one launch"), asked for with LITHOS_MOE_ROUTE=1, against the sources before the router kernel in the same call.
+# in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The experts' gate/up with its SwiGLU"),
+# asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources before both in the same call.
 # Those sources travel as an untracked copy (not committed): before the call, from the repository root,
 #   mkdir -p benchmarks/device_runs/base125 && git archive e69af71 lithos | tar -x -C benchmarks/device_runs/base125
 #   bash benchmarks/device_runs/run125.sh route
-# In order of need, each step saved as it ends: the router kernel's GPU tests; Qwen1.5-MoE-A2.7B fused, 1K, with
-# the kernel and without; then Qwen3-30B-A3B as a Q4_K_M file holds it, with and without.
+# In order of need, each step saved as it ends: the two kernels' GPU tests (with the plain expert kernel's, whose
+# source they share) and the MoE families' fused path with them; Qwen1.5-MoE-A2.7B fused, 1K, with the router kernel,
+# with both, and with neither; then Qwen3-30B-A3B as a Q4_K_M file holds it, the same three.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:?usage: run125.sh route}
@@ -20,14 +22,19 @@ case $phase in
     python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel matvec --kernel attention \
       --kernel lm_head --kernel expert_matvec >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
     log tests
-    run_tests gpu-tests-route 90 tests/test_moe_route_gpu.py "tests/test_moe_fused.py::test_fused_step_equals_reference"
+    packed=tests/test_custom_calls_packed_gpu.py
+    run_tests gpu-tests-moe 150 tests/test_moe_route_gpu.py "$packed::test_expert_gate_up_silu" \
+      "$packed::test_expert_matvec" "$packed::test_expert_matvec_kernel_reads_only_routed_experts" \
+      "tests/test_moe_fused.py::test_fused_step_equals_reference"
     log steps
-    export LITHOS_MOE_ROUTE=1  # read by the sources under test; the ones before have no such kernel
-    bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route
+    # LITHOS_MOE_NEW is read by the sources under test; the ones before have neither kernel.
+    LITHOS_MOE_NEW=route bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route
+    LITHOS_MOE_NEW=route,gate_up bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route-gate-up
     SOURCES=$base bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-xla
     python3 -m lithos.custom_calls.build --kernel qk_norm_rope --kernel matvec_packed_q4_k \
       --kernel matvec_packed_k_mix >>"$work/build.log" 2>&1
-    bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
+    LITHOS_MOE_NEW=route bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
+    LITHOS_MOE_NEW=route,gate_up bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route-gate-up --weight-format q4_k_m
     SOURCES=$base bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla --weight-format q4_k_m ;;
   *) echo "usage: run125.sh route"; exit 2 ;;
 esac

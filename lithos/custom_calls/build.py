@@ -65,7 +65,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         f"matvec_packed_{fmt}": tuple(f"{op}_{fmt}" for op in PACKED_HANDLERS)
         for fmt in PACKED_SOURCES
     },
-    "expert_matvec": ("LithosExpertMatvec",),
+    "expert_matvec": ("LithosExpertMatvec", "LithosExpertGateUpSilu"),
     "moe_route": ("LithosMoeRoute",),
 }
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +27,6 @@ from lithos.custom_calls.dispatch import (
 from lithos.errors import LithosError
 
 MAX_EXPERTS = 512  # csrc/moe_route.cu kMaxExperts: the logits a block keeps in shared memory
-
-
-def router_kernel_asked() -> bool:
-    """Whether the fused path routes through the kernel (`LITHOS_MOE_ROUTE=1`) rather than XLA's ops (the twin's
-    expression). Its first form, one block a token, passed its GPU tests and made the steps slower (run 124); the
-    grid form that replaced it compiles for CUDA and HIP and matches the twin on the CPU, and has not run on a GPU
-    yet (NOTES.md, "The router in one launch"). Read when a step is traced."""
-    return os.environ.get("LITHOS_MOE_ROUTE", "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)

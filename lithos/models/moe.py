@@ -25,6 +25,7 @@ multiplying with a zero weight (0 * NaN is NaN).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -34,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lithos.custom_calls.moe_route import MAX_EXPERTS, Routing, moe_route, router_kernel_asked
-from lithos.errors import UnsupportedModelError
+from lithos.custom_calls.moe_route import MAX_EXPERTS, Routing, moe_route
+from lithos.errors import LithosError, UnsupportedModelError
 from lithos.quant import MXFP4, QuantizedArray, dequantize, from_planes
 
 # --------------------------------------------------------------------------------------------
@@ -247,10 +248,9 @@ def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
 def _gathered_experts(x, weights, ids, experts: Experts, first: jax.Array, activation, kernels: str):
     """Sum over each token's k experts, computed only for the (token, expert) pairs routed."""
     n_tokens, k = ids.shape
-    rows = (first + ids).reshape(-1)  # [N*k] global expert rows
-    pairs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], token-major like `rows`
+    rows = (first + ids).reshape(-1)  # [N*k] global expert rows, token-major
     if kernels == "fused":
-        from lithos.custom_calls.expert_matvec import expert_matvec
+        from lithos.custom_calls.expert_matvec import expert_gate_up_silu, expert_matvec
 
         matvec = expert_matvec
     else:
@@ -258,7 +258,12 @@ def _gathered_experts(x, weights, ids, experts: Experts, first: jax.Array, activ
     gate_up, down = flatten_experts(experts.gate_up), flatten_experts(experts.down)
     gate_up_bias = None if experts.gate_up_bias is None else flatten_experts(experts.gate_up_bias)[rows]
     down_bias = None if experts.down_bias is None else flatten_experts(experts.down_bias)[rows]
-    hidden = activation(_add_bias(matvec(pairs, gate_up, rows), gate_up_bias))
+    gated_kernel = kernels == "fused" and "gate_up" in new_moe_kernels()
+    if gated_kernel and activation is swiglu_halves and gate_up_bias is None:
+        hidden = expert_gate_up_silu(x, gate_up, rows)  # x a row a token: the kernel pairs them
+    else:
+        pairs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], token-major like `rows`
+        hidden = activation(_add_bias(matvec(pairs, gate_up, rows), gate_up_bias))
     out = _add_bias(matvec(hidden, down, rows), down_bias)  # [N*k, hidden]
     out = out.reshape(n_tokens, k, -1).astype(jnp.float32)
     return jnp.einsum("nk,nkd->nd", weights, out)
@@ -285,6 +290,24 @@ def _dense_experts(x, weights, ids, experts: Experts, first: jax.Array, activati
     return jax.lax.fori_loop(0, E, one, jnp.zeros((n_tokens, x.shape[-1]), jnp.float32))
 
 
+NEW_MOE_KERNELS = ("route", "gate_up")
+
+
+def new_moe_kernels() -> frozenset[str]:
+    """The fused path's mixture-of-experts kernels asked for with `LITHOS_MOE_NEW` (a comma list of NEW_MOE_KERNELS)
+    until a GPU has run them (lithos/custom_calls/NOTES.md): "route", the router in one launch
+    (lithos.custom_calls.moe_route; else XLA's ops, the same arithmetic), and "gate_up", the experts' gate/up with
+    its SwiGLU in one launch reading a row a token (`expert_gate_up_silu`; else the gate/up kernel over x repeated k
+    times, then XLA's SwiGLU). Both compile for CUDA and HIP and match their twins on the CPU. Read when a step is
+    traced."""
+    asked = frozenset(name for name in os.environ.get("LITHOS_MOE_NEW", "").split(",") if name)
+    unknown = asked - set(NEW_MOE_KERNELS)
+    if unknown:
+        names, known = ", ".join(sorted(unknown)), ", ".join(NEW_MOE_KERNELS)
+        raise LithosError(f"LITHOS_MOE_NEW names {names}; choose from {known} (a comma list), or leave it unset")
+    return asked
+
+
 def uses_gather(n_tokens: int, top_k: int, num_experts: int, kernels: str) -> bool:
     """Whether `n_tokens` tokens take the gathered path: always on the fused path; on the reference
     path while the (token, expert) pairs are no more than the experts (decode and verification)."""
@@ -303,7 +326,7 @@ def moe_mlp(
 
     x: normed hidden states `[batch, tokens, hidden]`; experts: all MoE layers' weights; layer: this
     layer's index in the MoE stack (traced inside a layer loop); routing: how the router's logits pick each
-    token's experts (lithos.custom_calls.moe_route; a kernel on the fused path when asked for: `router_kernel_asked`);
+    token's experts (lithos.custom_calls.moe_route; a kernel on the fused path when asked for: `new_moe_kernels`);
     activation: `[n, 2*ffn]` -> `[n, ffn]`.
     Returns the output `[batch, tokens, hidden]` (x's dtype) and the expert ids `[batch*tokens, k]`.
     """
@@ -311,7 +334,7 @@ def moe_mlp(
     tokens = x.reshape(B * T, D)
     E = experts.num_experts
     # The kernel keeps at most MAX_EXPERTS logits a token; a larger router takes XLA's ops, the same arithmetic.
-    kernel = kernels == "fused" and router_kernel_asked() and E <= MAX_EXPERTS
+    kernel = kernels == "fused" and "route" in new_moe_kernels() and E <= MAX_EXPERTS
     path = "auto" if kernel else "reference"
     weights, ids = moe_route(tokens, experts.router, routing, layer=layer, bias=experts.router_bias, path=path)
     first = jnp.asarray(layer, jnp.int32) * E

@@ -471,6 +471,8 @@ def qkv_in_one_format(params):
         laid_out = one_format_a_group({name: getattr(layers, name) for name in QKV_WEIGHTS})
     except LithosError:  # a mix K_MIX does not hold: the split form reads any
         return params
+    if all(w is getattr(layers, name) for name, w in laid_out.items()):
+        return params  # one format already (or not K-quants): the same params, not a copy of the tree
     return params.replace(layers=layers.replace(**laid_out))
 
 

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# Run 125 (one call of the device tool, 4-6 minutes; written 2026-12-05, not yet run): the router kernel as a grid
-# of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
+# Run 125 (two calls of the device tool, route 4-6 minutes, trace up to 9; written 2026-12-05, not yet run): the
+# router kernel as a grid of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
 # in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The experts' gate/up with its SwiGLU"),
 # asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources before both in the same call.
 # Those sources travel as an untracked copy (not committed): before the call, from the repository root,
 #   mkdir -p benchmarks/device_runs/base125 && git archive e69af71 lithos | tar -x -C benchmarks/device_runs/base125
-#   bash benchmarks/device_runs/run125.sh route
+#   bash benchmarks/device_runs/run125.sh route   (tests and steps, below)
+#   bash benchmarks/device_runs/run125.sh trace   (a second call, up to 9 minutes: where the Qwen3-30B-A3B Q4_K_M
+#                                                  fused step goes, kernel by kernel, with the MoE kernels that
+#                                                  `route` found to gain named in LITHOS_MOE_NEW by the caller)
 # In order of need, each step saved as it ends: the two kernels' GPU tests (with the plain expert kernel's, whose
 # source they share) and the MoE families' fused path with them; Qwen1.5-MoE-A2.7B fused, 1K, with the router kernel,
 # with both, and with neither; then Qwen3-30B-A3B as a Q4_K_M file holds it, the same three.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: run125.sh route}
+phase=${1:?usage: run125.sh route|trace}
 source benchmarks/device_runs/lib.sh run125 "$phase"
 base=$PWD/benchmarks/device_runs/base125
-[ -d "$base/lithos" ] || { echo "no $base/lithos: make it as this script's header says"; exit 2; }
 
 case $phase in
   route)
+    [ -d "$base/lithos" ] || { echo "no $base/lithos: make it as this script's header says"; exit 2; }
     log build
     python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel matvec --kernel attention \
       --kernel lm_head --kernel expert_matvec >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
@@ -36,6 +39,13 @@ case $phase in
     LITHOS_MOE_NEW=route bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
     LITHOS_MOE_NEW=route,gate_up bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route-gate-up --weight-format q4_k_m
     SOURCES=$base bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla --weight-format q4_k_m ;;
-  *) echo "usage: run125.sh route"; exit 2 ;;
+  trace)
+    log trace
+    timeout 500 python3 -m lithos.step_timeline --shape qwen3-30b-a3b --weight-format q4_k_m --kernels fused \
+      --anchor pick_tokens --steps 16 --out "$work/run125-timeline-a3b-q4_k_m.json" \
+      >"$work/run125-timeline-a3b-q4_k_m.log" 2>&1
+    head -40 "$work/run125-timeline-a3b-q4_k_m.log"
+    save ;;
+  *) echo "usage: run125.sh route|trace"; exit 2 ;;
 esac
 log done

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run 125 (two calls of the device tool, route 4-6 minutes, trace up to 9; written 2026-12-05, not yet run): the
-# router kernel as a grid of blocks with the last to arrive routing (run 124's one-block form made the steps slower: NOTES.md, "The router
-# in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The experts' gate/up with its SwiGLU"),
-# asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources before both in the same call.
+# router kernel as a grid of blocks with the last to arrive routing (run 124's one-block form made the steps
+# slower: NOTES.md, "The router in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The
+# experts' gate/up with its SwiGLU"), asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources
+# before both in the same call.
 # Those sources travel as an untracked copy (not committed): before the call, from the repository root,
 #   mkdir -p benchmarks/device_runs/base125 && git archive e69af71 lithos | tar -x -C benchmarks/device_runs/base125
 #   bash benchmarks/device_runs/run125.sh route   (tests and steps, below)

@@ -31,8 +31,6 @@ struct ExpertArgs {
   int k_split;
 };
 
-__device__ __forceinline__ float expert_silu(float g) { return g / (1.0f + expf(-g)); }
-
 template <WeightFormat F, bool GATED>
 __global__ void __launch_bounds__(kMatvecThreads) expert_matvec_kernel(ExpertArgs a) {
   constexpr int kOutsPerWarp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;  // gated: rows gate, up, gate, up
@@ -59,7 +57,7 @@ __global__ void __launch_bounds__(kMatvecThreads) expert_matvec_kernel(ExpertArg
 #pragma unroll
           for (int j = 0; j < kOutsPerWarp; ++j) {
             const int out = group * kOutsPerWarp + j;
-            const float value = GATED ? expert_silu(round_to_bf16(acc[2 * j][0])) * round_to_bf16(acc[2 * j + 1][0])
+            const float value = GATED ? silu(round_to_bf16(acc[2 * j][0])) * round_to_bf16(acc[2 * j + 1][0])
                                       : acc[j][0];
             if (out < outs) a.y[static_cast<size_t>(pair) * outs + out] = float_to_bf16(value);
           }

@@ -31,8 +31,6 @@ struct MatvecArgs {
 template <bool GATED>
 constexpr int kMatvecWideFrom = GATED ? kWideForLargeNormed : kWideForRest;
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
 // Each warp owns kRowsPerWarp weight rows at a time: four outputs, or in the gated variant two
 // outputs as (gate, up) row pairs so silu(gate) * up is formed in registers.
 template <int TMAX, int VEC, bool GATED>

@@ -23,8 +23,6 @@
 namespace lithos {
 namespace packed_matvec {
 
-__device__ __forceinline__ float packed_silu(float g) { return g / (1.0f + expf(-g)); }
-
 struct PackedMatvecArgs {
   const bf16_t* x;         // [tokens, n_in]
   PackedWeight w;          // [layers, n_out, n_in] (the gate rows in the gated variant)
@@ -69,7 +67,7 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_matvec_kernel(PackedMat
             const int out = unit * kOutsPerWarp + j;
             if (out < n_out) {
               const size_t at = static_cast<size_t>(t) * n_out + out;
-              float value = GATED ? packed_silu(sums[2 * j] * scale) * (sums[2 * j + 1] * scale) : sums[j] * scale;
+              float value = GATED ? silu(sums[2 * j] * scale) * (sums[2 * j + 1] * scale) : sums[j] * scale;
               if (a.residual != nullptr) value += bf16_to_float(a.residual[at]);
               if (a.y_f32)
                 static_cast<float*>(a.y)[at] = value;

@@ -9,8 +9,6 @@
 namespace lithos {
 namespace mk {
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
 template <int TMAX>
 __device__ bool gate_up_task(const Args& a, const Task& task, int index) {
   __shared__ float rms_scale[TMAX];

@@ -139,6 +139,9 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 // `f` rounded to bf16 and back: a value as a bf16 array holds it.
 __device__ __forceinline__ float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// The gated MLPs' activation, g * sigmoid(g), in f32 (every gate/up kernel's, the megakernel's too).
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
 // Element i of two bf16 packed in a 32-bit word (element 0 is at the lower address: the low half).
 __device__ __forceinline__ float bf16_pair_at(uint32_t pair, int i) {
   return __uint_as_float(i == 0 ? pair << 16 : pair & 0xffff0000u);

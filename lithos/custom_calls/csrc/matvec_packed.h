@@ -13,6 +13,7 @@
 // exist in memory.
 #pragma once
 
+#include "cache_store.h"
 #include "ffi_util.h"
 #include "packed.h"
 #include "portable.h"
@@ -201,7 +202,9 @@ __device__ __forceinline__ void packed_qkv_row_groups(const PackedQkvArgs& a, fl
   const int units = (a.heads + 2 * a.kv_heads) * units_per_head;
   auto head_of = [&](int unit) { return unit / units_per_head; };
   auto first_pair_of = [&](int unit) { return (unit % units_per_head) * 2; };
-  auto kv_head_of = [&](int head) { return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads; };
+  auto kv_head_of = [&](int head) {
+    return head < a.heads + a.kv_heads ? head - a.heads : head - a.heads - a.kv_heads;
+  };
 
   for_each_packed_row_group<F, TMAX>(
       units, a.k_split,
@@ -227,23 +230,13 @@ __device__ __forceinline__ void packed_qkv_row_groups(const PackedQkvArgs& a, fl
 template <WeightFormat F, int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQkvArgs a) {
   __shared__ float rms_scale[TMAX];
-  const int64_t layer = *a.layer;
-  const int half = a.head_dim / 2;
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.max_len * a.head_dim;
+  const QkvStore<bf16_t> store = layer_qkv_store<bf16_t>(a.q, a.k_cache, a.v_cache, nullptr, nullptr, *a.layer,
+                                                         a.heads, a.kv_heads, a.head_dim, a.max_len, a.ring);
   packed_qkv_row_groups<F, TMAX>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                                    const float (&acc)[kRowsPerWarp][TMAX]) {
-    const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
-    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, !is_v, bias, half,
-                     [&](int t, int position, int j, float lo, float hi) {
-      if (is_q) {
-        store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
-      } else if (const int at = cache_slot(position, a.max_len, a.ring); at >= 0) {
-        const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
-        store_pair((is_v ? a.v_cache : a.k_cache) + cache_layer + (static_cast<size_t>(kv_head) * a.max_len + at) *
-                                                                      a.head_dim,
-                   j, half, lo, hi);
-      }
-    });
+    const bool rotate = head < a.heads + a.kv_heads;  // Q and K, not V
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, rotate, bias, a.head_dim / 2,
+                     [&](int t, int position, int j, float lo, float hi) { store(head, t, position, j, lo, hi); });
   });
 }
 
@@ -251,15 +244,12 @@ __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_rope_kernel(PackedQ
 template <WeightFormat F, int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads) packed_qkv_project_kernel(PackedQkvArgs a) {
   __shared__ float rms_scale[TMAX];
-  const int half = a.head_dim / 2;
   const int all_heads = a.heads + 2 * a.kv_heads;
   packed_qkv_row_groups<F, TMAX>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                                    const float (&acc)[kRowsPerWarp][TMAX]) {
-    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, half,
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, a.head_dim / 2,
                      [&](int t, int, int j, float lo, float hi) {
-      float* row = a.projected + (static_cast<size_t>(t) * all_heads + head) * a.head_dim;
-      row[j] = lo;
-      row[j + half] = hi;
+      store_projected_pair(a.projected, all_heads, a.head_dim, head, t, j, lo, hi);
     });
   });
 }

@@ -60,10 +60,8 @@ __global__ void __launch_bounds__(kNormRopeThreads) qk_norm_rope_append_kernel(Q
     norm_w = (is_q ? a.q_norm : a.k_norm) + layer * a.norm_layer_stride;
   }
   const int position = a.positions[t];
-  const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
-  const int at = is_q ? -1 : cache_slot(position, a.slots, a.ring);
-  if (!is_q && at < 0) return;  // a position this cache does not keep
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
+  const QkvStore<Cache> store = layer_qkv_store<Cache>(a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, layer,
+                                                       a.heads, a.kv_heads, a.head_dim, a.slots, a.ring);
   for (int j = lane; j < half; j += WARP_SIZE) {
     float lo = row[j], hi = row[j + half];
     if (!is_v) {
@@ -71,15 +69,7 @@ __global__ void __launch_bounds__(kNormRopeThreads) qk_norm_rope_append_kernel(Q
       hi = hi * rms * bf16_to_float(norm_w[j + half]);
       rope_rotate(lo, hi, position, a.inv_freq[j]);
     }
-    if (is_q) {
-      store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
-    } else {
-      Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
-                    (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
-      const float scale =
-          std::is_same_v<Cache, uint8_t> ? (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head] : 1.f;
-      store_cache_pair(slot, j, half, lo, hi, scale);
-    }
+    store(head, t, position, j, lo, hi);
   }
 }
 

@@ -92,25 +92,13 @@ __device__ __forceinline__ void qkv_row_groups(const QkvArgs& a, float* rms_scal
 template <int TMAX, int VEC, typename Cache>
 __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs a) {
   __shared__ float rms_scale[TMAX];
-  const int64_t layer = *a.layer;
-  const int half = a.head_dim / 2;
-  const size_t cache_layer = static_cast<size_t>(layer) * a.kv_heads * a.slots * a.head_dim;
+  const QkvStore<Cache> store = layer_qkv_store<Cache>(a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, *a.layer,
+                                                       a.heads, a.kv_heads, a.head_dim, a.slots, a.ring);
   qkv_row_groups<TMAX, VEC>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                               const float (&acc)[kRowsPerWarp][TMAX]) {
-    const bool is_q = head < a.heads, is_v = head >= a.heads + a.kv_heads;
-    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, !is_v, bias, half,
-                     [&](int t, int position, int j, float lo, float hi) {
-      if (is_q) {
-        store_pair(a.q + (static_cast<size_t>(t) * a.heads + head) * a.head_dim, j, half, lo, hi);
-      } else if (const int at = cache_slot(position, a.slots, a.ring); at >= 0) {
-        const int kv_head = is_v ? head - a.heads - a.kv_heads : head - a.heads;
-        Cache* slot = static_cast<Cache*>(is_v ? a.v_cache : a.k_cache) + cache_layer +
-                      (static_cast<size_t>(kv_head) * a.slots + at) * a.head_dim;
-        const float scale =
-            std::is_same_v<Cache, uint8_t> ? (is_v ? a.v_scale : a.k_scale)[layer * a.kv_heads + kv_head] : 1.f;
-        store_cache_pair(slot, j, half, lo, hi, scale);
-      }
-    });
+    const bool rotate = head < a.heads + a.kv_heads;  // Q and K, not V
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, a.positions, a.inv_freq, first_pair, rotate, bias, a.head_dim / 2,
+                     [&](int t, int position, int j, float lo, float hi) { store(head, t, position, j, lo, hi); });
   });
 }
 
@@ -119,15 +107,12 @@ __global__ void __launch_bounds__(kMatvecThreads) qkv_rope_append_kernel(QkvArgs
 template <int TMAX, int VEC>
 __global__ void __launch_bounds__(kMatvecThreads) qkv_project_kernel(QkvArgs a) {
   __shared__ float rms_scale[TMAX];
-  const int half = a.head_dim / 2;
   const int all_heads = a.heads + 2 * a.kv_heads;
   qkv_row_groups<TMAX, VEC>(a, rms_scale, [&](int head, int first_pair, const bf16_t* bias,
                                               const float (&acc)[kRowsPerWarp][TMAX]) {
-    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, half,
+    rope_pairs<TMAX>(acc, rms_scale, a.tokens, nullptr, a.inv_freq, first_pair, false, bias, a.head_dim / 2,
                      [&](int t, int, int j, float lo, float hi) {
-      float* row = a.projected + (static_cast<size_t>(t) * all_heads + head) * a.head_dim;
-      row[j] = lo;
-      row[j + half] = hi;
+      store_projected_pair(a.projected, all_heads, a.head_dim, head, t, j, lo, hi);
     });
   });
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 125 (two calls of the device tool, route 4-6 minutes, trace up to 9; written 2026-12-05, not yet run): the
+# Run 125 (two calls of the device tool, route 5-8 minutes, trace up to 9; written 2026-12-05, not yet run): the
 # router kernel as a grid of blocks with the last to arrive routing (run 124's one-block form made the steps
 # slower: NOTES.md, "The router in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The
 # experts' gate/up with its SwiGLU"), asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources
@@ -11,7 +11,8 @@
 #                                                  fused step goes, kernel by kernel, with the MoE kernels that
 #                                                  `route` found to gain named in LITHOS_MOE_NEW by the caller)
 # In order of need, each step saved as it ends: the two kernels' GPU tests (with the plain expert kernel's, whose
-# source they share) and the MoE families' fused path with them; Qwen1.5-MoE-A2.7B fused, 1K, with the router kernel,
+# source they share) and the MoE families' fused path with them; the Q/K/V kernels' cases (their stores shared
+# after run 123); Qwen1.5-MoE-A2.7B fused, 1K, with the router kernel,
 # with both, and with neither; then Qwen3-30B-A3B as a Q4_K_M file holds it, the same three.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,20 +24,26 @@ case $phase in
   route)
     [ -d "$base/lithos" ] || { echo "no $base/lithos: make it as this script's header says"; exit 2; }
     log build
-    python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel matvec --kernel attention \
-      --kernel lm_head --kernel expert_matvec >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
+    python3 -m lithos.custom_calls.build --kernel moe_route --kernel qkv_rope --kernel qk_norm_rope --kernel matvec \
+      --kernel attention --kernel lm_head --kernel expert_matvec --kernel matvec_packed_q4_k >"$work/build.log" 2>&1 ||
+      tail -5 "$work/build.log"
     log tests
-    packed=tests/test_custom_calls_packed_gpu.py
+    gpu=tests/test_custom_calls_gpu.py fp8=tests/test_kv_fp8_gpu.py packed=tests/test_custom_calls_packed_gpu.py
     run_tests gpu-tests-moe 150 tests/test_moe_route_gpu.py "$packed::test_expert_gate_up_silu" \
       "$packed::test_expert_matvec" "$packed::test_expert_matvec_kernel_reads_only_routed_experts" \
       "tests/test_moe_fused.py::test_fused_step_equals_reference"
+    # The Q/K/V kernels' stores, shared since run 123 (QkvStore, cache_store.h): bf16, FP8 and packed, and the
+    # per-head norm kernel.
+    run_tests gpu-tests-qkv 120 "$gpu::test_qkv_rope_append[llama-3.1-8b-1-True]" \
+      "$gpu::test_qkv_rope_append[odd-3-True]" "$gpu::test_qkv_project_then_qk_norm_rope_append" \
+      "$fp8::test_qkv_rope_append_fp8[llama-3.1-8b-4-True]" "$fp8::test_qk_norm_rope_append_fp8" \
+      "$packed::test_packed_qkv_rope_append[q4_k-llama-3.1-8b-1]" "$packed::test_packed_qkv_project"
     log steps
     # LITHOS_MOE_NEW is read by the sources under test; the ones before have neither kernel.
     LITHOS_MOE_NEW=route bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route
     LITHOS_MOE_NEW=route,gate_up bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route-gate-up
     SOURCES=$base bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-xla
-    python3 -m lithos.custom_calls.build --kernel qk_norm_rope --kernel matvec_packed_q4_k \
-      --kernel matvec_packed_k_mix >>"$work/build.log" 2>&1
+    python3 -m lithos.custom_calls.build --kernel matvec_packed_k_mix >>"$work/build.log" 2>&1
     LITHOS_MOE_NEW=route bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
     LITHOS_MOE_NEW=route,gate_up bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route-gate-up --weight-format q4_k_m
     SOURCES=$base bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla --weight-format q4_k_m ;;

@@ -114,16 +114,18 @@ def read_trace(log_dir: Path) -> dict[str, Any]:
 
 def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     """A trace of one timed loop of `args.steps` decode steps (after a warm-up loop) of random weights of
-    `args.shape`, in `args.weight_format` if one is named (as `lithos bench` makes them)."""
+    `args.shape`, in `args.weight_format` if one is named, laid out for `args.kernels` (as `lithos bench` makes and
+    lays them out: a trace of other params would not be the step it times)."""
     import jax
     import jax.numpy as jnp
 
     from lithos import bench
     from lithos.checkpoint import default_dtype
-    from lithos.models import init_model_cache
+    from lithos.models import init_model_cache, params_for_kernels
 
     context, steps, kernels = args.context, args.steps, args.kernels
     _, cfg, params = bench.shape_model_as_asked(args.shape, jnp.dtype(default_dtype()), args)
+    params = params_for_kernels(params, cfg, kernels)
     state = bench.decode_state(init_model_cache(cfg, 1, context + 2 * steps, params.embed.dtype), context)
     state = jax.block_until_ready(bench._steps(params, state, cfg, steps, kernels))  # compile and warm up
     with tempfile.TemporaryDirectory() as log_dir:

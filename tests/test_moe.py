@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from lithos import quant
-from lithos.errors import LithosError
 from lithos.models import moe
 
 from .conftest import require
@@ -169,13 +168,3 @@ def test_unread_expert_bytes_leaves_the_top_k(packed):
     assert moe.unread_expert_bytes(experts, K) == per_layer * (E - K) // E
     assert moe.unread_expert_bytes(experts, K, tokens=E) == 0
     assert moe.unread_expert_bytes(None, K) == 0
-
-
-def test_new_moe_kernels_are_named_from_the_list(monkeypatch):
-    monkeypatch.setenv("LITHOS_MOE_NEW", "route,gate_up")
-    assert moe.new_moe_kernels() == {"route", "gate_up"}
-    monkeypatch.setenv("LITHOS_MOE_NEW", "")
-    assert moe.new_moe_kernels() == frozenset()
-    monkeypatch.setenv("LITHOS_MOE_NEW", "route,router")
-    with pytest.raises(LithosError, match="LITHOS_MOE_NEW names router; choose from route, gate_up"):
-        moe.new_moe_kernels()

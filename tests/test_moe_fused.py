@@ -50,12 +50,10 @@ def model(request, tmp_path_factory):
     return ck.cfg, ck.params
 
 
-@pytest.mark.parametrize("new_kernels", ["", "route,gate_up"])
 @pytest.mark.parametrize("new_tokens", [1, 3])
-def test_fused_step_equals_reference(model, new_tokens, new_kernels, monkeypatch):
-    """With `new_kernels` (`LITHOS_MOE_NEW`) the routers go through lithos.custom_calls.moe_route's kernel and the
-    experts' gate/up through `expert_gate_up_silu` (on a CPU through their twins)."""
-    monkeypatch.setenv("LITHOS_MOE_NEW", new_kernels)
+def test_fused_step_equals_reference(model, new_tokens, monkeypatch):
+    """The experts' gate/up through `expert_gate_up_silu` where the family's matrix is [gate | up] (on a CPU through
+    its twin)."""
     cfg, params = model
     assert not llama.kernel_gaps(cfg, "fused")
     family = family_of(cfg)

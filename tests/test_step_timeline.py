@@ -103,3 +103,34 @@ def test_profile_steps_times_the_weight_format_asked_for(monkeypatch):
     args = step_timeline.argparse.Namespace(**shape, weight_format="q8_0", quantize_groups="attention")
     trace = step_timeline.profile_steps(args)
     assert seen["format"] == "q8_0" and trace["traceEvents"]
+
+
+
+def test_profile_steps_lays_the_weights_out_for_the_kernels(monkeypatch):
+    """The loop traced reads the params `lithos bench` times: laid out for the kernel path (a Q4_K_M file's Q/K/V
+    in one format on the fused path, llama.qkv_in_one_format), not as made."""
+    import lithos.models
+    from lithos import bench
+
+    seen = {}
+
+    class Seen(Exception):
+        pass
+
+    def lay_out(params, cfg, kernels):
+        seen["kernels"] = kernels
+        seen["laid_out"] = step_timeline.argparse.Namespace(embed=params.embed)  # a stand-in the loop must get
+        return seen["laid_out"]
+
+    def spy(params, state, cfg, n, kernels, *args, **kwargs):
+        seen["params"] = params
+        raise Seen
+
+    monkeypatch.setattr(lithos.models, "params_for_kernels", lay_out)
+    monkeypatch.setattr(bench, "_steps", spy)
+    args = step_timeline.argparse.Namespace(
+        shape="smollm2-135m", kernels="fused", context=16, steps=2, weight_format=None, quantize_groups="attention"
+    )
+    with pytest.raises(Seen):
+        step_timeline.profile_steps(args)
+    assert seen["kernels"] == "fused" and seen["params"] is seen["laid_out"]

@@ -11,7 +11,9 @@
 #                           pytest into $work/NAME.log, its summary printed and saved
 run_name=${1:?usage: source lib.sh RUN PHASE}
 run_phase=${2:?usage: source lib.sh RUN PHASE}
+# LITHOS_CONFIGS: this tree's shapes and hardware, also for a SOURCES copy that holds only lithos/.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITHOS_CACHE_DIR=$PWD/.carry/kcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+export LITHOS_CONFIGS=$PWD/configs
 work=/tmp/$run_name
 mkdir -p "$work"
 run_start=$SECONDS

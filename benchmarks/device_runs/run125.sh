@@ -16,7 +16,7 @@
 # with both, and with neither; then Qwen3-30B-A3B as a Q4_K_M file holds it, the same three.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-phase=${1:?usage: run125.sh route|trace}
+phase=${1:?usage: run125.sh route|base|trace}
 source benchmarks/device_runs/lib.sh run125 "$phase"
 base=$PWD/benchmarks/device_runs/base125
 
@@ -47,6 +47,16 @@ case $phase in
     LITHOS_MOE_NEW=route bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route --weight-format q4_k_m
     LITHOS_MOE_NEW=route,gate_up bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route-gate-up --weight-format q4_k_m
     SOURCES=$base bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla --weight-format q4_k_m ;;
+  base)
+    # A third call after `route` (whose sources-before steps found no configs/ in the copy, fixed in lib.sh): the
+    # same cards' steps with neither kernel and with both, one after the other.
+    [ -d "$base/lithos" ] || { echo "no $base/lithos: make it as this script's header says"; exit 2; }
+    log steps
+    export STEP_TIMEOUT=240  # on a fresh machine each tree builds its kernels in its first step
+    SOURCES=$base bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-xla-2
+    LITHOS_MOE_NEW=route,gate_up bench_step qwen1.5-moe-a2.7b qwen1.5-moe-a2.7b-route-gate-up-2
+    SOURCES=$base bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-xla-2 --weight-format q4_k_m
+    LITHOS_MOE_NEW=route,gate_up bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-route-gate-up-2 --weight-format q4_k_m ;;
   trace)
     log trace
     timeout 500 python3 -m lithos.step_timeline --shape qwen3-30b-a3b --weight-format q4_k_m --kernels fused \
@@ -54,6 +64,6 @@ case $phase in
       >"$work/run125-timeline-a3b-q4_k_m.log" 2>&1
     head -40 "$work/run125-timeline-a3b-q4_k_m.log"
     save ;;
-  *) echo "usage: run125.sh route|trace"; exit 2 ;;
+  *) echo "usage: run125.sh route|base|trace"; exit 2 ;;
 esac
 log done

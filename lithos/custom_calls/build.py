@@ -66,7 +66,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         for fmt in PACKED_SOURCES
     },
     "expert_matvec": ("LithosExpertMatvec", "LithosExpertGateUpSilu"),
-    "moe_route": ("LithosMoeRoute",),
 }
 
 PLATFORMS = ("cuda", "rocm")

@@ -1,5 +1,5 @@
 """Mixture-of-experts layers as pure functions: the experts' activations, and expert computation that at small
-batch reads only the experts the router selected (the routers: lithos.custom_calls.moe_route's `Routing`).
+batch reads only the experts the router selected (the routers: `Routing`).
 
 Weights. Every MoE layer's experts are stacked `[moe_layers, experts, out, in]` (dense or packed,
 lithos.quant), in an `Experts` pytree. The expert computation sees them flattened to
@@ -24,8 +24,8 @@ multiplying with a zero weight (0 * NaN is NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lithos.custom_calls.moe_route import MAX_EXPERTS, Routing, moe_route
 from lithos.errors import LithosError, UnsupportedModelError
 from lithos.quant import MXFP4, QuantizedArray, dequantize, from_planes
 
@@ -188,6 +187,48 @@ def unread_expert_bytes(experts: Experts | None, top_k: int, tokens: int = 1) ->
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How router logits `[n, experts]` pick each token's `top_k` experts and weigh them. `softmax_first`: a
+    softmax over every expert, then the top k probabilities, rescaled to sum to one when `renormalize`
+    (Qwen3-MoE's `norm_topk_prob`, Mixtral; Qwen2-MoE keeps them as they are). Otherwise the top k logits, then a
+    softmax over those k (GPT-OSS). Ties go to the lower expert id (`jax.lax.top_k`).
+
+    XLA runs it on every path: a one-launch router kernel measured slower than these ops on Qwen3-30B-A3B
+    (lithos/custom_calls/NOTES.md, "The router in one launch", run 125)."""
+
+    top_k: int
+    softmax_first: bool = True
+    renormalize: bool = False
+
+    def __call__(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights f32, expert ids int32), each `[n, top_k]`."""
+        logits = logits.astype(jnp.float32)
+        if not self.softmax_first:
+            top, ids = jax.lax.top_k(logits, self.top_k)
+            return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+        top, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
+        if self.renormalize:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        return top, ids.astype(jnp.int32)
+
+
+def route(x: jax.Array, router: jax.Array, routing: Routing, layer, bias: jax.Array | None = None):
+    """Each token's experts: `x` `[n, hidden]` (normed) against layer `layer` of the stacked router
+    `[layers, experts, hidden]` (f32 sums of x's products with its rows), plus the router's bias `[layers, experts]`
+    where the model has one, routed by `routing`. Returns (weights f32, expert ids int32), each `[n, top_k]`."""
+    experts = router.shape[1]
+    if x.ndim != 2 or router.ndim != 3 or router.shape[2] != x.shape[1]:
+        raise LithosError(f"route: x {list(x.shape)} does not fit the router {list(router.shape)}")
+    if bias is not None and bias.shape != router.shape[:2]:
+        raise LithosError(f"route: the router bias {list(bias.shape)} must be {list(router.shape[:2])}")
+    if not 1 <= routing.top_k <= experts:
+        raise LithosError(f"route: top_k {routing.top_k} must be 1..{experts} (the router's experts)")
+    at = partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
+    logits = jnp.einsum("nd,ed->ne", x, at(router), preferred_element_type=jnp.float32)
+    return routing(logits if bias is None else logits + at(bias).astype(jnp.float32))
+
+
 # --------------------------------------------------------------------------------------------
 # Activations: gate_up [n, 2*ffn] -> [n, ffn], computed in float32
 # --------------------------------------------------------------------------------------------
@@ -258,8 +299,7 @@ def _gathered_experts(x, weights, ids, experts: Experts, first: jax.Array, activ
     gate_up, down = flatten_experts(experts.gate_up), flatten_experts(experts.down)
     gate_up_bias = None if experts.gate_up_bias is None else flatten_experts(experts.gate_up_bias)[rows]
     down_bias = None if experts.down_bias is None else flatten_experts(experts.down_bias)[rows]
-    gated_kernel = kernels == "fused" and "gate_up" in new_moe_kernels()
-    if gated_kernel and activation is swiglu_halves and gate_up_bias is None:
+    if kernels == "fused" and activation is swiglu_halves and gate_up_bias is None:
         hidden = expert_gate_up_silu(x, gate_up, rows)  # x a row a token: the kernel pairs them
     else:
         pairs = jnp.repeat(x, k, axis=0)  # [N*k, hidden], token-major like `rows`
@@ -290,24 +330,6 @@ def _dense_experts(x, weights, ids, experts: Experts, first: jax.Array, activati
     return jax.lax.fori_loop(0, E, one, jnp.zeros((n_tokens, x.shape[-1]), jnp.float32))
 
 
-NEW_MOE_KERNELS = ("route", "gate_up")
-
-
-def new_moe_kernels() -> frozenset[str]:
-    """The fused path's mixture-of-experts kernels asked for with `LITHOS_MOE_NEW` (a comma list of NEW_MOE_KERNELS)
-    until a GPU has run them (lithos/custom_calls/NOTES.md): "route", the router in one launch
-    (lithos.custom_calls.moe_route; else XLA's ops, the same arithmetic), and "gate_up", the experts' gate/up with
-    its SwiGLU in one launch reading a row a token (`expert_gate_up_silu`; else the gate/up kernel over x repeated k
-    times, then XLA's SwiGLU). Both compile for CUDA and HIP and match their twins on the CPU. Read when a step is
-    traced."""
-    asked = frozenset(name for name in os.environ.get("LITHOS_MOE_NEW", "").split(",") if name)
-    unknown = asked - set(NEW_MOE_KERNELS)
-    if unknown:
-        names, known = ", ".join(sorted(unknown)), ", ".join(NEW_MOE_KERNELS)
-        raise LithosError(f"LITHOS_MOE_NEW names {names}; choose from {known} (a comma list), or leave it unset")
-    return asked
-
-
 def uses_gather(n_tokens: int, top_k: int, num_experts: int, kernels: str) -> bool:
     """Whether `n_tokens` tokens take the gathered path: always on the fused path; on the reference
     path while the (token, expert) pairs are no more than the experts (decode and verification)."""
@@ -326,17 +348,13 @@ def moe_mlp(
 
     x: normed hidden states `[batch, tokens, hidden]`; experts: all MoE layers' weights; layer: this
     layer's index in the MoE stack (traced inside a layer loop); routing: how the router's logits pick each
-    token's experts (lithos.custom_calls.moe_route; a kernel on the fused path when asked for: `new_moe_kernels`);
-    activation: `[n, 2*ffn]` -> `[n, ffn]`.
+    token's experts; activation: `[n, 2*ffn]` -> `[n, ffn]`.
     Returns the output `[batch, tokens, hidden]` (x's dtype) and the expert ids `[batch*tokens, k]`.
     """
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     E = experts.num_experts
-    # The kernel keeps at most MAX_EXPERTS logits a token; a larger router takes XLA's ops, the same arithmetic.
-    kernel = kernels == "fused" and "route" in new_moe_kernels() and E <= MAX_EXPERTS
-    path = "auto" if kernel else "reference"
-    weights, ids = moe_route(tokens, experts.router, routing, layer=layer, bias=experts.router_bias, path=path)
+    weights, ids = route(tokens, experts.router, routing, layer, experts.router_bias)
     first = jnp.asarray(layer, jnp.int32) * E
     if uses_gather(B * T, ids.shape[-1], E, kernels):
         out = _gathered_experts(tokens, weights, ids, experts, first, activation, kernels)

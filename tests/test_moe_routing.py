@@ -1,5 +1,5 @@
-"""The router op's reference twin (lithos.custom_calls.moe_route) against a float64 numpy router written from the
-models' definitions, and its errors. tests/test_moe_route_gpu.py holds the kernel to the twin on a GPU."""
+"""The models' routing (lithos.models.moe: `route`, `Routing`) against a float64 numpy router written from the
+models' definitions, and its errors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lithos.custom_calls.moe_route import Routing, moe_route
 from lithos.errors import LithosError
+from lithos.models.moe import Routing, route
 
 LAYERS, EXPERTS, HIDDEN = 3, 12, 40
 
@@ -42,34 +42,31 @@ def inputs(seed: int, tokens: int, biased: bool):
     [(Routing(4), False), (Routing(4, renormalize=True), False), (Routing(3, softmax_first=False), True)],
 )
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_moe_route_reference(routing, biased, tokens):
+def test_route(routing, biased, tokens):
     x, router, bias = inputs(tokens * 10 + routing.top_k, tokens, biased)
     bias = None if bias is None else jnp.asarray(bias, jnp.float32)
-    weights, ids = moe_route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32), routing, layer=2,
-                             bias=bias, path="reference")  # fmt: skip
+    weights, ids = route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32), routing, 2, bias)
     want_weights, want_ids = numpy_route(x, router[2], None if bias is None else np.asarray(bias)[2], routing)
     assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-6)
 
 
-def test_moe_route_ties_go_to_the_lower_expert():
+def test_route_ties_go_to_the_lower_expert():
     """Two experts with the same row score alike: the lower id is taken first, as jax.lax.top_k does."""
     x, router, _ = inputs(0, 2, False)
     router[1, 7] = router[1, 2]
     probs = numpy_route(x, router[1], None, Routing(EXPERTS))[1]
     assert (list(probs[0]).index(2) < list(probs[0]).index(7)) and (list(probs[1]).index(2) < list(probs[1]).index(7))
-    ids = moe_route(jnp.asarray(x), jnp.asarray(router), Routing(EXPERTS), layer=1, path="reference")[1]
+    ids = route(jnp.asarray(x), jnp.asarray(router), Routing(EXPERTS), 1)[1]
     np.testing.assert_array_equal(np.asarray(ids), probs)
 
 
-def test_moe_route_rejects_what_does_not_fit():
+def test_route_rejects_what_does_not_fit():
     x, router, bias = (jnp.asarray(a, jnp.float32) for a in inputs(1, 2, True))
     with pytest.raises(LithosError, match="does not fit the router"):
-        moe_route(x[:, :-1], router, Routing(2), layer=0, path="reference")
-    with pytest.raises(LithosError, match="must have 12 experts"):
-        moe_route(x, router, Routing(2), layer=0, bias=bias[:, :-1], path="reference")
+        route(x[:, :-1], router, Routing(2), 0)
+    with pytest.raises(LithosError, match=r"must be \[3, 12\]"):
+        route(x, router, Routing(2), 0, bias[:, :-1])
     with pytest.raises(LithosError, match="top_k 13 must be 1..12"):
-        moe_route(x, router, Routing(13), layer=0, path="reference")
-    with pytest.raises(LithosError, match="pass layer="):
-        moe_route(x, router, Routing(2), path="reference")
+        route(x, router, Routing(13), 0)

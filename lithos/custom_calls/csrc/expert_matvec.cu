@@ -16,8 +16,28 @@
 #include "portable.h"
 #include "rowdot.h"
 
+// For A/B runs (LITHOS_KERNEL_DEFINES, NOTES.md "The expert kernels' occupancy"): blocks a CUDA SM must hold at once
+// (the compiler then keeps the registers to 65536 / (256 x that)), and steps of loads in flight a row and lane (0:
+// the format's own, Packed<F>::kUnroll). The defaults are the kernels as they were.
+#ifndef LITHOS_EXPERT_MIN_BLOCKS
+#define LITHOS_EXPERT_MIN_BLOCKS 1
+#endif
+#ifndef LITHOS_EXPERT_UNROLL
+#define LITHOS_EXPERT_UNROLL 0
+#endif
+#if LITHOS_EXPERT_MIN_BLOCKS > 1 && !defined(LITHOS_HIP)
+#define LITHOS_EXPERT_BOUNDS __launch_bounds__(kMatvecThreads, LITHOS_EXPERT_MIN_BLOCKS)
+#else
+#define LITHOS_EXPERT_BOUNDS __launch_bounds__(kMatvecThreads)
+#endif
+
 namespace lithos {
 namespace {
+
+template <WeightFormat F>
+constexpr int kExpertUnroll = LITHOS_EXPERT_UNROLL > 0 && LITHOS_EXPERT_UNROLL < Packed<F>::kUnroll
+                                  ? LITHOS_EXPERT_UNROLL
+                                  : Packed<F>::kUnroll;
 
 struct ExpertArgs {
   const bf16_t* x;            // [pairs / pairs_per_x_row, n_in]
@@ -32,12 +52,12 @@ struct ExpertArgs {
 };
 
 template <WeightFormat F, bool GATED>
-__global__ void __launch_bounds__(kMatvecThreads) expert_matvec_kernel(ExpertArgs a) {
+__global__ void LITHOS_EXPERT_BOUNDS expert_matvec_kernel(ExpertArgs a) {
   constexpr int kOutsPerWarp = GATED ? kRowsPerWarp / 2 : kRowsPerWarp;  // gated: rows gate, up, gate, up
   const int64_t layer = *a.layer;
   const int n_in = a.w.n_in, outs = GATED ? a.w.n_out / 2 : a.w.n_out;
   const int groups = (outs + kOutsPerWarp - 1) / kOutsPerWarp;
-  for_each_packed_row_group<F, 1>(
+  for_each_packed_row_group<F, 1, kExpertUnroll<F>>(
       a.pairs * groups, a.k_split,
       [&](int unit, PackedRow (&rows)[kRowsPerWarp], TokenRows& tokens) {
         const int pair = unit / groups, group = unit % groups;

@@ -147,7 +147,8 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
 // rows they multiply (a routed expert's pair has its own). Warps take groups round-robin; with
 // k_split > 1, k_split consecutive warps of a block share a group. Every thread of the block calls it;
 // blocks have kMatvecWarps warps.
-template <WeightFormat F, int TMAX, class RowsOf, class Epilogue>
+// UNROLL: packed_rows_dot's steps of loads in flight (the format's own unless a kernel asks for fewer).
+template <WeightFormat F, int TMAX, int UNROLL = Packed<F>::kUnroll, class RowsOf, class Epilogue>
 __device__ __forceinline__ void for_each_packed_row_group(int units, int k_split, RowsOf rows_of, Epilogue epilogue) {
   __shared__ float partial[kMatvecWarps][kRowsPerWarp][TMAX];
   const int slots = kMatvecWarps / k_split, slot = warp_id() / k_split, part = warp_id() % k_split;
@@ -158,7 +159,7 @@ __device__ __forceinline__ void for_each_packed_row_group(int units, int k_split
     TokenRows in;
     rows_of(unit, rows, in);
     float acc[kRowsPerWarp][TMAX];
-    packed_rows_dot<F, TMAX>(rows, in, part, k_split, acc);
+    packed_rows_dot<F, TMAX, false, UNROLL>(rows, in, part, k_split, acc);
     if (k_split > 1) block_team_sum(acc, partial, slot, k_split);
     if (first + slot < units && part == 0) epilogue(unit, acc);
   }

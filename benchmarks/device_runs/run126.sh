@@ -2,8 +2,8 @@
 # Run 126 (one call of the device tool; written 2026-12-05): the Qwen3-30B-A3B Q4_K_M fused step after run 125 (the
 # experts' gate/up and SwiGLU kernel the default, the routers XLA's again: the router kernel, slower on that step,
 # removed) beside the same step with its expert kernels built for two blocks an SM (NOTES.md, "The expert kernels'
-# occupancy"), then as time allows: the GPU tests of the MoE families' fused path and of the expert kernels in
-# both builds, and the step kernel by kernel, laid out as the bench times it (run 125's trace had the Q/K/V split in
+# occupancy"), then as time allows: the GPU tests of the expert kernels in that build, of the MoE families' fused
+# path and the expert kernels in the default build, and the step kernel by kernel, laid out as the bench times it (run 125's trace had the Q/K/V split in
 # three projections: step_timeline did not lay the params out).
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run126.sh   (what the call has: a part is skipped when too little
 #                                                              is left for it; default 430)
@@ -29,10 +29,10 @@ bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m --weight-format q4_k_m
 fits 45 "the two-block step" &&
   LITHOS_KERNEL_DEFINES=$unrolled bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m-experts-2-blocks-unroll-2 \
     --weight-format q4_k_m
-fits 90 "the tests" && run_tests gpu-tests-moe 90 tests/test_moe_fused.py::test_fused_step_equals_reference \
-  "$packed::test_expert_gate_up_silu" "$packed::test_expert_matvec"
 fits 50 "the two-block build's tests" && LITHOS_KERNEL_DEFINES=$unrolled run_tests gpu-tests-experts-2-blocks-unroll-2 \
   50 "$packed::test_expert_gate_up_silu" "$packed::test_expert_matvec"
+fits 90 "the tests" && run_tests gpu-tests-moe 90 tests/test_moe_fused.py::test_fused_step_equals_reference \
+  "$packed::test_expert_gate_up_silu" "$packed::test_expert_matvec"
 if fits 60 "the trace"; then
   log trace
   timeout 60 python3 -m lithos.step_timeline --shape qwen3-30b-a3b --weight-format q4_k_m --kernels fused \

@@ -3,8 +3,8 @@
 # experts' gate/up and SwiGLU kernel the default, the routers XLA's again: the router kernel, slower on that step,
 # removed) beside the same step with its expert kernels built for two blocks an SM (NOTES.md, "The expert kernels'
 # occupancy"), then as time allows: the GPU tests of the expert kernels in that build, of the MoE families' fused
-# path and the expert kernels in the default build, and the step kernel by kernel, laid out as the bench times it (run 125's trace had the Q/K/V split in
-# three projections: step_timeline did not lay the params out).
+# path and the expert kernels in the default build, and the step kernel by kernel, laid out as the bench times it
+# (run 125's trace had the Q/K/V split in three projections: step_timeline did not lay the params out).
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run126.sh   (what the call has: a part is skipped when too little
 #                                                              is left for it; default 430)
 set -uo pipefail

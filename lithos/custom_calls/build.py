@@ -320,6 +320,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
     # Instructions that do nothing ahead of the megakernel's task loop: whether the code's place costs time.
     "LITHOS_MK_PROLOGUE_PAD=8": ("megakernel",),
+    # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
+    # kernels' occupancy"; run 126).
+    "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -16,17 +16,18 @@
 #include "portable.h"
 #include "rowdot.h"
 
-// For A/B runs (LITHOS_KERNEL_DEFINES, NOTES.md "The expert kernels' occupancy"): blocks a CUDA SM must hold at once
-// (the compiler then keeps the registers to 65536 / (256 x that)), and steps of loads in flight a row and lane (0:
-// the format's own, Packed<F>::kUnroll). The defaults are the kernels as they were.
-#ifndef LITHOS_EXPERT_MIN_BLOCKS
-#define LITHOS_EXPERT_MIN_BLOCKS 1
+// For A/B runs (LITHOS_KERNEL_DEFINES="LITHOS_EXPERT_TWO_BLOCKS=1", NOTES.md "The expert kernels' occupancy"): two
+// blocks a CUDA SM (the compiler keeps the registers to 128) with at most two steps of loads in flight a row and lane
+// (the format's own, Packed<F>::kUnroll, otherwise), so that one warp's decode runs beside another's loads. 0, the
+// default, is the kernels as they were.
+#ifndef LITHOS_EXPERT_TWO_BLOCKS
+#define LITHOS_EXPERT_TWO_BLOCKS 0
 #endif
-#ifndef LITHOS_EXPERT_UNROLL
-#define LITHOS_EXPERT_UNROLL 0
+#if LITHOS_EXPERT_TWO_BLOCKS != 0 && LITHOS_EXPERT_TWO_BLOCKS != 1
+#error "LITHOS_EXPERT_TWO_BLOCKS is 0 or 1"
 #endif
-#if LITHOS_EXPERT_MIN_BLOCKS > 1 && !defined(LITHOS_HIP)
-#define LITHOS_EXPERT_BOUNDS __launch_bounds__(kMatvecThreads, LITHOS_EXPERT_MIN_BLOCKS)
+#if LITHOS_EXPERT_TWO_BLOCKS && !defined(LITHOS_HIP)
+#define LITHOS_EXPERT_BOUNDS __launch_bounds__(kMatvecThreads, 2)
 #else
 #define LITHOS_EXPERT_BOUNDS __launch_bounds__(kMatvecThreads)
 #endif
@@ -35,9 +36,7 @@ namespace lithos {
 namespace {
 
 template <WeightFormat F>
-constexpr int kExpertUnroll = LITHOS_EXPERT_UNROLL > 0 && LITHOS_EXPERT_UNROLL < Packed<F>::kUnroll
-                                  ? LITHOS_EXPERT_UNROLL
-                                  : Packed<F>::kUnroll;
+constexpr int kExpertUnroll = LITHOS_EXPERT_TWO_BLOCKS && Packed<F>::kUnroll > 2 ? 2 : Packed<F>::kUnroll;
 
 struct ExpertArgs {
   const bf16_t* x;            // [pairs / pairs_per_x_row, n_in]

@@ -6,8 +6,9 @@ their reference twin.
 The kernel reads only the rows of the experts named in `expert_ids`, so a decode step's bytes are
 those of its routed experts, never of the whole `[experts, out, in]` stack. Weights are bf16 or
 packed (lithos.quant: MXFP4 as GPT-OSS ships its experts, and every other packed format), dequantised
-in registers and accumulated in float32. Biases, the router and the gated activation stay with the
-caller: they are tiny next to the expert weights.
+in registers and accumulated in float32. Biases and the router stay with the caller: they are tiny next
+to the expert weights. `expert_gate_up_silu` is the gate/up projection with the SwiGLU of experts whose
+matrix is [gate | up] in the same launch.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Two ways to compute, chosen by the number of (token, expert) pairs against the n
   gate/up and the down projection. `kernels="reference"`: `gathered_matvec`, which gathers the
   selected experts' rows (packed planes included) and multiplies in float32, the specification of
   the kernel. `kernels="fused"`: `lithos.custom_calls.expert_matvec`, a kernel that reads the same
-  rows and nothing else.
+  rows and nothing else (for experts whose matrix is [gate | up] and who have no gate/up bias, the gate/up
+  with its SwiGLU in one launch: `expert_gate_up_silu`).
 - dense (prefill): a loop over the layer's experts, each applied to every token and masked by the
   routing; it reads every expert once, as a dense model's MLP would.
 

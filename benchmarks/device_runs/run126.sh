@@ -4,8 +4,9 @@
 # experts' gate/up and SwiGLU kernel the default, the routers XLA's again: the router kernel, slower on that step,
 # removed) beside the same step with its expert kernels built for two blocks an SM (NOTES.md, "The expert kernels'
 # occupancy"), then as time allows: the GPU tests of the expert kernels in that build, of the MoE families' fused
-# path and the expert kernels in the default build, and the step kernel by kernel, laid out as the bench times it
-# (run 125's trace had the Q/K/V split in three projections: step_timeline did not lay the params out).
+# path and the expert kernels in the default build, the step kernel by kernel, laid out as the bench times it (run
+# 125's trace had the Q/K/V split in three projections: step_timeline did not lay the params out), and Nsight
+# Compute on the expert kernels of both builds.
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run126.sh   (what the call has: a part is skipped when too little
 #                                                              is left for it; default 430)
 set -uo pipefail
@@ -46,4 +47,17 @@ if fits 60 "the trace"; then
   head -30 "$work/run126-timeline-a3b-q4_k_m.log"
   save
 fi
+# Nsight Compute on the first layer's two expert kernels (gate/up, down), each build, in a short bench run (not
+# beside jax's profiler): where their time goes (occupancy, the warps' stalls, bytes against the peak).
+for build in default two-blocks; do
+  fits 120 "Nsight Compute, $build build" || break
+  defines=$([ "$build" = default ] || echo "$two_blocks")
+  LITHOS_KERNEL_DEFINES=$defines timeout 110 ncu --clock-control none --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:expert_matvec -c 2 \
+    "${lithos[@]}" bench --shape qwen3-30b-a3b --weight-format q4_k_m --context 1024 --kernels fused --steps 8 \
+    --loops 1 --runs 16 --out "$work/ncu-$build" >"$work/run126-ncu-experts-$build.txt" 2>&1
+  grep -E "expert_matvec_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+    "$work/run126-ncu-experts-$build.txt" | head -16
+  save
+done
 log done

@@ -28,8 +28,8 @@ python3 -m lithos.custom_calls.build --kernel qk_norm_rope --kernel attention --
   --kernel matvec_packed_q4_k --kernel matvec_packed_k_mix >"$work/build.log" 2>&1 || tail -5 "$work/build.log"
 # The two-block build too (one source of every format: a minute or more, which inside its step's 120 s left no
 # time to time it, 2026-12-05).
-LITHOS_KERNEL_DEFINES=$two_blocks python3 -m lithos.custom_calls.build --kernel expert_matvec >>"$work/build.log" 2>&1 ||
-  tail -5 "$work/build.log"
+LITHOS_KERNEL_DEFINES=$two_blocks python3 -m lithos.custom_calls.build --kernel expert_matvec \
+  >>"$work/build.log" 2>&1 || tail -5 "$work/build.log"
 log steps
 bench_step qwen3-30b-a3b qwen3-30b-a3b-q4_k_m --weight-format q4_k_m
 fits 45 "the two-block step" &&

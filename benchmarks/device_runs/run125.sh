@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run 125 (two calls of the device tool, route 5-8 minutes, trace up to 9; written 2026-12-05, not yet run): the
+# Run 125 (two calls of the device tool, route 5-8 minutes, trace up to 9; written 2026-12-05, run that day with a
+# third, `base`; its route phase needs the sources of 7a6c5e0: the router kernel it tests was removed after it): the
 # router kernel as a grid of blocks with the last to arrive routing (run 124's one-block form made the steps
 # slower: NOTES.md, "The router in one launch"), and the experts' gate/up with its SwiGLU in one launch ("The
 # experts' gate/up with its SwiGLU"), asked for with LITHOS_MOE_NEW=route and =route,gate_up, against the sources

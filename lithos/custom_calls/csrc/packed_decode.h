@@ -397,10 +397,21 @@ LITHOS_DECODE ChunkScale k_record_scale(uint32_t d_dmin, uint32_t q0, uint32_t q
           -(half_bits_to_float(static_cast<uint16_t>(d_dmin >> 16)) * static_cast<float>(min))};
 }
 
-// The factors of the chunk at `col` of a Q4_K row (its records are 16 bytes, so word-aligned).
+// A Q4_K super-block's 16-byte record in one load (16-byte aligned: records are 16 bytes, the planes 16-byte
+// aligned), where reading it word by word took three or four loads a chunk (NOTES.md, "Q4_K's scale records in one
+// load"). A record is read by the 16 lanes of its super-block's chunks: cached, not streamed.
+LITHOS_DECODE uint4 load_record(const uint8_t* p) {
+#if defined(LITHOS_DEVICE_PASS)
+  return *reinterpret_cast<const uint4*>(p);
+#else
+  return host_read<uint4>(p);
+#endif
+}
+
+// The factors of the chunk at `col` of a Q4_K row.
 LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
-  const uint32_t* record = reinterpret_cast<const uint32_t*>(row.scales + (col / kSuperBlock) * kQ4KRecord);
-  return k_record_scale(record[0], record[1], record[2], record[3], (col % kSuperBlock) / kPackedBlock);
+  const uint4 record = load_record(row.scales + (col / kSuperBlock) * kQ4KRecord);
+  return k_record_scale(record.x, record.y, record.z, record.w, (col % kSuperBlock) / kPackedBlock);
 }
 
 template <>

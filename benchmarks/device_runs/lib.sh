@@ -9,6 +9,8 @@
 #                           STEP_TIMEOUT (default 120 s) its limit
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log, its summary printed and saved
+#   fits SECONDS WHAT       whether SECONDS of the call's RUN_LIMIT (default 430 s) are left for WHAT (else it
+#                           says so: the part is skipped)
 run_name=${1:?usage: source lib.sh RUN PHASE}
 run_phase=${2:?usage: source lib.sh RUN PHASE}
 # LITHOS_CONFIGS: this tree's shapes and hardware, also for a SOURCES copy that holds only lithos/.
@@ -36,4 +38,12 @@ run_tests() {
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" >"$work/$name.log" 2>&1
   grep -E "passed|failed|FAILED|Error" "$work/$name.log" | tail -8
   save
+}
+
+run_limit=${RUN_LIMIT:-430}
+fits() {
+  local left=$((run_limit - (SECONDS - run_start)))
+  [ "$left" -ge "$1" ] && return 0
+  echo "== skipped $2: ${left} s left"
+  return 1
 }

@@ -18,14 +18,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-experts}
 source benchmarks/device_runs/lib.sh run126 "$phase"
-limit=${RUN_LIMIT:-430}
-# fits SECONDS WHAT: whether SECONDS are left for WHAT (else it says so and the part is skipped).
-fits() {
-  local left=$((limit - (SECONDS - run_start)))
-  [ "$left" -ge "$1" ] && return 0
-  echo "== skipped $2: ${left} s left"
-  return 1
-}
 two_blocks="LITHOS_EXPERT_TWO_BLOCKS=1"
 packed=tests/test_custom_calls_packed_gpu.py
 

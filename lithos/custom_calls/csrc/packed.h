@@ -83,7 +83,7 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
       const int k = base + u * step;
       if (k < in.n_in) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) scale[u][r] = P::scale(rows[r], k);
+        for (int r = 0; r < kRowsPerWarp; ++r) scale[u][r] = debiased<P>(P::scale(rows[r], k));
       }
     }
 #pragma unroll

@@ -189,16 +189,28 @@ struct ChunkScale {
   float add;
 };
 
+// The factors for codes decoded with the format's kBias added (code + kBias, exact: the uint4 decoders leave the
+// f16 magic's 1024 in, one half2 subtraction a pair of weights fewer): sum(x (code + kBias)) = sum(x code) +
+// kBias sum(x), so sum(x)'s term gives back kBias kPre mul, once a chunk (NOTES.md, "4-bit codes with their half2
+// bias left in"). Formats with a bias have a min's term (kHasMin): sum(x) is summed for it already.
+template <class P>
+LITHOS_DECODE ChunkScale debiased(ChunkScale f) {
+  static_assert(P::kBias == 0.0f || P::kHasMin, "a bias is taken out through the min's term");
+  if (P::kBias != 0.0f) f.add = fmaf(-P::kBias * P::kPre, f.mul, f.add);
+  return f;
+}
+
 template <WeightFormat F>
 struct Packed;
 
-// What the GGUF integer formats share: codes decoded exactly to small integers, factors applied as they are (no
-// pre-scale), no NaN codes; UNROLL steps of loads in flight.
-template <class RawT, bool HAS_MIN, int UNROLL = 4>
+// What the GGUF integer formats share: codes decoded exactly to small integers (plus BIAS: debiased), factors
+// applied as they are (no pre-scale), no NaN codes; UNROLL steps of loads in flight.
+template <class RawT, bool HAS_MIN, int UNROLL = 4, int BIAS = 0>
 struct IntegerChunks {
   using Raw = RawT;
   static constexpr int kUnroll = UNROLL;
   static constexpr float kPre = 1.0f;
+  static constexpr float kBias = BIAS;
   static constexpr bool kHasMin = HAS_MIN;
   static constexpr bool kCanBeNaN = false;
 };
@@ -211,6 +223,7 @@ struct Packed<WeightFormat::kBf16> {
   static constexpr int kUnroll = 1;  // 32 bytes per row per step already
   static constexpr float kPre = 1.0f;
   static constexpr bool kHasMin = false;
+  static constexpr float kBias = 0.0f;
   static constexpr bool kCanBeNaN = false;
   __device__ static Raw load(const uint8_t* row, int col) {
     const uint8_t* p = row + static_cast<size_t>(col) * 2;
@@ -249,6 +262,7 @@ struct Packed<WeightFormat::kMxfp4> {
   static constexpr int kUnroll = 4;
   static constexpr float kPre = 16384.0f;  // decoded values are v * 2^-14
   static constexpr bool kHasMin = false;
+  static constexpr float kBias = 0.0f;
   static constexpr bool kCanBeNaN = false;
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
@@ -355,15 +369,14 @@ struct Packed<WeightFormat::kIq4Xs> : IntegerChunks<uint2, false> {
   }
 };
 
-// Unsigned 4-bit codes c as floats (Q4_1, Q4_K).
+// Unsigned 4-bit codes c as floats 1024 + c (Q4_1, Q4_K: kUint4Bias, taken out by debiased).
+constexpr int kUint4Bias = 1024;
 LITHOS_DECODE void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
-  decode_nibble_words(raw, w, [](uint32_t t) {
-    return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64006400u);  // (1024 + c) - 1024 = c
-  });
+  decode_nibble_words(raw, w, [](uint32_t t) { return half2_bits_to_float2((t & 0x000F000Fu) | 0x64006400u); });
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true> {
+struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true, 4, kUint4Bias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -415,7 +428,7 @@ LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_K> : IntegerChunks<uint2, true> {
+struct Packed<WeightFormat::kQ4_K> : IntegerChunks<uint2, true, 4, kUint4Bias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -674,6 +687,7 @@ struct Packed<WeightFormat::kMxfp8> {
   static constexpr int kUnroll = 2;
   static constexpr float kPre = 256.0f;  // decoded values are v * 2^-8
   static constexpr bool kHasMin = false;
+  static constexpr float kBias = 0.0f;
   static constexpr bool kCanBeNaN = true;
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }
@@ -688,6 +702,7 @@ struct Packed<WeightFormat::kFp8Block128> {
   static constexpr int kUnroll = 2;
   static constexpr float kPre = 256.0f;
   static constexpr bool kHasMin = false;
+  static constexpr float kBias = 0.0f;
   static constexpr bool kCanBeNaN = true;
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) { return decode_e4m3_chunk(r, w); }

@@ -85,7 +85,8 @@ struct Step32<WeightFormat::kQ4_K> {
     half_dots(xf, sums, [&](int h, float(&w)[kChunk]) {
       P::decode(h == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w), w);
     });
-    const ChunkScale f = k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock);
+    const ChunkScale f =
+        debiased<P>(k_record_scale(record.x, record.y, record.z, record.w, (k % kSuperBlock) / kPackedBlock));
     return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
   }
 };

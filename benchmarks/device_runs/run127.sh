@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run 127 (written 2026-12-06): the 4-bit codes decoded with their half2 bias left in (NOTES.md, "4-bit codes with
+# their half2 bias left in"), and Q4_K's scale records in one load (run 126's `records`, not yet run), in two calls:
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh tests   (the GPU tests of the Q4_1 and Q4_K fused
+#                                                                    kernels and megakernel builds: 5-8 minutes)
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh steps   (the 8B Q4_K fused step as the tree has it,
+#                                                                    without the bias change, and without the
+#                                                                    one-load records; the 8B Q4_K_M megakernel
+#                                                                    step with and without the bias change)
+# A part is skipped when the call's time left (RUN_LIMIT, default 430 s) is too short for it. The sources before
+# travel as untracked copies (not committed), made from the repository root:
+#   mkdir -p benchmarks/device_runs/base126 && git archive dbd9529 lithos | tar -x -C benchmarks/device_runs/base126
+#   mkdir -p benchmarks/device_runs/base127 && git archive 3eabf69 lithos | tar -x -C benchmarks/device_runs/base127
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:-tests}
+source benchmarks/device_runs/lib.sh run127 "$phase"
+# The megakernel builds the tests and steps read: SmolLM2's Q4_1 (Q8_0 head), a Q4_K_M file as the megakernel reads
+# it, Q4_K attention with Q6_K MLP (the ring's Q4_K and Q6_K steps).
+variants="q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q6_k:q6_k"
+megakernel_steps=(--kernels megakernel --weight-format q4_k_m)
+
+case $phase in
+  tests)
+    log build
+    # shellcheck disable=SC2086
+    python3 benchmarks/build_variants.py $variants >"$work/build.log" 2>&1
+    grep FAILED "$work/build.log" | cut -c1-300
+    fits 150 "the fused kernels' tests" && run_tests gpu-tests-fused-uint4 150 \
+      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1"
+    fits 120 "the megakernel's tests" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-megakernel-uint4 \
+      "$((run_limit - (SECONDS - run_start) - 10))" -n 3 tests/test_megakernel_gpu.py \
+      -k "q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix or q4_k-q6_k-q6_k" ;;
+  steps)
+    for base in base126 base127; do
+      [ -d "benchmarks/device_runs/$base/lithos" ] || { echo "no $base: make it as this script's header says"; exit 2; }
+    done
+    log build
+    # shellcheck disable=SC2086
+    python3 benchmarks/build_variants.py k_mix:q4_k:bfloat16:q4_k:k_mix >"$work/build.log" 2>&1
+    grep FAILED "$work/build.log" | cut -c1-300
+    log steps
+    bench_step llama-3.1-8b llama-3.1-8b-q4_k --weight-format q4_k
+    fits 200 "the step without the bias" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base127 \
+      bench_step llama-3.1-8b llama-3.1-8b-q4_k-unbiased --weight-format q4_k
+    fits 200 "the step with word loads" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base126 \
+      bench_step llama-3.1-8b llama-3.1-8b-q4_k-word-loads --weight-format q4_k
+    fits 100 "the megakernel step" && bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel "${megakernel_steps[@]}"
+    fits 250 "the megakernel step without the bias" && STEP_TIMEOUT=240 \
+      SOURCES=$PWD/benchmarks/device_runs/base127 bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel-unbiased \
+      "${megakernel_steps[@]}" ;;
+  *) echo "usage: run127.sh [tests|steps]"; exit 2 ;;
+esac
+log done

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run 127 (written 2026-12-06): the 4-bit codes decoded with their half2 bias left in (NOTES.md, "4-bit codes with
-# their half2 bias left in"), and Q4_K's scale records in one load (run 126's `records`, not yet run), in two calls:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh tests   (the GPU tests of the Q4_1 and Q4_K fused
-#                                                                    kernels and megakernel builds: 5-8 minutes)
+# Run 127 (written 2026-12-06): the codes of the formats with a min decoded with their half2 bias left in (NOTES.md,
+# "Codes with their half2 bias left in"), and Q4_K's scale records in one load (run 126's `records`, not yet run),
+# in two calls:
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh tests   (the GPU tests of those formats' fused kernels
+#                                                                    and megakernel builds: 5-8 minutes)
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh steps   (the 8B Q4_K fused step as the tree has it,
 #                                                                    without the bias change, and without the
 #                                                                    one-load records; the 8B Q4_K_M megakernel
@@ -15,10 +16,13 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-tests}
 source benchmarks/device_runs/lib.sh run127 "$phase"
-# The megakernel builds the tests and steps read: SmolLM2's Q4_1 (Q8_0 head), a Q4_K_M file as the megakernel reads
-# it, Q4_K attention with Q6_K MLP (the ring's Q4_K and Q6_K steps).
-variants="q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q6_k:q6_k"
+# The megakernel builds the tests and steps read: SmolLM2's Q4_1 (Q8_0 head), Q4_K_M and Q5_K_M files as the
+# megakernel reads them, Q4_K attention with Q6_K MLP (the ring's Q4_K and Q6_K steps), Q2_K, Q5_1.
+variants="q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q6_k:q6_k k_mix:q5_k:bfloat16:q5_k:k_mix q3_k:q2_k:q6_k
+  q5_0:q5_1:q8_0"
 megakernel_steps=(--kernels megakernel --weight-format q4_k_m)
+megakernel_cases="q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix or q4_k-q6_k-q6_k or k_mix-q5_k-q5_k-k_mix or q3_k-q2_k-q6_k"
+megakernel_cases+=" or q5_0-q5_1-q8_0"
 
 case $phase in
   tests)
@@ -26,11 +30,10 @@ case $phase in
     # shellcheck disable=SC2086
     python3 benchmarks/build_variants.py $variants >"$work/build.log" 2>&1
     grep FAILED "$work/build.log" | cut -c1-300
-    fits 150 "the fused kernels' tests" && run_tests gpu-tests-fused-uint4 150 \
-      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1"
-    fits 120 "the megakernel's tests" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-megakernel-uint4 \
-      "$((run_limit - (SECONDS - run_start) - 10))" -n 3 tests/test_megakernel_gpu.py \
-      -k "q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix or q4_k-q6_k-q6_k" ;;
+    fits 150 "the fused kernels' tests" && run_tests gpu-tests-fused-biased 150 -n 3 \
+      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1 or k_mix or q5_1 or q5_k or q2_k"
+    fits 120 "the megakernel's tests" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-megakernel-biased \
+      "$((run_limit - (SECONDS - run_start) - 10))" -n 3 tests/test_megakernel_gpu.py -k "$megakernel_cases" ;;
   steps)
     for base in base126 base127; do
       [ -d "benchmarks/device_runs/$base/lithos" ] || { echo "no $base: make it as this script's header says"; exit 2; }

@@ -156,6 +156,18 @@ LITHOS_DECODE float2 half2_bits_diff(uint32_t a, uint32_t b) {
   return __half22float2(__hsub2(ha, hb));
 }
 
+// A pair of codes c placed in fp16 1024's mantissa (`codes`: c at bits 0.. of each half), as floats c - OFFSET;
+// KEEP_BIAS: as 1024 + c, the subtraction left to the chunk's factors (kBias, debiased): one HADD2 a pair fewer.
+template <uint32_t OFFSET, bool KEEP_BIAS = false>
+LITHOS_DECODE float2 code_pair(uint32_t codes) {
+  if constexpr (KEEP_BIAS) {
+    static_assert(OFFSET == 0, "a kept bias is 1024 alone");
+    return half2_bits_to_float2(codes | 0x64006400u);
+  } else {
+    return half2_bits_diff(codes | 0x64006400u, (0x6400u + OFFSET) * 0x00010001u);  // 1024 + OFFSET in both halves
+  }
+}
+
 LITHOS_DECODE float half_bits_to_float(uint16_t bits) {
   __half h;
   memcpy(&h, &bits, sizeof(h));
@@ -281,7 +293,7 @@ struct Packed<WeightFormat::kQ4_0> : IntegerChunks<uint2, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_nibble_words(r, w, [](uint32_t t) {
-      return half2_bits_diff((t & 0x000F000Fu) | 0x64006400u, 0x64086408u);  // (1024 + c) - 1032 = c - 8
+      return code_pair<8>(t & 0x000F000Fu);
     });
     return false;
   }
@@ -328,7 +340,7 @@ LITHOS_DECODE void decode_iq4_chunk(const uint2& raw, float (&w)[kChunk]) {
     const uint32_t pairs[4] = {even, odd, even >> 8, odd >> 8};  // elements (0, 4), (1, 5), (2, 6), (3, 7)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 v = half2_bits_diff((pairs[j] & 0x00FF00FFu) | 0x64006400u, 0x64806480u);  // (1024 + b) - 1152
+      const float2 v = code_pair<128>(pairs[j] & 0x00FF00FFu);  // table bytes b: b - 128
       w[8 * i + j] = v.x;
       w[8 * i + j + 4] = v.y;
     }
@@ -369,14 +381,17 @@ struct Packed<WeightFormat::kIq4Xs> : IntegerChunks<uint2, false> {
   }
 };
 
-// Unsigned 4-bit codes c as floats 1024 + c (Q4_1, Q4_K: kUint4Bias, taken out by debiased).
-constexpr int kUint4Bias = 1024;
+// The bias the decoders of formats with a min's term leave in their codes (code_pair's KEEP_BIAS), taken out by
+// debiased: Q4_1, Q4_K, Q5_1, Q5_K, Q2_K, K_MIX.
+constexpr int kKeptBias = 1024;
+
+// Unsigned 4-bit codes c as floats 1024 + c (Q4_1, Q4_K).
 LITHOS_DECODE void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
-  decode_nibble_words(raw, w, [](uint32_t t) { return half2_bits_to_float2((t & 0x000F000Fu) | 0x64006400u); });
+  decode_nibble_words(raw, w, [](uint32_t t) { return code_pair<0, true>(t & 0x000F000Fu); });
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true, 4, kUint4Bias> {
+struct Packed<WeightFormat::kQ4_1> : IntegerChunks<uint2, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -428,7 +443,7 @@ LITHOS_DECODE ChunkScale k_sub_block_scale(const PackedRow& row, int col) {
 }
 
 template <>
-struct Packed<WeightFormat::kQ4_K> : IntegerChunks<uint2, true, 4, kUint4Bias> {
+struct Packed<WeightFormat::kQ4_K> : IntegerChunks<uint2, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_uint4_chunk(r, w);
@@ -451,9 +466,8 @@ LITHOS_DECODE Raw6 load_6bit_chunk(const uint8_t* row, int col) {
 }
 
 // The chunk's codes c minus OFFSET (32 for Q6_K, 0 for K_MIX) as floats, pairs as in decode_nibble_words.
-template <uint32_t OFFSET>
+template <uint32_t OFFSET, bool KEEP_BIAS = false>
 LITHOS_DECODE void decode_6bit_chunk(const Raw6& r, float (&w)[kChunk]) {
-  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
   const uint32_t words[2] = {r.low.x, r.low.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -461,8 +475,7 @@ LITHOS_DECODE void decode_6bit_chunk(const Raw6& r, float (&w)[kChunk]) {
     for (int j = 0; j < 4; ++j) {  // elements 8i + j and 8i + j + 4
       const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
       const uint32_t high = r.high >> (16 * i + 2 * j);  // element 8i + j's bits at 0..1, 8i + j + 4's at 8..9
-      const uint32_t codes = low | ((high & 0x3u) << 4) | ((high & 0x300u) << 12);
-      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+      const float2 v = code_pair<OFFSET, KEEP_BIAS>(low | ((high & 0x3u) << 4) | ((high & 0x300u) << 12));
       w[8 * i + j] = v.x;
       w[8 * i + j + 4] = v.y;
     }
@@ -489,13 +502,11 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
 
 // The 16 2-bit codes of a word (element e at bits 2e) as floats, pairs (e, e + 8) a half2; `high(e)` places the
 // third bit of the pair (Q3_K's, at bits 2 and 18) or 0.
-template <uint32_t OFFSET, class High>
+template <uint32_t OFFSET, bool KEEP_BIAS, class High>
 LITHOS_DECODE void decode_2bit_word(uint32_t low, float (&w)[kChunk], High high) {
-  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
 #pragma unroll
   for (int e = 0; e < kChunk / 2; ++e) {
-    const uint32_t codes = ((low >> (2 * e)) & 0x00030003u) | high(e);
-    const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+    const float2 v = code_pair<OFFSET, KEEP_BIAS>(((low >> (2 * e)) & 0x00030003u) | high(e));
     w[e] = v.x;
     w[e + 8] = v.y;
   }
@@ -504,10 +515,10 @@ LITHOS_DECODE void decode_2bit_word(uint32_t low, float (&w)[kChunk], High high)
 // Q2_K: w = (d * sc_i) * c - dmin * m_i for a 2-bit code c (element 4k + i of a row at bits 2i of byte k) and the
 // 4-bit scale and min of its 16 weights.
 template <>
-struct Packed<WeightFormat::kQ2_K> : IntegerChunks<uint32_t, true> {
+struct Packed<WeightFormat::kQ2_K> : IntegerChunks<uint32_t, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u32(row + col / 4); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_2bit_word<0>(r, w, [](int) { return 0u; });
+    decode_2bit_word<0, true>(r, w, [](int) { return 0u; });
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -538,7 +549,7 @@ template <>
 struct Packed<WeightFormat::kQ3_K> : IntegerChunks<Raw3, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_3bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_2bit_word<4>(r.low, w, [&](int e) {
+    decode_2bit_word<4, false>(r.low, w, [&](int e) {
       const uint32_t high = r.high >> e;  // element e's bit at 0, e + 8's at 8
       return ((high & 0x1u) << 2) | ((high & 0x100u) << 10);
     });
@@ -552,10 +563,10 @@ struct Packed<WeightFormat::kQ3_K> : IntegerChunks<Raw3, false> {
 // K_MIX (a stack of K-quant layers of mixed types, lithos.quant.formats): w = (A * a_i) * c + B * b_i for the
 // int8 pair (a_i, b_i) of its 16 weights.
 template <>
-struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true> {
+struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_6bit_chunk<0>(r, w);
+    decode_6bit_chunk<0, true>(r, w);
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -588,9 +599,8 @@ LITHOS_DECODE Raw5 load_5bit_chunk(const uint8_t* row, int col) {
 }
 
 // The chunk's codes c minus `offset` (16 for Q5_0, else 0) as floats, pairs as in decode_nibble_words.
-template <uint32_t OFFSET>
+template <uint32_t OFFSET, bool KEEP_BIAS = false>
 LITHOS_DECODE void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
-  constexpr uint32_t kMinus = (0x6400u + OFFSET) * 0x00010001u;  // fp16 1024 + OFFSET in both halves
   const uint32_t words[2] = {r.low.x, r.low.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -598,8 +608,7 @@ LITHOS_DECODE void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
     for (int j = 0; j < 4; ++j) {
       const uint32_t low = (words[i] >> (4 * j)) & 0x000F000Fu;
       const uint32_t high = r.high >> (8 * i + j);  // element 8i + j's bit at 0, 8i + j + 4's at 4
-      const uint32_t codes = low | ((high & 0x1u) << 4) | ((high & 0x10u) << 16);
-      const float2 v = half2_bits_diff(codes | 0x64006400u, kMinus);
+      const float2 v = code_pair<OFFSET, KEEP_BIAS>(low | ((high & 0x1u) << 4) | ((high & 0x10u) << 16));
       w[8 * i + j] = v.x;
       w[8 * i + j + 4] = v.y;
     }
@@ -620,10 +629,10 @@ struct Packed<WeightFormat::kQ5_0> : IntegerChunks<Raw5, false> {
 
 // Q5_1: w = d * c + m.
 template <>
-struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true> {
+struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_5bit_chunk<0>(r, w);
+    decode_5bit_chunk<0, true>(r, w);
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -635,10 +644,10 @@ struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true> {
 // bit 12j of the record's words 1..3 (lithos.quant.formats re-packs GGUF's), so that one pair lies in two adjacent
 // words: 1 and 2 for j < 4, else 2 and 3 (pair_word's).
 template <>
-struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true> {
+struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_5bit_chunk<0>(r, w);
+    decode_5bit_chunk<0, true>(r, w);
     return false;
   }
   // The first of the two record words holding sub-block j's pair.
@@ -715,10 +724,10 @@ template <>
 struct Packed<WeightFormat::kQ8_0> : IntegerChunks<uint4, false, 2> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u4(row + col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    // int8 c -> 1024 + (c + 128) as fp16 (flip the sign bit), minus 1152.
+    // int8 c -> c + 128 (its sign bit flipped), less 128.
     decode_byte_words(r, w, [](uint32_t b, float2& even, float2& odd) {
-      even = half2_bits_diff(((b & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
-      odd = half2_bits_diff((((b >> 8) & 0x00FF00FFu) ^ 0x00800080u) | 0x64006400u, 0x64806480u);
+      even = code_pair<128>((b & 0x00FF00FFu) ^ 0x00800080u);
+      odd = code_pair<128>(((b >> 8) & 0x00FF00FFu) ^ 0x00800080u);
     });
     return false;
   }

@@ -121,7 +121,7 @@ struct Step32<WeightFormat::kQ5_K> {
       P::decode(h == 0 ? Raw5{make_uint2(codes.x, codes.y), side.x} : Raw5{make_uint2(codes.z, codes.w), side.x >> 16},
                 w);
     });
-    const ChunkScale f = P::factor(side.y, side.z, side.w, (k % kSuperBlock) / kPackedBlock);
+    const ChunkScale f = debiased<P>(P::factor(side.y, side.z, side.w, (k % kSuperBlock) / kPackedBlock));
     return fmaf(x_sums[0] + x_sums[1], f.add, fmaf(sums[0] + sums[1], f.mul, acc));
   }
 };
@@ -234,7 +234,7 @@ struct Step32<WeightFormat::kKMix> : SixBitStep<WeightFormat::kKMix, kKMixRecord
                                  const float (&x_sums)[2], float acc) {
     float sums[2];
     half_dots(codes, side, xf, sums);
-    const ChunkScale f0 = P::factor(side.z, side.w), f1 = P::factor(side.z, side.w >> 16);
+    const ChunkScale f0 = debiased<P>(P::factor(side.z, side.w)), f1 = debiased<P>(P::factor(side.z, side.w >> 16));
     acc = fmaf(x_sums[0], f0.add, fmaf(sums[0], f0.mul, acc));
     return fmaf(x_sums[1], f1.add, fmaf(sums[1], f1.mul, acc));
   }

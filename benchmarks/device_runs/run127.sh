@@ -17,12 +17,13 @@ cd "$(dirname "$0")/../.."
 phase=${1:-tests}
 source benchmarks/device_runs/lib.sh run127 "$phase"
 # The megakernel builds the tests and steps read: SmolLM2's Q4_1 (Q8_0 head), Q4_K_M and Q5_K_M files as the
-# megakernel reads them, Q4_K attention with Q6_K MLP (the ring's Q4_K and Q6_K steps), Q2_K, Q5_1.
-variants="q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q6_k:q6_k k_mix:q5_k:bfloat16:q5_k:k_mix q3_k:q2_k:q6_k
-  q5_0:q5_1:q8_0"
+# megakernel reads them, Q4_K alone and with Q6_K (the ring's Q4_K and Q6_K steps), Q2_K, Q5_1, IQ4 (its bytes
+# masked in one LOP3 too: "The codes' mask and the f16 exponent in one LOP3").
+variants="q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q4_k:bfloat16 q4_k:q6_k:q6_k k_mix:q5_k:bfloat16:q5_k:k_mix
+  q3_k:q2_k:q6_k q5_0:q5_1:q8_0 iq4_nl:iq4_xs:iq4_nl"
 megakernel_steps=(--kernels megakernel --weight-format q4_k_m)
 megakernel_cases="q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix or q4_k-q6_k-q6_k or k_mix-q5_k-q5_k-k_mix or q3_k-q2_k-q6_k"
-megakernel_cases+=" or q5_0-q5_1-q8_0"
+megakernel_cases+=" or q5_0-q5_1-q8_0 or iq4_nl-iq4_xs-iq4_nl"
 
 case $phase in
   tests)
@@ -30,8 +31,8 @@ case $phase in
     # shellcheck disable=SC2086
     python3 benchmarks/build_variants.py $variants >"$work/build.log" 2>&1
     grep FAILED "$work/build.log" | cut -c1-300
-    fits 150 "the fused kernels' tests" && run_tests gpu-tests-fused-biased 150 -n 3 \
-      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1 or k_mix or q5_1 or q5_k or q2_k"
+    fits 180 "the fused kernels' tests" && run_tests gpu-tests-fused-biased 180 -n 3 \
+      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1 or k_mix or q5_1 or q5_k or q2_k or q4_0 or iq4"
     fits 120 "the megakernel's tests" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-megakernel-biased \
       "$((run_limit - (SECONDS - run_start) - 10))" -n 3 tests/test_megakernel_gpu.py -k "$megakernel_cases" ;;
   steps)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Run 127 (written 2026-12-06): the codes of the formats with a min decoded with their half2 bias left in (NOTES.md,
-# "Codes with their half2 bias left in"), and Q4_K's scale records in one load (run 126's `records`, not yet run),
-# in two calls:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh tests   (the GPU tests of those formats' fused kernels
-#                                                                    and megakernel builds: 5-8 minutes)
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh steps   (the 8B Q4_K fused step as the tree has it,
-#                                                                    without the bias change, and without the
-#                                                                    one-load records; the 8B Q4_K_M megakernel
-#                                                                    step with and without the bias change)
+# Run 127 (written 2026-12-06): the GGUF decoders' instructions (NOTES.md, "Codes with their half2 bias left in",
+# "The codes' mask and the f16 exponent in one LOP3") and Q4_K's scale records in one load (run 126's `records`,
+# not yet run), in two calls:
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh tests   (the GPU tests of the changed formats' fused
+#                                                                    kernels and megakernel builds: 5-8 minutes)
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh steps   (the 8B Q4_K fused step as the tree has it, at
+#                                                                    3eabf69 (before the decoders' changes) and at
+#                                                                    dbd9529 (records word by word); the 8B Q4_K_M
+#                                                                    megakernel step as the tree has it and at
+#                                                                    3eabf69)
 # A part is skipped when the call's time left (RUN_LIMIT, default 430 s) is too short for it. The sources before
 # travel as untracked copies (not committed), made from the repository root:
 #   mkdir -p benchmarks/device_runs/base126 && git archive dbd9529 lithos | tar -x -C benchmarks/device_runs/base126
@@ -45,13 +46,13 @@ case $phase in
     grep FAILED "$work/build.log" | cut -c1-300
     log steps
     bench_step llama-3.1-8b llama-3.1-8b-q4_k --weight-format q4_k
-    fits 200 "the step without the bias" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base127 \
-      bench_step llama-3.1-8b llama-3.1-8b-q4_k-unbiased --weight-format q4_k
-    fits 200 "the step with word loads" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base126 \
-      bench_step llama-3.1-8b llama-3.1-8b-q4_k-word-loads --weight-format q4_k
+    fits 200 "the step at 3eabf69" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base127 bench_step \
+      llama-3.1-8b llama-3.1-8b-q4_k-at-3eabf69 --weight-format q4_k
+    fits 200 "the step at dbd9529" && STEP_TIMEOUT=190 SOURCES=$PWD/benchmarks/device_runs/base126 bench_step \
+      llama-3.1-8b llama-3.1-8b-q4_k-at-dbd9529 --weight-format q4_k
     fits 100 "the megakernel step" && bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel "${megakernel_steps[@]}"
-    fits 250 "the megakernel step without the bias" && STEP_TIMEOUT=240 \
-      SOURCES=$PWD/benchmarks/device_runs/base127 bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel-unbiased \
+    fits 250 "the megakernel step at 3eabf69" && STEP_TIMEOUT=240 \
+      SOURCES=$PWD/benchmarks/device_runs/base127 bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel-at-3eabf69 \
       "${megakernel_steps[@]}" ;;
   *) echo "usage: run127.sh [tests|steps]"; exit 2 ;;
 esac

@@ -9,6 +9,10 @@
 #                                                                    dbd9529 (records word by word); the 8B Q4_K_M
 #                                                                    megakernel step as the tree has it and at
 #                                                                    3eabf69)
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run127.sh one     (where one call is all there is: the Q4_1, Q4_K
+#                                                                    and K_MIX fused kernels' GPU tests, the 8B Q4_K
+#                                                                    fused step as the tree has it and at 3eabf69,
+#                                                                    then the megakernel's Q4_1 and Q4_K_M tests)
 # A part is skipped when the call's time left (RUN_LIMIT, default 430 s) is too short for it. The sources before
 # travel as untracked copies (not committed), made from the repository root:
 #   mkdir -p benchmarks/device_runs/base126 && git archive dbd9529 lithos | tar -x -C benchmarks/device_runs/base126
@@ -36,6 +40,18 @@ case $phase in
       tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1 or k_mix or q5_1 or q5_k or q2_k or q4_0 or iq4"
     fits 120 "the megakernel's tests" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-megakernel-biased \
       "$((run_limit - (SECONDS - run_start) - 10))" -n 3 tests/test_megakernel_gpu.py -k "$megakernel_cases" ;;
+  one)
+    log build
+    python3 benchmarks/build_variants.py q4_1:q4_1:q8_0 k_mix:q4_k:bfloat16:q4_k:k_mix q4_k:q4_k:bfloat16 \
+      >"$work/build.log" 2>&1
+    grep FAILED "$work/build.log" | cut -c1-300
+    fits 150 "the fused kernels' tests" && run_tests gpu-tests-fused-q4 140 -n 3 \
+      tests/test_custom_calls_packed_gpu.py -k "q4_k or q4_1 or k_mix"
+    fits 60 "the step" && bench_step llama-3.1-8b llama-3.1-8b-q4_k --weight-format q4_k
+    fits 150 "the step at 3eabf69" && STEP_TIMEOUT=140 SOURCES=$PWD/benchmarks/device_runs/base127 bench_step \
+      llama-3.1-8b llama-3.1-8b-q4_k-at-3eabf69 --weight-format q4_k
+    fits 60 "the megakernel's tests" && run_tests gpu-tests-megakernel-q4 "$((run_limit - (SECONDS - run_start)))" \
+      -n 3 tests/test_megakernel_gpu.py -k "q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix" ;;
   steps)
     for base in base126 base127; do
       [ -d "benchmarks/device_runs/$base/lithos" ] || { echo "no $base: make it as this script's header says"; exit 2; }
@@ -54,6 +70,6 @@ case $phase in
     fits 250 "the megakernel step at 3eabf69" && STEP_TIMEOUT=240 \
       SOURCES=$PWD/benchmarks/device_runs/base127 bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel-at-3eabf69 \
       "${megakernel_steps[@]}" ;;
-  *) echo "usage: run127.sh [tests|steps]"; exit 2 ;;
+  *) echo "usage: run127.sh [tests|steps|one]"; exit 2 ;;
 esac
 log done

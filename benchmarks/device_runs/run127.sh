@@ -13,6 +13,8 @@
 #                                                                    and K_MIX fused kernels' GPU tests, the 8B Q4_K
 #                                                                    fused step as the tree has it and at 3eabf69,
 #                                                                    then the megakernel's Q4_1 and Q4_K_M tests)
+#   bash benchmarks/device_runs/run127.sh tiny    (two minutes: the Q4_1, Q4_K and K_MIX matvec and gate/up kernels'
+#                                                  GPU tests alone)
 # A part is skipped when the call's time left (RUN_LIMIT, default 430 s) is too short for it. The sources before
 # travel as untracked copies (not committed), made from the repository root:
 #   mkdir -p benchmarks/device_runs/base126 && git archive dbd9529 lithos | tar -x -C benchmarks/device_runs/base126
@@ -60,6 +62,13 @@ case $phase in
       llama-3.1-8b llama-3.1-8b-q4_k-at-3eabf69 --weight-format q4_k
     fits 60 "the megakernel's tests" && run_tests gpu-tests-megakernel-q4 "$((run_limit - (SECONDS - run_start)))" \
       -n 3 tests/test_megakernel_gpu.py -k "q4_1-q4_1-q8_0 or k_mix-q4_k-q4_k-k_mix" ;;
+  tiny)
+    log build
+    python3 -m lithos.custom_calls.build --kernel matvec_packed_q4_k --kernel matvec_packed_q4_1 \
+      --kernel matvec_packed_k_mix >"$work/build.log" 2>&1
+    grep -E "FAILED|rror" "$work/build.log" | cut -c1-300
+    run_tests gpu-tests-matvec-q4 90 -n 2 tests/test_custom_calls_packed_gpu.py \
+      -k "(test_packed_matvec or test_packed_gate_up_silu) and (q4_k or q4_1 or k_mix)" ;;
   steps)
     for base in base126 base127; do
       [ -d "benchmarks/device_runs/$base/lithos" ] || { echo "no $base: make it as this script's header says"; exit 2; }
@@ -78,6 +87,6 @@ case $phase in
     fits 250 "the megakernel step at 3eabf69" && STEP_TIMEOUT=240 \
       SOURCES=$PWD/benchmarks/device_runs/base127 bench_step llama-3.1-8b llama-3.1-8b-q4_k_m-megakernel-at-3eabf69 \
       "${megakernel_steps[@]}" ;;
-  *) echo "usage: run127.sh [tests|steps|one]"; exit 2 ;;
+  *) echo "usage: run127.sh [tests|steps|one|tiny]"; exit 2 ;;
 esac
 log done

@@ -217,10 +217,10 @@ struct ChunkScale {
   float add;
 };
 
-// The factors for codes decoded with the format's kBias added (code + kBias, exact: the uint4 decoders leave the
-// f16 magic's 1024 in, one half2 subtraction a pair of weights fewer): sum(x (code + kBias)) = sum(x code) +
-// kBias sum(x), so sum(x)'s term gives back kBias kPre mul, once a chunk (NOTES.md, "4-bit codes with their half2
-// bias left in"). Formats with a bias have a min's term (kHasMin): sum(x) is summed for it already.
+// The factors for codes decoded with the format's kBias added (code + kBias, exact: the decoders of the formats
+// with a min leave the f16 magic's 1024 in, one half2 subtraction a pair of weights fewer): sum(x (code + kBias)) =
+// sum(x code) + kBias sum(x), so sum(x)'s term gives back kBias kPre mul, once a chunk (NOTES.md, "Codes with their
+// half2 bias left in"). Formats with a bias have a min's term (kHasMin): sum(x) is summed for it already.
 template <class P>
 LITHOS_DECODE ChunkScale debiased(ChunkScale f) {
   static_assert(P::kBias == 0.0f || P::kHasMin, "a bias is taken out through the min's term");
@@ -481,7 +481,8 @@ LITHOS_DECODE Raw6 load_6bit_chunk(const uint8_t* row, int col) {
   return {stream_u2(super + at / 2), stream_u32(super + kSuperBlock / 2 + at / 4)};
 }
 
-// The chunk's codes c minus OFFSET (32 for Q6_K, 0 for K_MIX) as floats, pairs as in decode_nibble_words.
+// The chunk's codes c minus OFFSET (32 for Q6_K) as floats, or 1024 + c (KEEP_BIAS: K_MIX), pairs as in
+// decode_nibble_words.
 template <uint32_t OFFSET, bool KEEP_BIAS = false>
 LITHOS_DECODE void decode_6bit_chunk(const Raw6& r, float (&w)[kChunk]) {
   const uint32_t words[2] = {r.low.x, r.low.y};
@@ -516,8 +517,8 @@ struct Packed<WeightFormat::kQ6_K> : IntegerChunks<Raw6, false> {
   }
 };
 
-// The 16 2-bit codes of a word (element e at bits 2e) as floats, pairs (e, e + 8) a half2; `high(e)` places the
-// third bit of the pair (Q3_K's, at bits 2 and 18) or 0.
+// The 16 2-bit codes of a word (element e at bits 2e) as floats less OFFSET, or 1024 + c (KEEP_BIAS), pairs (e,
+// e + 8) a half2; `high(e)` places the third bit of the pair (Q3_K's, at bits 2 and 18) or 0.
 template <uint32_t OFFSET, bool KEEP_BIAS, class High>
 LITHOS_DECODE void decode_2bit_word(uint32_t low, float (&w)[kChunk], High high) {
 #pragma unroll
@@ -614,7 +615,8 @@ LITHOS_DECODE Raw5 load_5bit_chunk(const uint8_t* row, int col) {
   return {low, stream_u16(group + GROUP / 2 + at / 8)};
 }
 
-// The chunk's codes c minus `offset` (16 for Q5_0, else 0) as floats, pairs as in decode_nibble_words.
+// The chunk's codes c minus OFFSET (16 for Q5_0) as floats, or 1024 + c (KEEP_BIAS: Q5_1, Q5_K), pairs as in
+// decode_nibble_words.
 template <uint32_t OFFSET, bool KEEP_BIAS = false>
 LITHOS_DECODE void decode_5bit_chunk(const Raw5& r, float (&w)[kChunk]) {
   const uint32_t words[2] = {r.low.x, r.low.y};

@@ -535,7 +535,7 @@ template <>
 struct Packed<WeightFormat::kQ2_K> : IntegerChunks<uint32_t, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u32(row + col / 4); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_2bit_word<0, true>(r, w, [](int) { return 0u; });
+    decode_2bit_word<0, kBias != 0>(r, w, [](int) { return 0u; });
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -583,7 +583,7 @@ template <>
 struct Packed<WeightFormat::kKMix> : IntegerChunks<Raw6, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_6bit_chunk(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_6bit_chunk<0, true>(r, w);
+    decode_6bit_chunk<0, kBias != 0>(r, w);
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -650,7 +650,7 @@ template <>
 struct Packed<WeightFormat::kQ5_1> : IntegerChunks<Raw5, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kPackedBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_5bit_chunk<0, true>(r, w);
+    decode_5bit_chunk<0, kBias != 0>(r, w);
     return false;
   }
   LITHOS_DECODE static ChunkScale scale(const PackedRow& row, int col) {
@@ -665,7 +665,7 @@ template <>
 struct Packed<WeightFormat::kQ5_K> : IntegerChunks<Raw5, true, 4, kKeptBias> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return load_5bit_chunk<kSuperBlock>(row, col); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
-    decode_5bit_chunk<0, true>(r, w);
+    decode_5bit_chunk<0, kBias != 0>(r, w);
     return false;
   }
   // The first of the two record words holding sub-block j's pair.

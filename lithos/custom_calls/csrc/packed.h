@@ -94,11 +94,10 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
       bool nan[kRowsPerWarp];
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) nan[r] = P::decode(raw[u][r], w[r]);
-      // The norm weight, where the kernel applies one, multiplied in only then: a chunk of 1.0s would cost its
-      // moves and multiplies in the kernels without (NOTES.md, "The norm weight's multiplies only where there is one").
-      const bool has_norm = in.norm_w != nullptr;
       float norm[kChunk];
-      if (has_norm) {
+#pragma unroll
+      for (int v = 0; v < kChunk; ++v) norm[v] = 1.0f;
+      if (in.norm_w != nullptr) {
         const Bf16Vec<8> n0 = load_cached<8>(in.norm_w + k), n1 = load_cached<8>(in.norm_w + k + 8);
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
@@ -114,12 +113,8 @@ __device__ __forceinline__ void packed_rows_dot(const PackedRow (&rows)[kRowsPer
           float xf[kChunk];
 #pragma unroll
           for (int v = 0; v < 8; ++v) {
-            xf[v] = x0[v];
-            xf[v + 8] = x1[v];
-          }
-          if (has_norm) {
-#pragma unroll
-            for (int v = 0; v < kChunk; ++v) xf[v] *= norm[v];
+            xf[v] = x0[v] * norm[v];
+            xf[v + 8] = x1[v] * norm[v + 8];
           }
           float x_sum = 0.0f;
           if (P::kHasMin) {

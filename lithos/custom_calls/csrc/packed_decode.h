@@ -156,31 +156,15 @@ LITHOS_DECODE float2 half2_bits_diff(uint32_t a, uint32_t b) {
   return __half22float2(__hsub2(ha, hb));
 }
 
-// (a & MASK) | BITS in one instruction. nvcc gives each of the two its own LOP3 (a LOP3 takes one immediate), where
-// one LOP3 takes both with BITS in a register: written out in PTX (NOTES.md, "The codes' mask and the f16 exponent
-// in one LOP3"). HIP's compiler forms v_and_or_b32 from the C++.
-template <uint32_t MASK, uint32_t BITS>
-LITHOS_DECODE uint32_t mask_or(uint32_t a) {
-#if defined(LITHOS_DEVICE_PASS) && !defined(LITHOS_HIP)
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(BITS));  // 0xEA: (a & b) | c
-  return d;
-#else
-  return (a & MASK) | BITS;
-#endif
-}
-
-// A pair of codes c placed in fp16 1024's mantissa (c at bits 0.. of each half: `word & MASK`, or `word` itself
-// where MASK is 0), as floats c - OFFSET; KEEP_BIAS: as 1024 + c, the subtraction left to the chunk's factors
-// (kBias, debiased): one HADD2 a pair fewer.
-template <uint32_t OFFSET, bool KEEP_BIAS = false, uint32_t MASK = 0>
-LITHOS_DECODE float2 code_pair(uint32_t word) {
-  const uint32_t bits = MASK != 0 ? mask_or<MASK, 0x64006400u>(word) : word | 0x64006400u;
+// A pair of codes c placed in fp16 1024's mantissa (`codes`: c at bits 0.. of each half), as floats c - OFFSET;
+// KEEP_BIAS: as 1024 + c, the subtraction left to the chunk's factors (kBias, debiased): one HADD2 a pair fewer.
+template <uint32_t OFFSET, bool KEEP_BIAS = false>
+LITHOS_DECODE float2 code_pair(uint32_t codes) {
   if constexpr (KEEP_BIAS) {
     static_assert(OFFSET == 0, "a kept bias is 1024 alone");
-    return half2_bits_to_float2(bits);
+    return half2_bits_to_float2(codes | 0x64006400u);
   } else {
-    return half2_bits_diff(bits, (0x6400u + OFFSET) * 0x00010001u);  // 1024 + OFFSET in both halves
+    return half2_bits_diff(codes | 0x64006400u, (0x6400u + OFFSET) * 0x00010001u);  // 1024 + OFFSET in both halves
   }
 }
 
@@ -309,7 +293,7 @@ struct Packed<WeightFormat::kQ4_0> : IntegerChunks<uint2, false> {
   LITHOS_DECODE static Raw load(const uint8_t* row, int col) { return stream_u2(row + col / 2); }
   LITHOS_DECODE static bool decode(const Raw& r, float (&w)[kChunk]) {
     decode_nibble_words(r, w, [](uint32_t t) {
-      return code_pair<8, false, 0x000F000Fu>(t);
+      return code_pair<8>(t & 0x000F000Fu);
     });
     return false;
   }
@@ -356,7 +340,7 @@ LITHOS_DECODE void decode_iq4_chunk(const uint2& raw, float (&w)[kChunk]) {
     const uint32_t pairs[4] = {even, odd, even >> 8, odd >> 8};  // elements (0, 4), (1, 5), (2, 6), (3, 7)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 v = code_pair<128, false, 0x00FF00FFu>(pairs[j]);  // table bytes b: b - 128
+      const float2 v = code_pair<128>(pairs[j] & 0x00FF00FFu);  // table bytes b: b - 128
       w[8 * i + j] = v.x;
       w[8 * i + j + 4] = v.y;
     }
@@ -403,7 +387,7 @@ constexpr int kKeptBias = 1024;
 
 // Unsigned 4-bit codes c as floats 1024 + c (Q4_1, Q4_K).
 LITHOS_DECODE void decode_uint4_chunk(const uint2& raw, float (&w)[kChunk]) {
-  decode_nibble_words(raw, w, [](uint32_t t) { return code_pair<0, true, 0x000F000Fu>(t); });
+  decode_nibble_words(raw, w, [](uint32_t t) { return code_pair<0, true>(t & 0x000F000Fu); });
 }
 
 template <>

@@ -263,13 +263,19 @@ def random_step(shape: ModelShape, tokens: int, context: int, dtype, seed: int =
     return weights, rand(tokens, D), positions, inv_freq, k_cache, v_cache
 
 
+def interpreted(schedule, *args, **options):
+    """`interpret` compiled as one program: run op by op, its thousands of small operations cost the suite
+    minutes on a CPU (the ops and their order are the same; the results agree to float rounding)."""
+    return jax.jit(partial(interpret, schedule, **options))(*args)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_per_task_and_batched_interpretation_agree(tokens):
-    shape = dataclasses.replace(SHAPES["tiny"], layers=1)  # every task kind; eager per task is slow
+    shape = dataclasses.replace(SHAPES["tiny"], layers=1)  # every task kind; per task, a long program
     schedule = build_schedule(shape, 6)
     args = random_step(shape, tokens, 150, jnp.float32)
-    batched = interpret(schedule, *args, eps=1e-5, with_logits=True)
-    single = interpret(schedule, *args, eps=1e-5, with_logits=True, per_task=True)
+    batched = interpreted(schedule, *args, eps=1e-5, with_logits=True)
+    single = interpreted(schedule, *args, eps=1e-5, with_logits=True, per_task=True)
     for a, b in zip(batched, single, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
@@ -279,8 +285,8 @@ def test_interpreter_result_does_not_depend_on_the_task_cut(workers):
     """More workers means more, smaller tasks and more attention splits: the same step."""
     shape = SHAPES["tiny"]
     args = random_step(shape, 4, 700, jnp.float32, seed=3)
-    base = interpret(build_schedule(shape, 1), *args, eps=1e-5, with_logits=True)
-    other = interpret(build_schedule(shape, workers), *args, eps=1e-5, with_logits=True)
+    base = interpreted(build_schedule(shape, 1), *args, eps=1e-5, with_logits=True)
+    other = interpreted(build_schedule(shape, workers), *args, eps=1e-5, with_logits=True)
     for a, b in zip(base, other, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
@@ -551,7 +557,7 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     assert formats.variant().defines[-1] == "LITHOS_MK_GATE_UP_TILES=1"
     assert formats.variant().target("LithosMegakernel") == "LithosMegakernel_mxfp4_mxfp4_bfloat16_tiles"
     schedule = build_schedule(shape, 5, True, 32, LaneSteps(gate_up_units=8, gate_up_team=8))
-    rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
+    rows, tiles = (interpreted(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
     for a, b in zip(rows, tiles, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Gate in tiles but up in rows: two layouts of one pair, an error.
@@ -609,7 +615,7 @@ def test_single_matrix_groups_in_fragment_tiles_are_builds_of_their_own(monkeypa
                 assert all(t.first // per_group == (t.first + t.count - 1) // per_group for t in mine)
         check_tiled_staging(schedule, tokens, ops)
     schedule = build_schedule(shape, 5, True, 32, lane_steps(formats, 3, "cuda"))
-    rows, tiles = (interpret(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
+    rows, tiles = (interpreted(schedule, w, *rest, eps=1e-5, with_logits=True) for w in (packed, tiled))
     for a, b in zip(rows, tiles, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if "qkv" in groups:  # Q in rotary tiles, K and V in rows; or plain tiles where rotary ones are read

@@ -286,12 +286,11 @@ else:
     @pytest.mark.parametrize("arch", ["qwen3_hd64", "qwen2_hd64", "llama_bias_hd64"])
     def test_fused_norms_and_biases_decode_the_same_per_device(hf_checkpoint, arch):
         """Qwen3's per-head Q/K norms, Qwen2's Q/K/V biases and an output-projection bias on the fused path split over
-        2 devices: the same greedy tokens."""
+        2 devices: the same sampled tokens, so the same logits (greedy decoding's split argmax is
+        test_fused_path_decodes_the_same_per_device's; each decoding mode compiles programs of its own)."""
         ckpt = load_checkpoint(hf_checkpoint(arch), dtype="float32", use_cache=False)
         one = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused")
         split = Model(ckpt, max_len=64, stream_every=8, block=4, kernels="fused", placement=make_placement(ckpt.cfg, 2))
-        greedy = dict(raw=True, max_new_tokens=12)
-        assert split.generate(FUSED_PROMPT, **greedy).token_ids == one.generate(FUSED_PROMPT, **greedy).token_ids
         sampled = dict(raw=True, max_new_tokens=12, temperature=0.9, seed=3)  # varied tokens: a wrong split shows
         expected = one.generate(FUSED_PROMPT, **sampled).token_ids
         assert len(set(expected)) > 3, expected

@@ -115,16 +115,10 @@ def side_sass(
     """Compile `kernel` from `rev` with `defines` as lithos builds it (at `opt_level`: 3 is what the GPU
     loads, build.CHECK_OPT_LEVEL the compile check), and dump its SASS."""
     tc = dataclasses.replace(build.toolchain("cuda", arch), defines=tuple(defines), opt_level=opt_level)
-    source = source_tree(rev, scratch) / f"{kernel}.cu"
-    if not source.is_file():
-        raise LithosError(f"{rev} has no {kernel}.cu; the kernels are {', '.join(build.KERNELS)}")
-    library = scratch / f"{kernel}-{len(list(scratch.glob('*.so')))}.so"
-    # Quoted includes resolve next to the source first, so each side compiles against its own headers.
-    result = subprocess.run(tc.command(source, library), capture_output=True, text=True, env=tc.environment())
-    if result.returncode != 0:
-        raise LithosError(
-            f"compiling {kernel}.cu at {rev} ({' '.join(defines) or 'no defines'}) failed:\n{result.stderr[-3000:]}"
-        )
+    if rev == ".":  # the working tree's library is the one lithos caches: a build made before is not made again
+        library = build.build(kernel, tc)
+    else:
+        library = _compile(kernel, rev, tc, scratch)
     # cuobjdump hands the disassembly to nvdisasm, looked up on PATH: the wheels put it beside cuobjdump.
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ.get("PATH", "")]))
     dump = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, env=env)
@@ -156,6 +150,19 @@ def report(rows: Sequence[Row], a_label: str, b_label: str, diff_lines: int = 0)
         diff = list(difflib.unified_diff(first.a, first.b, "a", "b", n=2, lineterm=""))
         lines += ["", f"first difference, {short(first.name)}:", *diff[:diff_lines]]
     return "\n".join(lines)
+
+
+def _compile(kernel: str, rev: str, tc: build.Toolchain, scratch: Path) -> Path:
+    source = source_tree(rev, scratch) / f"{kernel}.cu"
+    if not source.is_file():
+        raise LithosError(f"{rev} has no {kernel}.cu; the kernels are {', '.join(build.KERNELS)}")
+    library = scratch / f"{kernel}-{len(list(scratch.glob('*.so')))}.so"
+    # Quoted includes resolve next to the source first, so each side compiles against its own headers.
+    result = subprocess.run(tc.command(source, library), capture_output=True, text=True, env=tc.environment())
+    if result.returncode != 0:
+        defines = " ".join(tc.defines) or "no defines"
+        raise LithosError(f"compiling {kernel}.cu at {rev} ({defines}) failed:\n{result.stderr[-3000:]}")
+    return library
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,10 @@ r"""What a kernel change compiles to: the SASS of one kernel source in two build
 
 A side is a revision of the tree ("." is the working tree) and the defines it is built with; each side
 is compiled the way lithos builds it for the device (csrc/<kernel>.cu, -O3, every token bucket, for
-sm_90a unless --arch says), dumped with cuobjdump, and its functions compared whole, with addresses,
-encodings and the anonymous-namespace hashes stripped (however long a function is: the megakernel's
-run to 21,000-69,000 instructions, so a comparison by a fixed-width address pattern would stop early).
+sm_90a unless --arch says; the working tree's build goes to, or comes from, lithos's kernel cache), dumped
+with cuobjdump, and its functions compared whole, with addresses, encodings and the anonymous-namespace
+hashes stripped (however long a function is: the megakernel's run to 21,000-69,000 instructions, so a
+comparison by a fixed-width address pattern would stop early).
 
     python -m lithos.custom_calls.sass_compare megakernel                 # HEAD against the working tree
     python -m lithos.custom_calls.sass_compare matvec --a . --b-defines LITHOS_FUSED_MMA_CHUNKS=2

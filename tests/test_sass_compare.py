@@ -69,6 +69,30 @@ def test_the_same_source_from_another_path_compares_identical_and_a_change_does_
     assert "1 of 2 functions identical" in text and "-STS [R0], R4 ;" in text and "+STS [R0+0x4], R4 ;" in text
 
 
+# `cuobjdump --dump-resource-usage` of the same library: a function's registers on the line after its name.
+USAGE = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _ZN6lithos45_GLOBAL__N__7e6b8b80_12_attention_cu_6dbd765b24attention_combine_kernelILi64EEEvNS0_8AttnArgsE:
+  REG:127 STACK:0 SHARED:1188 LOCAL:0 CONSTANT[0]:952 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _ZN6lithos2mk46_GLOBAL__N__04a1383d_13_megakernel_cu_4524264410megakernelILi1EEEvNS0_4ArgsE:
+  REG:168 STACK:16 SHARED:0 LOCAL:16 CONSTANT[0]:952 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_registers_are_read_per_function_and_reported_beside_the_instructions():
+    """Fewer instructions past 128 registers can run slower (run 127): the report shows both sides' registers."""
+    code, regs = sass_compare.functions(DUMP), sass_compare.registers(USAGE)
+    assert regs == dict(zip(code, [127, 168], strict=True))  # the names as `functions` gives them
+    more = sass_compare.registers(USAGE.replace("REG:127", "REG:153"))
+    rows = sass_compare.compare(code, code, regs, more)
+    assert [(r.a_registers, r.b_registers, r.identical) for r in rows] == [(127, 153, True), (168, 168, True)]
+    text = sass_compare.report(rows, "HEAD", ".")
+    assert "regs a/b" in text and " 127/153 " in text and " 168/168 " in text
+    assert " -/- " in sass_compare.report(sass_compare.compare(code, code), "HEAD", ".")
+
+
 def test_an_unknown_revision_names_the_fix(tmp_path):
     with pytest.raises(LithosError, match="git archive no-such-revision failed: .* name a commit"):
         sass_compare.source_tree("no-such-revision", tmp_path)

@@ -11,8 +11,9 @@ comparison by a fixed-width address pattern would stop early).
     python -m lithos.custom_calls.sass_compare matvec --a . --b-defines LITHOS_FUSED_MMA_CHUNKS=2
     python -m lithos.custom_calls.sass_compare attention --a HEAD~3 --b HEAD --diff
 
-Prints, per function, each side's instruction count and its global, local and shared-memory operations,
-and whether the two are identical; exits 1 when any function differs (or is on one side only), so a
+Prints, per function, each side's instruction count, registers a thread (past 128 an SM holds fewer than
+16 warps of it: a change with fewer instructions can run slower) and its global, local and shared-memory
+operations, and whether the two are identical; exits 1 when any function differs (or is on one side only), so a
 refactor meant to change nothing can be checked by a script. Needs nvcc, and cuobjdump with the nvdisasm
 it calls (not part of the nvcc package: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`, test
 dependencies here, or $LITHOS_CUOBJDUMP).
@@ -42,6 +43,9 @@ _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*(.*?)\s*(?:/\*\s*0x[0-9a-f]+\s
 # nvcc names an anonymous namespace after the file and a hash of its path: not part of the code.
 _ANONYMOUS = re.compile(r"\d+_GLOBAL__N__[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}")
 MEMORY_OPS = {"global": ("LDG", "STG"), "local": ("LDL", "STL"), "shared": ("LDS", "STS")}
+# `cuobjdump --dump-resource-usage`: " Function NAME:" then "  REG:127 STACK:0 SHARED:1188 LOCAL:0 ...".
+_USAGE_FUNCTION = re.compile(r"^\s*Function (\S+):\s*$")
+_REGISTERS = re.compile(r"\bREG:(\d+)")
 
 
 def functions(sass: str) -> dict[str, list[str]]:
@@ -57,6 +61,20 @@ def functions(sass: str) -> dict[str, list[str]]:
     return out
 
 
+def registers(usage: str) -> dict[str, int]:
+    """`cuobjdump --dump-resource-usage` output as {function name: registers a thread}, names as `functions`
+    gives them."""
+    out: dict[str, int] = {}
+    name = None
+    for line in usage.splitlines():
+        if match := _USAGE_FUNCTION.match(line):
+            name = _ANONYMOUS.sub("(anonymous)", match.group(1))
+        elif name is not None and (match := _REGISTERS.search(line)):
+            out.setdefault(name, int(match.group(1)))
+            name = None
+    return out
+
+
 def memory_ops(instructions: Sequence[str]) -> dict[str, int]:
     """How many loads and stores of each memory space the instructions hold (predicates allowed)."""
     opcodes = [i.split()[1] if i.startswith("@") and len(i.split()) > 1 else i.split()[0] for i in instructions if i]
@@ -68,14 +86,25 @@ class Row:
     name: str
     a: list[str] | None
     b: list[str] | None
+    a_registers: int | None = None
+    b_registers: int | None = None
 
     @property
     def identical(self) -> bool:
         return self.a is not None and self.a == self.b
 
 
-def compare(a: dict[str, list[str]], b: dict[str, list[str]]) -> list[Row]:
-    return [Row(name, a.get(name), b.get(name)) for name in sorted(set(a) | set(b))]
+def compare(
+    a: dict[str, list[str]],
+    b: dict[str, list[str]],
+    a_registers: dict[str, int] | None = None,
+    b_registers: dict[str, int] | None = None,
+) -> list[Row]:
+    a_registers, b_registers = a_registers or {}, b_registers or {}
+    return [
+        Row(name, a.get(name), b.get(name), a_registers.get(name), b_registers.get(name))
+        for name in sorted(set(a) | set(b))
+    ]
 
 
 def find_cuobjdump() -> str:
@@ -112,20 +141,24 @@ def source_tree(rev: str, scratch: Path) -> Path:
 
 def side_sass(
     kernel: str, rev: str, defines: Sequence[str], arch: str, scratch: Path, cuobjdump: str, opt_level: int = 3
-) -> str:
+) -> tuple[str, str]:
     """Compile `kernel` from `rev` with `defines` as lithos builds it (at `opt_level`: 3 is what the GPU
-    loads, build.CHECK_OPT_LEVEL the compile check), and dump its SASS."""
+    loads, build.CHECK_OPT_LEVEL the compile check), and dump its SASS and its resource usage."""
     tc = dataclasses.replace(build.toolchain("cuda", arch), defines=tuple(defines), opt_level=opt_level)
     if rev == ".":  # the working tree's library is the one lithos caches: a build made before is not made again
         library = build.build(kernel, tc)
     else:
         library = _compile(kernel, rev, tc, scratch)
+    return _dump(cuobjdump, "-sass", library), _dump(cuobjdump, "--dump-resource-usage", library)
+
+
+def _dump(cuobjdump: str, what: str, library: Path) -> str:
     # cuobjdump hands the disassembly to nvdisasm, looked up on PATH: the wheels put it beside cuobjdump.
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ.get("PATH", "")]))
-    dump = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, env=env)
+    dump = subprocess.run([cuobjdump, what, str(library)], capture_output=True, text=True, env=env)
     if dump.returncode != 0:
         raise LithosError(
-            f"{cuobjdump} -sass failed: {dump.stderr.strip()} (nvdisasm comes with `pip install nvidia-cuda-nvdisasm`)"
+            f"{cuobjdump} {what} failed: {dump.stderr.strip()} (nvdisasm comes with `pip install nvidia-cuda-nvdisasm`)"
         )
     return dump.stdout
 
@@ -136,13 +169,16 @@ def short(name: str, width: int = 72) -> str:
 
 def report(rows: Sequence[Row], a_label: str, b_label: str, diff_lines: int = 0) -> str:
     lines = [f"a: {a_label}", f"b: {b_label}", ""]
-    lines.append(f"{'function':74s} {'a instr':>8s} {'b instr':>8s}  global a/b  local a/b  shared a/b  same")
+    lines.append(
+        f"{'function':74s} {'a instr':>8s} {'b instr':>8s}  regs a/b  global a/b  local a/b  shared a/b  same"
+    )
     for row in rows:
         counts = [len(x) if x is not None else "-" for x in (row.a, row.b)]
+        regs = "/".join("-" if r is None else str(r) for r in (row.a_registers, row.b_registers))
         ops = [memory_ops(x) if x is not None else None for x in (row.a, row.b)]
         spaces = "  ".join(f"{'/'.join(str(o[space]) if o else '-' for o in ops):>9s}" for space in MEMORY_OPS)
         same = "yes" if row.identical else ("only a" if row.b is None else "only b" if row.a is None else "NO")
-        lines.append(f"{short(row.name):74s} {counts[0]!s:>8s} {counts[1]!s:>8s}  {spaces}  {same}")
+        lines.append(f"{short(row.name):74s} {counts[0]!s:>8s} {counts[1]!s:>8s}  {regs:>8s}  {spaces}  {same}")
     differing = [r for r in rows if not r.identical]
     lines.append("")
     lines.append(f"{len(rows) - len(differing)} of {len(rows)} functions identical")
@@ -186,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for rev, defines in ((args.a, args.a_defines), (args.b, args.b_defines)):
                 names = defines.replace(",", " ").split()
-                sass = side_sass(args.kernel, rev, names, args.arch, Path(tmp), cuobjdump, args.opt_level)
-                sides.append((f"{rev} {' '.join(names) or '(no defines)'}", functions(sass)))
+                sass, usage = side_sass(args.kernel, rev, names, args.arch, Path(tmp), cuobjdump, args.opt_level)
+                sides.append((f"{rev} {' '.join(names) or '(no defines)'}", functions(sass), registers(usage)))
     except LithosError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [r for r in compare(sides[0][1], sides[1][1]) if re.search(args.match, r.name)]
-    print(report(rows, sides[0][0], sides[1][0], args.diff))
+    (a_label, a_code, a_registers), (b_label, b_code, b_registers) = sides
+    rows = [r for r in compare(a_code, b_code, a_registers, b_registers) if re.search(args.match, r.name)]
+    print(report(rows, a_label, b_label, args.diff))
     return 0 if all(r.identical for r in rows) else 1
 
 

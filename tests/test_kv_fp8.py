@@ -405,11 +405,10 @@ def test_generate_command_with_fp8_cache(hf_checkpoint, capsys):
     assert "generated" in capsys.readouterr().err
 
 
+# A factual answer where the model hesitates at its first token, and an explanation (about 12 s a prompt in CI).
 SMOLLM2_PROMPTS = [
     "What is the capital of France?",
-    "Write a short poem about the sea.",
     "Explain how a CPU cache works.",
-    "List three uses of baking soda.",
 ]
 
 
@@ -421,10 +420,12 @@ def test_smollm2_fp8_cache_quality(smollm2_model):
     Bound: mean next-token KL < 0.02 nats per prompt. E4M3 keeps 4 significant bits, so each stored key and
     value moves by up to 2^-4 of itself: 16x the step of a bf16 cache. KL grows with the square of such
     a perturbation, so about 256x a bf16 cache's (measured here at 4e-6 .. 2e-4, hence 1e-3 .. 5e-2
-    expected; measured 5e-3 .. 1e-2 on these prompts). Greedy outputs of both are printed side by side.
+    expected; measured 2.5e-3 and 1.2e-2 on these prompts). Greedy outputs of both are printed side by side.
     """
     model, cfg = smollm2_model, smollm2_model.cfg
-    fp8_model = lithos.Model(model.checkpoint, max_len=model.max_len, kv_cache_dtype="fp8")
+    # A cache of 128 holds each prompt and its 24 tokens: the reference path decodes through the whole FP8 cache each
+    # step, which the suite's unoptimised XLA:CPU code (.ci/run) makes slow at the session model's 512.
+    fp8_model = lithos.Model(model.checkpoint, max_len=128, kv_cache_dtype="fp8")
     forward = jax.jit(partial(llama.forward, cfg=cfg))
     bucket = 48  # the prompt right-padded, as the engine's prefill pads it (padding joins the scale statistics)
     for prompt in SMOLLM2_PROMPTS:

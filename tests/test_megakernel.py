@@ -629,16 +629,19 @@ def test_single_matrix_groups_in_fragment_tiles_are_builds_of_their_own(monkeypa
 
 
 def test_tiled_sums_that_do_not_fit_are_an_error_that_names_the_fix():
-    """A tiled task keeps its warps' sums of its tiles (and Q/K/V at one token its B) in 64 KB: 16 tokens of 8B's
-    down over 8 blocks (32 tiles a task) would need 256 KB; over 132 blocks they fit, and so do Q/K/V's (4 tokens an
+    """A tiled task keeps its warps' sums of its tiles (and at one token its B) in 64 KB: 16 tokens of 8B's down over
+    8 blocks (32 tiles a task) would need 256 KB; over 132 blocks they fit, and so do Q/K/V's (4 tokens an
     n-block)."""
     from lithos.custom_calls.megakernel.kernel import check_tiled_staging, tiled_ops, tiled_staging_bytes
 
-    # Q/K/V at one token stages B (4 bytes an input) before its sums, as gate/up does; 4 tokens an n-block at more.
-    assert tiled_staging_bytes(Op.QKV, 3, 1, 4096) == 16384 + 3 * 4096
-    assert tiled_staging_bytes(Op.QKV, 3, 5, 4096) == 3 * 2 * 4096
-    assert tiled_staging_bytes(Op.DOWN, 3, 5, 4096) == 3 * 4096
     wide = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1)
+    # At one token B is staged before the sums: Q/K/V's x * norm_w in two parts (4 bytes an input), as gate/up's;
+    # O's and down's activations in one (2 bytes an input). 4 tokens an n-block for Q/K/V at more, 8 for O and down.
+    assert tiled_staging_bytes(Op.QKV, 3, 1, wide) == 4096 * 4 + 3 * 4096
+    assert tiled_staging_bytes(Op.DOWN, 2, 1, wide) == 14336 * 2 + 2 * 4096
+    assert tiled_staging_bytes(Op.O_PROJ, 2, 1, wide) == 4096 * 2 + 2 * 4096
+    assert tiled_staging_bytes(Op.QKV, 3, 5, wide) == 3 * 2 * 4096
+    assert tiled_staging_bytes(Op.DOWN, 3, 5, wide) == 3 * 4096
     formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True, True, True)
     with pytest.raises(lithos.LithosError, match="leave down out of LITHOS_TILES"):
         check_tiled_staging(build_schedule(wide, 8, True, 32, lane_steps(formats, 16, "cuda")), 16, (Op.DOWN,))

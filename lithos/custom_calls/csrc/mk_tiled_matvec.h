@@ -2,11 +2,12 @@
 // with LITHOS_MK_QKV_TILES, LITHOS_MK_O_TILES, LITHOS_MK_DOWN_TILES; the layout: lithos/quant/tiles.py,
 // mxfp4_tiles.h), a tile 16 output rows x 64 inputs, a task whole tiles (kTileRowUnits of tasks.py's 4-row units).
 //
-// CUDA, every token count, on tensor cores. B is each step's activations as the mma takes them, read straight from
-// memory (no staging: 8 tokens of 14336 inputs are 229 KB), times 2^64 so that the products with A's value * 2^-126
-// stay normal f32, each step's asked for as the step before starts (it depends on the k tile only):
+// CUDA, every token count, on tensor cores. B is each step's activations as the mma takes them, times 2^64 so that
+// the products with A's value * 2^-126 stay normal f32; at 2-16 tokens read straight from memory (8 tokens of 14336
+// inputs are 229 KB), each step's asked for as the step before starts (it depends on the k tile only):
 // - O and down (ActivationOperand): the attention's output or the gated activations, bf16 already, one part exact, a
-//   token a column (8 tokens an n-block, two at 16). y = residual + x W^T.
+//   token a column (8 tokens an n-block, two at 16). y = residual + x W^T. At one token B is staged once instead
+//   (StagedActivations: 2 bytes an input), so that a step waits on its weights alone.
 // - Q/K/V (NormedOperand): x * norm_w in two bf16 parts (exact, as gate/up's staged B), token u's in columns
 //   2 (u % 4) and 2 (u % 4) + 1 of n-block u / 4, so that lane (g, t)'s sums of columns 2t and 2t + 1 add to rows
 //   g and g + 8 of token 4 nb + t. The matrices are in rotary tiles (a tile's rows g and g + 8 are the two halves
@@ -127,6 +128,45 @@ struct NormedOperand {
   }
 };
 
+// One token of bf16 activations (O's and down's B), staged once in the lane ring's memory by stage_activations: one
+// part (x * 2^64 is exact in bf16), read by lanes g = 0 (column 0, the token), 32 bytes a k-step of 16 inputs. Read
+// from memory a step ahead instead (ActivationOperand), down's one-token steps waited on B: run 128 (NOTES.md,
+// "Q/K/V and O in fragment tiles") took twice the weights in flight and only 15% off its dot products.
+struct StagedActivations {
+  static constexpr int NB = 1;
+  int lane32, kt;
+
+  __device__ __forceinline__ void load(int k_tile) { kt = k_tile; }
+  __device__ __forceinline__ void fragments(uint2 (&b)[4][NB]) const {
+    const uint2* bs = tile_operand();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j][0] = lane32 < 4 ? bs[(kt * 4 + j) * 4 + lane32] : make_uint2(0u, 0u);
+  }
+};
+
+// Bytes of one token's staged activations for `n_in` inputs, rounded up to 16 (kernel.py activation_operand_bytes).
+__device__ __forceinline__ int activation_operand_bytes(int n_in) { return (n_in * 2 + 15) / 16 * 16; }
+
+// One token's activations x[0 .. n_in) staged as StagedActivations reads them, a thread a k-step of 16 inputs (two
+// 16-byte loads issued together): lane t's pairs t (inputs 2t, 2t + 1) and t + 4 (2t + 8, 2t + 9), times 2^64.
+// Every thread calls it; a barrier ends it.
+__device__ inline void stage_activations(const bf16_t* x, int n_in) {
+  uint2* bs = tile_operand();
+  for (int s = static_cast<int>(threadIdx.x); s < n_in / 16; s += kMatvecThreads) {
+    const Bf16Vec<8> v[2] = {load_activation<8, true>(x + 16 * s), load_activation<8, true>(x + 16 * s + 8)};
+    uint32_t pair[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const bf16_t lo = float_to_bf16(v[p / 4][2 * (p % 4)] * kTileOperandShift);
+      const bf16_t hi = float_to_bf16(v[p / 4][2 * (p % 4) + 1] * kTileOperandShift);
+      pair[p] = lo | static_cast<uint32_t>(hi) << 16;
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) bs[4 * s + t] = make_uint2(pair[t], pair[t + 4]);
+  }
+  __syncthreads();
+}
+
 // One token of x * norm_w, staged once in the lane ring's memory by stage_tile_operand (gate/up's one-token B: columns
 // 0 and 1 the two parts, lanes g < 2), each step's read at use: a k tile's B costs 4 shared-memory loads where forming
 // it costs some 270 instructions a step.
@@ -147,7 +187,7 @@ struct StagedOperand {
 // inputs, and y = residual + x W^T. Lane (g, t)'s fragment q is row g + 8 (q / 2) of token 8 nb + 2t + q % 2.
 struct ProjectionTiles {
   template <int TMAX>
-  using Operand = ActivationOperand<TMAX>;
+  using Operand = std::conditional_t<TMAX == 1, StagedActivations, ActivationOperand<TMAX>>;
   struct Matrix {
     static constexpr int kCount = 1;
     TileSource source;
@@ -163,17 +203,25 @@ struct ProjectionTiles {
   __device__ __forceinline__ Matrix matrix(int lane32) const {
     return {TileSource::of(o ? a.wo : a.w_down, layer, lane32)};
   }
+  __device__ __forceinline__ const bf16_t* input() const { return o ? a.attn : a.gated; }
   template <int TMAX>
   __device__ __forceinline__ Operand<TMAX> operand(int g, int t) const {
-    return {o ? a.attn : a.gated, n_in, a.tokens, g, t, {}};
+    if constexpr (TMAX == 1) {
+      return {4 * g + t, 0};
+    } else {
+      return {input(), n_in, a.tokens, g, t, {}};
+    }
   }
-  // Where the warps' sums go in the ring's memory: its start (B is read from the activations).
+  // Where the warps' sums go in the ring's memory: after the one-token B; at more tokens its start (B is read from
+  // the activations).
   template <int TMAX>
   __device__ __forceinline__ int pieces_offset() const {
-    return 0;
+    return TMAX == 1 ? activation_operand_bytes(n_in) : 0;
   }
   template <int TMAX>
-  __device__ __forceinline__ void after_wait(float (&)[kMatvecWarps][TMAX]) const {}
+  __device__ __forceinline__ void after_wait(float (&)[kMatvecWarps][TMAX]) const {
+    if constexpr (TMAX == 1) stage_activations(input(), n_in);
+  }
   // Tile `tile`'s sums of n-block nb for lane `lane`, once every warp's are added.
   template <int TMAX>
   __device__ __forceinline__ void store(int tile, int nb, int lane, const float (&sums)[4],

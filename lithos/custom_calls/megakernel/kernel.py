@@ -250,21 +250,30 @@ def largest_task(schedule: Schedule, op: Op) -> int:
     return int(counts.max()) if counts.size else 0
 
 
-def tiled_staging_bytes(op: Op, tiles: int, tokens: int, hidden: int) -> int:
+def activation_operand_bytes(n_in: int) -> int:
+    """Bytes of one token's activations O's and down's tiled tasks stage (csrc/mk_tiled_matvec.h)."""
+    return -(-n_in * 2 // 16) * 16
+
+
+def tiled_staging_bytes(op: Op, tiles: int, tokens: int, shape: ModelShape) -> int:
     """Bytes of the ring's input area a tiled task of kind `op` over `tiles` tiles takes for `tokens` tokens: its
-    warps' sums, after B where it stages B (Q/K/V at one token, as gate/up)."""
+    warps' sums, after B where it stages B (at one token: Q/K/V's x * norm_w in two parts, as gate/up; O's and down's
+    activations in one)."""
     per_block = 4 if op == Op.QKV else 8
-    operand = tile_operand_bytes(hidden) if op == Op.QKV and tokens == 1 else 0
+    operand = 0
+    if tokens == 1:
+        n_in = shape.input_size(op)
+        operand = tile_operand_bytes(n_in) if op == Op.QKV else activation_operand_bytes(n_in)
     return operand + tiles * -(-tokens // per_block) * TILE_PIECE_BLOCK_BYTES
 
 
 def check_tiled_staging(schedule: Schedule, tokens: int, ops: tuple[Op, ...], room: int = TILE_STAGING_BYTES) -> None:
-    """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles (and Q/K/V at one token its B) in
+    """The single-matrix tiled tasks (`ops`) keep their warps' sums of their tiles (and at one token their B) in
     the lane ring's input area: an error naming the fix where a task's would not fit (the kernel would abort the
     step)."""
     for op in ops:
         tiles = largest_task(schedule, op) // TILE_ROW_UNITS
-        need = tiled_staging_bytes(op, tiles, tokens, schedule.shape.hidden)
+        need = tiled_staging_bytes(op, tiles, tokens, schedule.shape)
         if need > room:
             raise LithosError(
                 f"megakernel: {TILED_OPS[op]} in fragment tiles needs {need} bytes of staging a task ({tiles} tiles, "

@@ -368,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"3: the libraries the GPU loads; {CHECK_OPT_LEVEL}: a compile check (every compiler phase and code "
         "path, unoptimised, in a third of the time or less)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="compilers run at once (default: one a library, all at once)",
+    )
     args = parser.parse_args(argv)
 
     platform = args.platform or gpu_platform() or "cuda"
@@ -381,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         else:
             jobs = [(kernel, tc) for kernel in args.kernel or list(KERNELS)]
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        with ThreadPoolExecutor(max_workers=args.jobs or len(jobs)) as pool:
             paths = list(pool.map(lambda job: build(*job, args.force), jobs))
     except LithosError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -67,6 +67,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     },
     "expert_matvec": ("LithosExpertMatvec", "LithosExpertGateUpSilu"),
 }
+# The packed formats' sources: each one format's instance of matvec_packed.h.
+PACKED_KERNELS = tuple(f"matvec_packed_{fmt}" for fmt in PACKED_SOURCES)
 
 PLATFORMS = ("cuda", "rocm")
 # jax's platform names for register_ffi_target.
@@ -268,20 +270,51 @@ def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     output = library_path(kernel, tc)
     if output.exists() and not force:
         return output
+    _compile(f"{kernel}.cu", lambda tmp: CSRC / f"{kernel}.cu", output, tc)
+    return output
+
+
+def build_together(kernels: tuple[str, ...], tc: Toolchain, force: bool = False) -> Path:
+    """A compile check (CI's): the sources of `kernels` as one translation unit, a generated source that includes
+    each, so that their shared headers (the FFI's among them, some 5 s of nvcc a source) are compiled once. Returns
+    that library, which exports every source's handlers; what a GPU loads is each source's own (`build`)."""
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            raise LithosError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
+        check_arch(kernel, tc)
+    output = together_path(kernels, tc)
+    if output.exists() and not force:
+        return output
+
+    def source(tmp: Path) -> Path:
+        path = tmp / "together.cu"
+        path.write_text("".join(f'#include "{kernel}.cu"\n' for kernel in kernels))
+        return path
+
+    _compile(f"{', '.join(kernels)} together", source, output, tc)
+    return output
+
+
+def together_path(kernels: tuple[str, ...], tc: Toolchain) -> Path:
+    """Where build_together keeps the library of `kernels` (keyed by each one's source and the toolchain)."""
+    digest = hashlib.sha256("\0".join(f"{k}:{source_key(k, tc)}" for k in kernels).encode()).hexdigest()[:20]
+    return cache_dir() / f"together-{tc.platform}-{tc.arch}-{digest}.so"
+
+
+def _compile(what: str, source, output: Path, tc: Toolchain) -> None:
+    """Compile `source(tmp)` (a path, given the build's scratch folder) to `output`, beside it and renamed, so that
+    concurrent builders never see a half-written library."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         partial = Path(tmp) / output.name
-        result = subprocess.run(
-            tc.command(CSRC / f"{kernel}.cu", partial), capture_output=True, text=True, env=tc.environment()
-        )
+        command = tc.command(source(Path(tmp)), partial)
+        result = subprocess.run(command, capture_output=True, text=True, env=tc.environment())
         if result.returncode != 0:
             raise LithosError(
-                f"compiling {kernel}.cu for {tc.arch} with {tc.compiler} failed:\n{result.stderr[-4000:]}\n"
-                f"command: {' '.join(tc.command(CSRC / f'{kernel}.cu', partial))}"
+                f"compiling {what} for {tc.arch} with {tc.compiler} failed:\n{result.stderr[-4000:]}\n"
+                f"command: {' '.join(command)}"
             )
         os.replace(partial, output)
-    return output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         "path, unoptimised, in a third of the time or less)",
     )
     parser.add_argument(
+        "--packed-together",
+        action="store_true",
+        help="compile the packed formats' sources as one library (a compile check: what the GPU loads is each "
+        "source's own)",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=0,
@@ -387,8 +426,14 @@ def main(argv: list[str] | None = None) -> int:
             ]
         else:
             jobs = [(kernel, tc) for kernel in args.kernel or list(KERNELS)]
-        with ThreadPoolExecutor(max_workers=args.jobs or len(jobs)) as pool:
+        together = tuple(k for k, _ in jobs if k in PACKED_KERNELS) if args.packed_together else ()
+        jobs = [job for job in jobs if job[0] not in together]
+        with ThreadPoolExecutor(max_workers=args.jobs or len(jobs) + 1) as pool:
+            joint = pool.submit(build_together, together, tc, args.force) if together else None
             paths = list(pool.map(lambda job: build(*job, args.force), jobs))
+            if joint is not None:
+                jobs.append((f"{len(together)} packed sources together", tc))
+                paths.append(joint.result())
     except LithosError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -262,11 +263,16 @@ def check_arch(kernel: str, tc: Toolchain) -> None:
         )
 
 
-def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
-    """Compile csrc/<kernel>.cu for `tc` unless the cache already holds it; returns the library."""
+def check_kernel(kernel: str, tc: Toolchain) -> None:
+    """Raises, naming the way out, for a kernel lithos does not have or that does not build for `tc`'s GPU."""
     if kernel not in KERNELS:
         raise LithosError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
     check_arch(kernel, tc)
+
+
+def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
+    """Compile csrc/<kernel>.cu for `tc` unless the cache already holds it; returns the library."""
+    check_kernel(kernel, tc)
     output = library_path(kernel, tc)
     if output.exists() and not force:
         return output
@@ -279,9 +285,7 @@ def build_together(kernels: tuple[str, ...], tc: Toolchain, force: bool = False)
     each, so that their shared headers (the FFI's among them, some 5 s of nvcc a source) are compiled once. Returns
     that library, which exports every source's handlers; what a GPU loads is each source's own (`build`)."""
     for kernel in kernels:
-        if kernel not in KERNELS:
-            raise LithosError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
-        check_arch(kernel, tc)
+        check_kernel(kernel, tc)
     output = together_path(kernels, tc)
     if output.exists() and not force:
         return output
@@ -301,7 +305,7 @@ def together_path(kernels: tuple[str, ...], tc: Toolchain) -> Path:
     return cache_dir() / f"together-{tc.platform}-{tc.arch}-{digest}.so"
 
 
-def _compile(what: str, source, output: Path, tc: Toolchain) -> None:
+def _compile(what: str, source: Callable[[Path], Path], output: Path, tc: Toolchain) -> None:
     """Compile `source(tmp)` (a path, given the build's scratch folder) to `output`, beside it and renamed, so that
     concurrent builders never see a half-written library."""
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -276,7 +275,7 @@ def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     output = library_path(kernel, tc)
     if output.exists() and not force:
         return output
-    _compile(f"{kernel}.cu", lambda tmp: CSRC / f"{kernel}.cu", output, tc)
+    compile_library(f"{kernel}.cu", CSRC / f"{kernel}.cu", output, tc)
     return output
 
 
@@ -289,13 +288,10 @@ def build_together(kernels: tuple[str, ...], tc: Toolchain, force: bool = False)
     output = together_path(kernels, tc)
     if output.exists() and not force:
         return output
-
-    def source(tmp: Path) -> Path:
-        path = tmp / "together.cu"
-        path.write_text("".join(f'#include "{kernel}.cu"\n' for kernel in kernels))
-        return path
-
-    _compile(f"{', '.join(kernels)} together", source, output, tc)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "together.cu"
+        source.write_text("".join(f'#include "{kernel}.cu"\n' for kernel in kernels))
+        compile_library(f"{', '.join(kernels)} together", source, output, tc)
     return output
 
 
@@ -305,13 +301,13 @@ def together_path(kernels: tuple[str, ...], tc: Toolchain) -> Path:
     return cache_dir() / f"together-{tc.platform}-{tc.arch}-{digest}.so"
 
 
-def _compile(what: str, source: Callable[[Path], Path], output: Path, tc: Toolchain) -> None:
-    """Compile `source(tmp)` (a path, given the build's scratch folder) to `output`, beside it and renamed, so that
-    concurrent builders never see a half-written library."""
+def compile_library(what: str, source: Path, output: Path, tc: Toolchain) -> None:
+    """Compile `source` for `tc` to `output`, beside it and renamed, so that concurrent builders never see a
+    half-written library; a compiler error raises with its message (`what` names the source in it)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         partial = Path(tmp) / output.name
-        command = tc.command(source(Path(tmp)), partial)
+        command = tc.command(source, partial)
         result = subprocess.run(command, capture_output=True, text=True, env=tc.environment())
         if result.returncode != 0:
             raise LithosError(

@@ -195,10 +195,7 @@ def _compile(kernel: str, rev: str, tc: build.Toolchain, scratch: Path) -> Path:
         raise LithosError(f"{rev} has no {kernel}.cu; the kernels are {', '.join(build.KERNELS)}")
     library = scratch / f"{kernel}-{len(list(scratch.glob('*.so')))}.so"
     # Quoted includes resolve next to the source first, so each side compiles against its own headers.
-    result = subprocess.run(tc.command(source, library), capture_output=True, text=True, env=tc.environment())
-    if result.returncode != 0:
-        defines = " ".join(tc.defines) or "no defines"
-        raise LithosError(f"compiling {kernel}.cu at {rev} ({defines}) failed:\n{result.stderr[-3000:]}")
+    build.compile_library(f"{kernel}.cu at {rev} ({' '.join(tc.defines) or 'no defines'})", source, library, tc)
     return library
 
 

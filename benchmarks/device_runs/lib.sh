@@ -7,6 +7,10 @@
 #                           `lithos bench` of SHAPE at 1K on the fused kernels into $work, tagged RUN-TAG, its table
 #                           line printed and saved; SOURCES (default: this tree) is the lithos it imports,
 #                           STEP_TIMEOUT (default 120 s) its limit
+#   bench TAG TIMEOUT [BENCH ARGS...]
+#                           `lithos bench` at 1K into $work, tagged RUN-TAG, its table's rows printed and saved
+#   mxfp4_step TILES        the 8B MXFP4 megakernel step with LITHOS_TILES=TILES: timed (bench), then one traced
+#                           step summarised (TAG_SUFFIX, if set, ends its tags)
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log, its summary printed and saved
 #   fits SECONDS WHAT       whether SECONDS of the call's RUN_LIMIT (default 430 s) are left for WHAT (else it
@@ -29,6 +33,25 @@ bench_step() {
   PYTHONPATH=${SOURCES:-$PWD} timeout "${STEP_TIMEOUT:-120}" "${lithos[@]}" bench --shape "$shape" --context 1024 \
     --kernels fused "$@" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
   grep -E "^$shape" "$work/$tag.log"
+  save
+}
+
+bench() {
+  local tag=$run_name-$1 limit=$2
+  shift 2
+  timeout "$limit" "${lithos[@]}" bench --context 1024 "$@" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
+  grep -E "^(llama|shape)" "$work/$tag.log"
+  save
+}
+
+mxfp4_step() {
+  local tiles=$1 name=${1//,/-}${TAG_SUFFIX:-}
+  LITHOS_TILES=$tiles bench "mxfp4-$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  LITHOS_TILES=$tiles LITHOS_MEGAKERNEL_TRACE="$work/trace-$name.json" timeout 150 "${lithos[@]}" bench \
+    --shape llama-3.1-8b --context 1024 --weight-format mxfp4 --kernels megakernel --steps 32 --runs 1 \
+    >"$work/trace-bench-$name.log" 2>&1
+  python3 -m lithos.custom_calls.megakernel.trace "$work/trace-$name.json" >"$work/trace-$name.log" 2>&1
+  head -9 "$work/trace-$name.log"
   save
 }
 

@@ -19,27 +19,6 @@ phase=${1:-health}
 source benchmarks/device_runs/lib.sh run128 "$phase"
 depth="LITHOS_MK_TILE_PAIRS=2 LITHOS_MK_TILE_DEPTH=2"
 
-# `lithos bench` at 1K into $work, tagged run128-TAG, its table's rows printed.
-bench() {
-  local tag=run128-$1 limit=$2
-  shift 2
-  timeout "$limit" "${lithos[@]}" bench --context 1024 "$@" --out "$work" --tag "$tag" >"$work/$tag.log" 2>&1
-  grep -E "^(llama|shape)" "$work/$tag.log"
-  save
-}
-
-# The 8B MXFP4 megakernel step with LITHOS_TILES=$1: timed, then one traced step summarised.
-mxfp4_step() {
-  local tiles=$1 name=${1//,/-}${TAG_SUFFIX:-}
-  LITHOS_TILES=$tiles bench "mxfp4-$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
-  LITHOS_TILES=$tiles LITHOS_MEGAKERNEL_TRACE="$work/trace-$name.json" timeout 150 "${lithos[@]}" bench \
-    --shape llama-3.1-8b --context 1024 --weight-format mxfp4 --kernels megakernel --steps 32 --runs 1 \
-    >"$work/trace-bench-$name.log" 2>&1
-  python3 -m lithos.custom_calls.megakernel.trace "$work/trace-$name.json" >"$work/trace-$name.log" 2>&1
-  head -9 "$work/trace-$name.log"
-  save
-}
-
 case $phase in
   health)
     log build

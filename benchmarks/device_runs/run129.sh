@@ -18,7 +18,7 @@ source benchmarks/device_runs/lib.sh run129 "$phase"
 case $phase in
   staged)
     log build
-    python3 benchmarks/build_variants.py gate_up gate_up,down o,gate_up,down >"$work/build.log" 2>&1
+    python3 benchmarks/build_variants.py gate_up gate_up,down gate_up,o gate_up,qkv o,gate_up,down >"$work/build.log" 2>&1
     grep -E "FAILED|rror" "$work/build.log" | cut -c1-300
     log tests
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-single-matrix 200 -n 3 tests/test_megakernel_gpu.py \

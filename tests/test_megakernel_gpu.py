@@ -314,6 +314,7 @@ def test_trace_records_every_task_in_causal_order(monkeypatch, tmp_path, context
     assert np.all(trace.begin <= trace.ready) and np.all(trace.ready <= trace.end)  # the timer ticks in 256 ns
     assert mk_trace.causality_violations(trace, slack_ns=100) == []
     assert trace.context == context + 1 and 0 < trace.step_ns < 1e8
+    assert set(trace.formats.values()) == {"bfloat16"} and len(trace.formats) == 8  # the bf16 build's weights
     # Phase marks lie in order between a task's ready and end: a matvec task's first three, every one of an
     # attention split's five; only attention splits past the step's plan (at context 100) have none.
     attention = trace.tasks[:, FIELDS.index("op")] == Op.ATTENTION

@@ -65,6 +65,7 @@ def simulated_trace(schedule, grid: int, context: int) -> dict:
         "vocab": s.vocab,
         "slots": 4096,
         "ring": False,
+        "formats": dict.fromkeys(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"), 0),  # bf16
         "positions": [context - 1],
         "fields": [*FIELDS, *mk_trace.TIMES, *mk_trace.PHASES],
         "tasks": rows,
@@ -159,6 +160,39 @@ def test_a_trace_with_three_marks_per_task_reads_with_the_older_names(traced):
     assert phases["attention"]["written"] == pytest.approx(ATTENTION_SHARES[3] * attention_us, abs=1e-3)
     down = DURATION_NS[Op.DOWN] / 1e3
     assert phases["down"]["dots"] == pytest.approx(PHASE_SHARES[1] * down, abs=1e-3)
+
+
+def test_stage_bytes_count_the_weights_in_the_formats_the_build_read(traced, capsys):
+    """An MXFP4 build (attention and MLP, bf16 head): 4 bits a weight and an 8-bit scale every 32."""
+    schedule, path = traced
+    record = json.loads(path.read_text())
+    record["formats"] = {**dict.fromkeys(record["formats"], 1), "lm_head": 0}
+    path.write_text(json.dumps(record))
+    trace = mk_trace.load(path)
+    shape = schedule.shape
+    assert trace.formats == {**dict.fromkeys(record["formats"], "mxfp4"), "lm_head": "bfloat16"}
+    of = {s.op: s.bytes for s in mk_trace.stages(trace)}
+    mxfp4 = 4.25 / 8  # bytes a weight
+    assert of[Op.GATE_UP] == 2 * shape.ffn * shape.hidden * mxfp4
+    assert of[Op.DOWN] == shape.hidden * shape.ffn * mxfp4
+    assert of[Op.QKV] == (shape.heads + 2 * shape.kv_heads) * shape.head_dim * shape.hidden * mxfp4
+    assert of[Op.HEAD] == shape.vocab * shape.hidden * 2
+    assert of[Op.ATTENTION] == 2 * shape.kv_heads * 1000 * shape.head_dim * 2  # the cache stays bf16
+    assert mk_trace.main([str(path)]) == 0
+    assert "w_down mxfp4" in capsys.readouterr().out
+
+
+def test_a_trace_without_formats_counts_bf16_weights_and_says_so(traced, capsys):
+    _, path = traced
+    record = json.loads(path.read_text())
+    del record["formats"]
+    path.write_text(json.dumps(record))
+    trace = mk_trace.load(path)
+    assert trace.formats is None
+    gate_up = next(s for s in mk_trace.stages(trace) if s.op == Op.GATE_UP)
+    assert gate_up.bytes == 2 * trace.shape.ffn * trace.shape.hidden * 2
+    assert mk_trace.main([str(path)]) == 0
+    assert "counted in bf16" in capsys.readouterr().out
 
 
 def test_a_trace_without_phase_marks_still_reads(traced):

@@ -41,6 +41,7 @@ FORMAT_CODES: dict[str, int] = {
     "iq4_nl": 15,
     "iq4_xs": 16,
 }
+FORMAT_NAMES: dict[int, str] = {code: name for name, code in FORMAT_CODES.items()}
 PACKED_FORMATS = tuple(name for name in FORMAT_CODES if name != "bfloat16")
 
 Weight = jax.Array | QuantizedArray

@@ -217,6 +217,13 @@ double trace_ns_per_tick() {
 #endif
 }
 
+// The weights after the fixed arguments, three planes each (packed_weights.py `planes`: data, scales,
+// mins), in this order; the formats this build reads them in.
+constexpr int kWeights = 8;
+constexpr const char* kWeightNames[kWeights] = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"};
+constexpr WeightFormat kWeightFormats[kWeights] = {kAttentionFormat, kAttentionFormat, kAttentionFormat, kOFormat,
+                                                   kMlpFormat,       kMlpFormat,       kDownFormat,      kHeadFormat};
+
 // LITHOS_MEGAKERNEL_TRACE=path: the step records per task which block ran it, when it began, had its
 // inputs and had signalled, and its phase marks (mk_common.h trace_mark, trace_phase); the handler
 // waits for the step and writes that record, with the task list and the model's sizes, to `path` as
@@ -255,8 +262,12 @@ class StepTrace {
     out << "{\"ns_per_tick\": " << trace_ns_per_tick() << ", \"grid\": " << grid << ", \"layers\": " << layers
         << ", \"tokens\": " << a.tokens << ", \"hidden\": " << a.hidden << ", \"heads\": " << a.heads
         << ", \"kv_heads\": " << a.kv_heads << ", \"head_dim\": " << a.head_dim << ", \"ffn\": " << a.ffn
-        << ", \"vocab\": " << a.vocab << ", \"slots\": " << a.slots << ", \"ring\": " << (a.ring ? "true" : "false")
-        << ", \"positions\": [";
+        << ", \"vocab\": " << a.vocab << ", \"slots\": " << a.slots << ", \"ring\": " << (a.ring ? "true" : "false");
+    // The weights' formats (packed_weights.py FORMAT_CODES): the bytes each stage reads (trace.py stage_bytes).
+    out << ", \"formats\": {";
+    for (int i = 0; i < kWeights; ++i)
+      out << (i ? ", " : "") << "\"" << kWeightNames[i] << "\": " << static_cast<int>(kWeightFormats[i]);
+    out << "}, \"positions\": [";
     for (int t = 0; t < a.tokens; ++t) out << (t ? ", " : "") << positions[t];
     // The task's fields (mk_common.h Task, tasks.py FIELDS), then its block and times.
     out << "],\n\"fields\": [";
@@ -288,13 +299,6 @@ class StepTrace {
 bool same_elements(const ffi::Buffer<ffi::BF16>& buffer, int64_t expected) {
   return static_cast<int64_t>(buffer.element_count()) == expected;
 }
-
-// The weights after the fixed arguments, three planes each (packed_weights.py `planes`: data, scales,
-// mins), in this order; the formats this build reads them in.
-constexpr int kWeights = 8;
-constexpr const char* kWeightNames[kWeights] = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"};
-constexpr WeightFormat kWeightFormats[kWeights] = {kAttentionFormat, kAttentionFormat, kAttentionFormat, kOFormat,
-                                                   kMlpFormat,       kMlpFormat,       kDownFormat,      kHeadFormat};
 
 // Weight i's planes, checked against this build's format for it, as a PackedWeight over n_in inputs
 // (stacked [layers, out, in / elements per byte]; the head [1, vocab, ...]).

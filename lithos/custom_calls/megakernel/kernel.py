@@ -29,7 +29,7 @@ from lithos.custom_calls.megakernel.schedule import (
     build_schedule,
 )
 from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
-from lithos.custom_calls.packed_weights import FORMAT_CODES, add_leading_axis, format_code, planes
+from lithos.custom_calls.packed_weights import FORMAT_CODES, FORMAT_NAMES, add_leading_axis, format_code, planes
 from lithos.errors import CheckpointError, LithosError
 from lithos.quant import K_MIX, MXFP4, QuantizedArray, to_tiles
 from lithos.quant.layouts import K_QUANTS, to_k_mix
@@ -45,7 +45,6 @@ MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 MATRICES = (*ATTENTION_WEIGHTS, *MLP_WEIGHTS, "lm_head")
 # The matrices a build reads in one format (csrc/mk_common.h kAttentionFormat, kMlpFormat); O and down have their own.
 QKV_WEIGHTS, GATE_UP_WEIGHTS = ("wq", "wk", "wv"), ("w_gate", "w_up")
-FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragment tiles (csrc kTileUnits)
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.

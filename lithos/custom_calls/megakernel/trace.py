@@ -14,11 +14,12 @@ A stage is one task kind of one layer (the list is stage by stage). Per stage: i
 first task having its inputs to the last one signalling; the hand-off before it, from the previous
 stage's last signal to this stage's first start (negative where the stage depends on part of the
 previous one only: attention of KV head g starts when group g's Q/K/V are done); and the rate its
-bytes streamed at over the span. Then, per task kind, the phases of a task after its wait (marks the
-kernel stamps inside it, csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot
-products, its epilogues and its signal; for an attention split its queries and first keys landed, its
-key loop, its lanes merged (keys scored), its partial written, its arrival counted and, on the split
-that arrives last, the head's combine. `--chrome` also writes the step as Chrome trace events, a track
+bytes (its weights, in the formats the build read them in, or the keys and values) streamed at over
+the span. Then, per task kind, the phases of a task after its wait (marks the kernel stamps inside it,
+csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot products, its epilogues
+and its signal; for an attention split its queries and first keys landed, its key loop, its lanes
+merged (keys scored), its partial written, its arrival counted and, on the split that arrives last,
+the head's combine. `--chrome` also writes the step as Chrome trace events, a track
 per block, to open in Perfetto (ui.perfetto.dev) or chrome://tracing.
 """
 
@@ -32,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from lithos.custom_calls.megakernel.tasks import FIELDS, NO_COUNTER, ModelShape, Op
+from lithos.custom_calls.packed_weights import FORMAT_NAMES
+from lithos.quant import get_format
 
 TIMES = ("block", "begin", "ready", "end")
 # Marks inside a task (csrc/mk_common.h kTracePhases), in the order a task reaches them; 0 where a task
@@ -43,6 +46,14 @@ ATTENTION_PHASES = ("inputs", "looped", "scored", "written", "arrived", "combine
 # Traces with three marks (before the attention's queries-landed and loop-done marks).
 ATTENTION_PHASES_3 = ("scored", "written", "arrived", "combined")
 BF16_BYTES = 2
+# The weights each matvec stage reads (csrc/megakernel.cu kWeightNames).
+STAGE_WEIGHTS = {
+    Op.QKV: ("wq", "wk", "wv"),
+    Op.O_PROJ: ("wo",),
+    Op.GATE_UP: ("w_gate", "w_up"),
+    Op.DOWN: ("w_down",),
+    Op.HEAD: ("lm_head",),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,7 @@ class StepTrace:
     ready: np.ndarray
     end: np.ndarray
     phases: np.ndarray | None = None  # [n, 5 or 3] like the times, NaN where unmarked; None in older traces
+    formats: dict[str, str] | None = None  # weight name -> the format the build read it in; None: bf16 (older traces)
 
     @property
     def step_ns(self) -> float:
@@ -85,6 +97,9 @@ def load(path: str | Path) -> StepTrace:
         **{k: int(record[k]) for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")}
     )
     context = min(max(record["positions"]) + 1, int(record["slots"]))
+    formats = None
+    if "formats" in record:  # traces from before the handler wrote them have none
+        formats = {name: FORMAT_NAMES[int(code)] for name, code in record["formats"].items()}
     return StepTrace(
         shape,
         int(record["grid"]),
@@ -96,22 +111,36 @@ def load(path: str | Path) -> StepTrace:
         ticks[:, 1],
         ticks[:, 2],
         phases,
+        formats,
     )
 
 
-def stage_bytes(shape: ModelShape, op: Op, context: int) -> int:
-    """Bytes one stage of `op` must read: its bf16 weights, or for attention the keys and values."""
+def weight_bytes(rows: int, cols: int, fmt: str) -> int:
+    """Bytes of a `[rows, cols]` weight stored in `fmt` (every plane of a packed one)."""
+    if fmt == "bfloat16":
+        return rows * cols * BF16_BYTES
+    planes = get_format(fmt).plane_shapes((rows, cols)).values()
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in planes)
+
+
+def stage_bytes(shape: ModelShape, op: Op, context: int, formats: dict[str, str] | None = None) -> int:
+    """Bytes one stage of `op` must read: its weights in the formats the build read them in (bf16 where
+    `formats` is None), or for attention the keys and values."""
     s = shape
     if op == Op.ATTENTION:
         return 2 * s.kv_heads * context * s.head_dim * BF16_BYTES
     rows = {
-        Op.QKV: (s.heads + 2 * s.kv_heads) * s.head_dim,
-        Op.O_PROJ: s.hidden,
-        Op.GATE_UP: 2 * s.ffn,
-        Op.DOWN: s.hidden,
-        Op.HEAD: s.vocab,
-    }[op]
-    return rows * s.input_size(op) * BF16_BYTES
+        "wq": s.heads * s.head_dim,
+        "wk": s.kv_heads * s.head_dim,
+        "wv": s.kv_heads * s.head_dim,
+        "wo": s.hidden,
+        "w_gate": s.ffn,
+        "w_up": s.ffn,
+        "w_down": s.hidden,
+        "lm_head": s.vocab,
+    }
+    fmt = formats or {}
+    return sum(weight_bytes(rows[w], s.input_size(op), fmt.get(w, "bfloat16")) for w in STAGE_WEIGHTS[op])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +182,7 @@ def stages(trace: StepTrace) -> list[Stage]:
                 float((end - ready).mean()),
                 float((end - ready).max()),
                 float((ready - trace.begin[run]).mean()),
-                stage_bytes(trace.shape, op, trace.context),
+                stage_bytes(trace.shape, op, trace.context, trace.formats),
             )
         )
         previous_finish = finish
@@ -340,6 +369,11 @@ def format_summary(trace: StepTrace) -> str:
         "span: first input ready to last signal; handoff: previous stage's last signal to this one's first "
         "start; total: spans + positive hand-offs over the layers"
     )
+    if trace.formats is None:
+        lines.append("MB: the weights counted in bf16 (a trace from a build that did not record its formats)")
+    else:
+        read_in = dict.fromkeys(f"{w} {f}" for w, f in trace.formats.items())
+        lines.append("MB: the weights in the formats the build read (" + ", ".join(read_in) + ")")
     return "\n".join(lines + format_phases(trace))
 
 

@@ -8,7 +8,9 @@
 #                                                                     the other tiled and MXFP4 megakernel cases)
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run129.sh bf16     (issue 4's figures: the bf16 1B and 8B steps at
 #                                                                     1K on every path, one bench call, and the 1B
-#                                                                     megakernel and fused steps twice more)
+#                                                                     megakernel and fused steps twice more; then the
+#                                                                     trace's GPU test, which now reads the weights'
+#                                                                     formats from the record)
 # A part is skipped when the call's time left (RUN_LIMIT, default 430 s) is too short for it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,7 +40,8 @@ case $phase in
     bench bf16 300 --shape llama-3.2-1b --shape llama-3.1-8b --kernels reference,fused,megakernel
     for repeat in 1 2; do
       fits 60 "repeat $repeat" && bench "bf16-1b-repeat$repeat" 90 --shape llama-3.2-1b --kernels fused,megakernel
-    done ;;
+    done
+    fits 60 "the trace's test" && run_tests gpu-tests-trace 90 tests/test_megakernel_gpu.py -k trace_records ;;
   *) echo "usage: run129.sh [staged|bf16]"; exit 2 ;;
 esac
 log done

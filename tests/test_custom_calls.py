@@ -386,6 +386,20 @@ def assert_exports(library, kernel: str) -> None:
         assert symbol.encode() in symbols, f"{library.name} lacks {symbol}"
 
 
+def test_a_compile_leaves_nothing_in_the_temporary_folder(toolchain, monkeypatch, tmp_path):
+    """The compiler's temporaries live and die with the build's scratch folder (hipcc 5.2 left two empty folders in
+    TMPDIR a compile, hundreds a day on a machine that builds kernels)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    source = tmp_path / "tiny.cu"
+    source.write_text('extern "C" int lithos_tiny() { return 1; }\n')
+    output = tmp_path / "cache" / "tiny.so"
+    build.compile_library("tiny.cu", source, output, check_build(toolchain))
+    assert output.stat().st_size > 0 and b"lithos_tiny" in output.read_bytes()
+    assert list(scratch.iterdir()) == []
+
+
 def test_packed_sources_compile_together(toolchain):
     """The packed formats' sources (each one format's instance of matvec_packed.h) compiled as one translation unit,
     for both vendors as test_kernel_source_compiles builds the others: every format's handlers in one library, its

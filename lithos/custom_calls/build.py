@@ -303,12 +303,13 @@ def together_path(kernels: tuple[str, ...], tc: Toolchain) -> Path:
 
 def compile_library(what: str, source: Path, output: Path, tc: Toolchain) -> None:
     """Compile `source` for `tc` to `output`, beside it and renamed, so that concurrent builders never see a
-    half-written library; a compiler error raises with its message (`what` names the source in it)."""
+    half-written library; a compiler error raises with its message (`what` names the source in it). The compiler's
+    temporaries go in the same scratch folder (TMPDIR): hipcc 5.2 leaves two empty folders in /tmp a compile."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         partial = Path(tmp) / output.name
         command = tc.command(source, partial)
-        result = subprocess.run(command, capture_output=True, text=True, env=tc.environment())
+        result = subprocess.run(command, capture_output=True, text=True, env={**tc.environment(), "TMPDIR": tmp})
         if result.returncode != 0:
             raise LithosError(
                 f"compiling {what} for {tc.arch} with {tc.compiler} failed:\n{result.stderr[-4000:]}\n"

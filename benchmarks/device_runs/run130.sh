@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run 130 (written 2026-12-06, thirty-fifth session): the tiled O's and down's residual asked for before the block's
-# barrier (NOTES.md, "The tiled projections' residual asked for before the block's barrier"). One call:
+# barrier (NOTES.md, "The tiled projections' residual asked for before the block's barrier"; not kept: to repeat it,
+# `git apply benchmarks/results/logs/2026-12-06-mk-run130-tiled-residual-ahead.patch` first). One call:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run130.sh residual   (the single-matrix GPU cases of down and O
 #                                                                       first; then the 8B MXFP4 step of the default
 #                                                                       build (gate/up in tiles, untouched) and of O +

@@ -222,37 +222,20 @@ struct ProjectionTiles {
   __device__ __forceinline__ void after_wait(float (&)[kMatvecWarps][TMAX]) const {
     if constexpr (TMAX == 1) stage_activations(input(), n_in);
   }
-  // Where lane `lane`'s fragment q of tile `tile`, n-block nb, goes in [tokens, hidden]; false past the tokens.
-  __device__ __forceinline__ bool element(int tile, int nb, int lane, int q, size_t& at) const {
-    const int row = tile * kTileRows + lane / 4 + 8 * (q / 2);
-    const int token = 8 * nb + 2 * (lane % 4) + q % 2;
-    at = static_cast<size_t>(token) * a.hidden + row;
-    return token < a.tokens;
-  }
-  // An epilogue item's residual, asked for before the block's barrier (the round trip then overlaps the wait for the
-  // slowest warp: NOTES.md, "The tiled projections' residual asked for before the block's barrier").
-  struct Ahead {
-    bf16_t residual[4];
-  };
-  __device__ __forceinline__ Ahead ahead(int tile, int nb, int lane) const {
-    const bf16_t* residual_in = o ? layer_input(a, layer) : after_attention(a);
-    Ahead ahead{};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      size_t at;
-      if (element(tile, nb, lane, q, at)) ahead.residual[q] = residual_in[at];
-    }
-    return ahead;
-  }
   // Tile `tile`'s sums of n-block nb for lane `lane`, once every warp's are added.
   template <int TMAX>
   __device__ __forceinline__ void store(int tile, int nb, int lane, const float (&sums)[4],
-                                        const float (&)[kMatvecWarps][TMAX], const Ahead& ahead) const {
+                                        const float (&)[kMatvecWarps][TMAX]) const {
+    const bf16_t* residual_in = o ? layer_input(a, layer) : after_attention(a);
     bf16_t* out = o ? after_attention(a) : after_mlp(a);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      size_t at;
-      if (element(tile, nb, lane, q, at)) out[at] = float_to_bf16(sums[q] + bf16_to_float(ahead.residual[q]));
+      const int row = tile * kTileRows + lane / 4 + 8 * (q / 2);
+      const int token = 8 * nb + 2 * (lane % 4) + q % 2;
+      if (token < a.tokens) {
+        const size_t at = static_cast<size_t>(token) * a.hidden + row;
+        out[at] = float_to_bf16(sums[q] + bf16_to_float(residual_in[at]));
+      }
     }
   }
 };
@@ -335,14 +318,11 @@ struct QkvTiles {
       warp_squares<TMAX, 8, true>(TokenRows{layer_input(a, layer), nullptr, a.tokens, a.hidden}, squares);
     }
   }
-  // Nothing of Q/K/V's epilogue is asked for ahead.
-  struct Ahead {};
-  __device__ __forceinline__ Ahead ahead(int, int, int) const { return {}; }
   // Lane (g, t)'s sums are rows g and g + 8 of token 4 nb + t, its columns 2t and 2t + 1 being the two parts: the
   // two halves of rotary pair 8 q + g.
   template <int TMAX>
   __device__ __forceinline__ void store(int tile, int nb, int lane, const float (&sums)[4],
-                                        const float (&squares)[kMatvecWarps][TMAX], const Ahead&) const {
+                                        const float (&squares)[kMatvecWarps][TMAX]) const {
     const int token = 4 * nb + lane % 4;
     if (token >= a.tokens) return;
     float total = 0.0f;
@@ -415,14 +395,8 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
     }
   });
   trace_phase(a, index, 1);
-  // Epilogue item i: tile j of the task, n-block nb, lane `lane`'s fragments. A thread's first item's inputs are asked
-  // for before the barrier, the others' (past 256 items: 16 tokens) when they come.
-  const int items = tiles * NB * 32, first_item = static_cast<int>(threadIdx.x);
-  auto item_tile = [&](int i) { return first_tile + i / (NB * 32); };
-  typename Kind::Ahead ahead{};
-  if (first_item < items) ahead = kind.ahead(item_tile(first_item), first_item / 32 % NB, first_item % 32);
   __syncthreads();
-  for (int i = first_item; i < items; i += kMatvecThreads) {
+  for (int i = static_cast<int>(threadIdx.x); i < tiles * NB * 32; i += kMatvecThreads) {
     const int j = i / (NB * 32), nb = i / 32 % NB, lane = i % 32;
     float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int j0 = j / R * k_tiles;  // its group's steps
@@ -430,8 +404,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) sums[q] += pieces[j][w][nb][lane][q];
     });
-    if (i != first_item) ahead = kind.ahead(item_tile(i), nb, lane);
-    kind.template store<TMAX>(item_tile(i), nb, lane, sums, squares, ahead);
+    kind.template store<TMAX>(first_tile + j, nb, lane, sums, squares);
   }
   trace_phase(a, index, 2);
   block_release(a, task.signal_counter);

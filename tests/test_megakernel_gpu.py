@@ -326,3 +326,28 @@ def test_trace_records_every_task_in_causal_order(monkeypatch, tmp_path, context
     assert np.all(np.diff(attention_marks[marked], axis=1) >= 0)
     assert marked.any() and marked.all() == (context == 1000)
     assert {r["op"] for r in mk_trace.phase_summary(trace)} == {op.name.lower() for op in Op}
+
+
+def test_trace_of_a_tiled_build_marks_its_block_barriers(monkeypatch, tmp_path):
+    """Gate/up and down in fragment tiles (an MXFP4 build): their tasks mark a fourth phase, the block's barrier
+    before the epilogues, in order between ready and end; the rows tasks (Q/K/V, O) keep three marks. The trace
+    records the build's formats (MXFP4 attention and MLP, a bf16 head)."""
+    monkeypatch.setenv("LITHOS_TILES", "gate_up,down")
+    args = mxfp4_step_laid_out("llama-3.2-1b", 1, (), seed=7)
+    path = tmp_path / "step.json"
+    monkeypatch.setenv("LITHOS_MEGAKERNEL_TRACE", str(path))
+    run("ffi", args, head="argmax")
+    trace = mk_trace.load(path)
+    assert trace.formats == {
+        **dict.fromkeys(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), "mxfp4"),
+        "lm_head": "bfloat16",
+    }
+    ops = trace.tasks[:, FIELDS.index("op")]
+    tiled = np.isin(ops, [Op.GATE_UP, Op.DOWN])
+    rows = np.isin(ops, [Op.QKV, Op.O_PROJ])
+    marks = np.column_stack([trace.ready, trace.phases[:, :4], trace.end])
+    assert not np.isnan(marks[tiled]).any() and np.all(np.diff(marks[tiled], axis=1) >= 0)
+    assert np.isnan(trace.phases[rows, 3:]).all() and not np.isnan(trace.phases[rows, :3]).any()
+    phases = {r["op"]: r for r in mk_trace.phase_summary(trace)}
+    assert list(phases["down"])[1:] == list(mk_trace.TILED_MATVEC_PHASES)
+    assert list(phases["o_proj"])[1:] == list(mk_trace.MATVEC_PHASES)

@@ -138,6 +138,29 @@ def test_phases_split_each_kind_of_task_and_time_the_combine_on_the_last_split(t
     assert "looped" in capsys.readouterr().out
 
 
+def test_a_tiled_matvec_times_its_block_barrier_apart(traced, capsys):
+    """A task in fragment tiles marks its block's barrier between its dot products and its epilogues (the wait for
+    its slowest warp): its kind gets TILED_MATVEC_PHASES, the others keep theirs."""
+    _, path = traced
+    record = json.loads(path.read_text())
+    first_mark = len(FIELDS) + len(mk_trace.TIMES)
+    barrier_ns = 300
+    for row in record["tasks"]:
+        if row[0] == Op.GATE_UP:  # its marks: staged, dots, then the barrier before the epilogues' end
+            staged, dots, epilogues = row[first_mark : first_mark + 3]
+            row[first_mark : first_mark + 4] = [staged, dots, dots + barrier_ns, epilogues]
+    path.write_text(json.dumps(record))
+    phases = {r["op"]: r for r in mk_trace.phase_summary(mk_trace.load(path))}
+    assert list(phases["gate_up"])[1:] == list(mk_trace.TILED_MATVEC_PHASES)
+    assert list(phases["down"])[1:] == list(mk_trace.MATVEC_PHASES)
+    gate_up = DURATION_NS[Op.GATE_UP] / 1e3
+    assert phases["gate_up"]["barrier"] == pytest.approx(barrier_ns / 1e3, abs=1e-3)
+    assert phases["gate_up"]["epilogues"] == pytest.approx(PHASE_SHARES[2] * gate_up - barrier_ns / 1e3, abs=1e-3)
+    assert phases["gate_up"]["signal"] == pytest.approx((1 - sum(PHASE_SHARES)) * gate_up, abs=1e-3)
+    assert mk_trace.main([str(path)]) == 0
+    assert "barrier" in capsys.readouterr().out
+
+
 def test_a_trace_with_three_marks_per_task_reads_with_the_older_names(traced):
     """Traces recorded before the attention's first two marks have three phase fields: matvec phases as
     now, attention's scored, written, arrived and combined."""

@@ -156,8 +156,10 @@ struct Args {
 // A traced step records, per task: the block that ran it, when the block reached it, when its
 // inputs were ready (the wait ended), when it had signalled, and up to five marks inside the task that
 // say where its time goes (trace_clock ticks; 0 where a task has no such phase). The phases, as
-// trace.py MATVEC_PHASES and ATTENTION_PHASES name them:
+// trace.py MATVEC_PHASES, TILED_MATVEC_PHASES and ATTENTION_PHASES name them:
 // - matvec tasks (phases 0-2): inputs staged; warp 0's last dot products done; warp 0's epilogues done;
+// - matvec tasks in fragment tiles, whose epilogue is the block's (0-3): inputs staged; warp 0's last dot
+//   products done; the block's barrier passed (its slowest warp done); the epilogues done;
 // - attention (0-4): warp 0's queries and first keys landed; its key loop done; its keys scored
 //   (lanes merged); the split's partial written; its arrival counted (the last split of a head to
 //   arrive then combines the head before its end).

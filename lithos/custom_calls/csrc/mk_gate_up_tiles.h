@@ -289,6 +289,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     });
     trace_phase(a, index, 1);
     __syncthreads();
+    trace_phase(a, index, 2);  // the block's slowest warp done too
     float all_squares = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMatvecWarps; ++w) all_squares += squares[w];
@@ -303,7 +304,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
       });
       store_gated(a, 0, first_tile + j, g, sums, rms);
     }
-    trace_phase(a, index, 2);
+    trace_phase(a, index, 3);
     block_release(a, task.signal_counter);
     return true;
   } else

@@ -396,6 +396,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   });
   trace_phase(a, index, 1);
   __syncthreads();
+  trace_phase(a, index, 2);  // the block's slowest warp done too
   for (int i = static_cast<int>(threadIdx.x); i < tiles * NB * 32; i += kMatvecThreads) {
     const int j = i / (NB * 32), nb = i / 32 % NB, lane = i % 32;
     float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -406,7 +407,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
     });
     kind.template store<TMAX>(first_tile + j, nb, lane, sums, squares);
   }
-  trace_phase(a, index, 2);
+  trace_phase(a, index, 3);
   block_release(a, task.signal_counter);
   return true;
 }

@@ -17,7 +17,8 @@ previous one only: attention of KV head g starts when group g's Q/K/V are done);
 bytes (its weights, in the formats the build read them in, or the keys and values) streamed at over
 the span. Then, per task kind, the phases of a task after its wait (marks the kernel stamps inside it,
 csrc/mk_common.h kTracePhases): for a matvec its inputs staged, its last dot products, its epilogues
-and its signal; for an attention split its queries and first keys landed, its key loop, its lanes
+and its signal (in fragment tiles also its block's barrier, the wait for its slowest warp, before the
+epilogues); for an attention split its queries and first keys landed, its key loop, its lanes
 merged (keys scored), its partial written, its arrival counted and, on the split that arrives last,
 the head's combine. `--chrome` also writes the step as Chrome trace events, a track
 per block, to open in Perfetto (ui.perfetto.dev) or chrome://tracing.
@@ -42,6 +43,8 @@ TIMES = ("block", "begin", "ready", "end")
 # plan). Per task kind, the names of the phases that end at its marks and then at its end:
 PHASES = ("phase0", "phase1", "phase2", "phase3", "phase4")
 MATVEC_PHASES = ("staged", "dots", "epilogues", "signal")
+# A task in fragment tiles reduces its warps' sums after a block barrier: the wait for its slowest warp apart.
+TILED_MATVEC_PHASES = ("staged", "dots", "barrier", "epilogues", "signal")
 ATTENTION_PHASES = ("inputs", "looped", "scored", "written", "arrived", "combined")
 # Traces with three marks (before the attention's queries-landed and loop-done marks).
 ATTENTION_PHASES_3 = ("scored", "written", "arrived", "combined")
@@ -257,7 +260,9 @@ def _phase_columns(trace: StepTrace, op: Op) -> tuple[tuple[str, ...], list[int]
     if op == Op.ATTENTION:
         names = ATTENTION_PHASES if trace.phases.shape[1] == len(PHASES) else ATTENTION_PHASES_3
     else:
-        names = MATVEC_PHASES
+        of_op = trace.tasks[:, FIELDS.index("op")] == op
+        tiled = trace.phases.shape[1] > 3 and not np.isnan(trace.phases[of_op, 3]).all()
+        names = TILED_MATVEC_PHASES if tiled else MATVEC_PHASES
     return names, [0, *range(1, len(names)), trace.phases.shape[1] + 1]
 
 

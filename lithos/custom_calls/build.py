@@ -358,6 +358,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
+    # The attention's second loop step's older keys loaded during the wait too (NOTES.md, "The second step's keys
+    # during the wait"; not yet run on a GPU).
+    "LITHOS_MK_ATTN_SECOND_AHEAD=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -33,6 +33,14 @@ constexpr int kAttnKeysPerStep = LITHOS_MK_ATTN_KEYS;
 constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
 #endif
 
+// A build may ask for the second loop step's older keys before the wait too (LITHOS_KERNEL_DEFINES=
+// "LITHOS_MK_ATTN_SECOND_AHEAD=1": at 1K an 8B split is two steps; NOTES.md, "The second step's keys during the
+// wait"). Not yet run on a GPU: off by default.
+#ifndef LITHOS_MK_ATTN_SECOND_AHEAD
+#define LITHOS_MK_ATTN_SECOND_AHEAD 0
+#endif
+constexpr bool kAttnSecondAhead = LITHOS_MK_ATTN_SECOND_AHEAD != 0;
+
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
 
@@ -111,6 +119,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   const int first_base = key_begin + warp_k * keys_per_warp, step_keys = key_stride * KEYS;
   KeyStep now, next;
   load_step(now, first_base, INT_MIN, min(key_end, plan.fresh));
+  if constexpr (kAttnSecondAhead) load_step(next, first_base + step_keys, INT_MIN, min(key_end, plan.fresh));
   if (!wait()) return false;
 
   for (int pass_first = 0; pass_first < rows; pass_first += rows_per_pass) {
@@ -143,8 +152,11 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
     // The loop bound is warp-uniform: the score reductions shuffle across the whole warp.
     for (int base = first_base; base < key_end; base += step_keys) {
       // The next step's keys fly while this step's are scored (at long context a step waited for its
-      // loads: 3 us per step, NOTES.md).
-      if (base + step_keys < key_end) load_step(next, base + step_keys, INT_MIN, key_end);
+      // loads: 3 us per step, NOTES.md); with kAttnSecondAhead the second step's older ones since before the wait.
+      if (base + step_keys < key_end) {
+        const bool second = kAttnSecondAhead && pass_first == 0 && base == first_base;
+        load_step(next, base + step_keys, second ? max(plan.fresh, key_begin) : INT_MIN, key_end);
+      }
       score_keys<kAttnRowsPerWarp, KEYS, lanes_per_key>(q, now.key, now.k, now.v, key_end, see_from, see_to, 1.0f,
                                                          1.0f, state);
       now = next;

@@ -377,8 +377,8 @@ def format_summary(trace: StepTrace) -> str:
     if trace.formats is None:
         lines.append("MB: the weights counted in bf16 (a trace from a build that did not record its formats)")
     else:
-        read_in = dict.fromkeys(f"{w} {f}" for w, f in trace.formats.items())
-        lines.append("MB: the weights in the formats the build read (" + ", ".join(read_in) + ")")
+        read_in = ", ".join(f"{w} {f}" for w, f in trace.formats.items())
+        lines.append(f"MB: the weights in the formats the build read ({read_in})")
     return "\n".join(lines + format_phases(trace))
 
 

@@ -312,6 +312,7 @@ def chrome_trace(trace: StepTrace) -> dict:
     ops = trace.tasks[:, FIELDS.index("op")]
     layers = trace.tasks[:, FIELDS.index("layer")]
     marks = _phase_marks(trace) if trace.phases is not None else None
+    phase_columns = {op: _phase_columns(trace, op) for op in Op} if marks is not None else {}  # once a kind
     combining = _combining_splits(trace)
     events = []
 
@@ -329,7 +330,7 @@ def chrome_trace(trace: StepTrace) -> dict:
         slice_(f"{op.name.lower()} {int(layers[i])}", trace.ready[i], trace.end[i], block, {"task": i, **fields})
         if marks is None:
             continue
-        names, columns = _phase_columns(trace, op)
+        names, columns = phase_columns[op]
         for k, name in enumerate(names):
             if op == Op.ATTENTION and k == len(names) - 1 and not combining[i]:
                 continue  # only the head's last split combines

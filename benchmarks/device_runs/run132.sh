@@ -3,8 +3,8 @@
 # second step's keys loaded during the wait (LITHOS_MK_ATTN_SECOND_AHEAD=1), one call each, where NOTES.md predicted
 # 0-2%. This run says whether that holds and where it comes from:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run132.sh
-# the 8B MXFP4 step, default and define; a traced step of each; then the MXFP4 GPU cases (packed against the
-# interpreter, greedy generation against the reference with the default tiles) and the ring's in the define's build.
+# the 8B MXFP4 step, default and define; the MXFP4 GPU cases (packed against the interpreter, greedy generation
+# against the reference with the default tiles) and the ring's in the define's build; a traced step of each build.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/device_runs/lib.sh run132 mxfp4-ahead
@@ -21,6 +21,11 @@ for defines in "" "$ahead"; do
   fits 50 "the MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines bench "mxfp4${defines:+-ahead}" 50 \
     --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
 done
+log tests
+fits 120 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+  run_tests gpu-tests-ahead $((run_limit - (SECONDS - run_start) - 5)) -n 3 tests/test_megakernel_gpu.py \
+  tests/test_ring_cache_gpu.py -k "(mxfp4 and not all-tiles) or (ring and megakernel)"
+log traces
 for defines in "" "$ahead"; do
   name=trace${defines:+-ahead}
   fits 40 "a traced MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines LITHOS_MEGAKERNEL_TRACE="$work/$name.json" \
@@ -29,9 +34,5 @@ for defines in "" "$ahead"; do
     python3 -m lithos.custom_calls.megakernel.trace "$work/$name.json" >"$work/$name.log" 2>&1 &&
     head -9 "$work/$name.log" | tail -7
 done
-log tests
-fits 100 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
-  run_tests gpu-tests-ahead $((run_limit - (SECONDS - run_start) - 5)) -n 3 tests/test_megakernel_gpu.py \
-  tests/test_ring_cache_gpu.py -k "(mxfp4 and not all-tiles) or (ring and megakernel)"
 save
 log done

@@ -2,17 +2,20 @@
 # Run 132 (2026-12-06): run 131 timed the 8B MXFP4 step 3.210 ms in the default build and 3.030 with the attention's
 # second step's keys loaded during the wait (LITHOS_MK_ATTN_SECOND_AHEAD=1), one call each, where NOTES.md predicted
 # 0-2%. This run says whether that holds and where it comes from:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run132.sh
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run132.sh [all|steps]
 # the 8B MXFP4 step, default and define; the MXFP4 GPU cases (packed against the interpreter, greedy generation
-# against the reference with the default tiles) and the ring's in the define's build; a traced step of each build.
+# against the reference with the default tiles) and the ring's in the define's build; a traced step of each build
+# (`steps`: the two steps alone).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source benchmarks/device_runs/lib.sh run132 mxfp4-ahead
+phase=${1:-all}
+source benchmarks/device_runs/lib.sh run132 "$phase"
 
 ahead="LITHOS_MK_ATTN_SECOND_AHEAD=1"
 log build
 python3 benchmarks/build_variants.py gate_up >"$work/build.log" 2>&1 &
-LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py gate_up mxfp4:mxfp4:bfloat16 \
+[ "$phase" = all ] && tested=mxfp4:mxfp4:bfloat16  # the packed GPU cases' build
+LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py gate_up ${tested:-} \
   >"$work/build-ahead.log" 2>&1
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
@@ -21,6 +24,7 @@ for defines in "" "$ahead"; do
   fits 50 "the MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines bench "mxfp4${defines:+-ahead}" 50 \
     --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
 done
+[ "$phase" = steps ] && { save; log done; exit 0; }
 log tests
 fits 120 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
   run_tests gpu-tests-ahead $((run_limit - (SECONDS - run_start) - 5)) -n 3 tests/test_megakernel_gpu.py \

@@ -3,7 +3,7 @@
 # second step's keys loaded during the wait (LITHOS_MK_ATTN_SECOND_AHEAD=1), one call each, where NOTES.md predicted
 # 0-2%. This run says whether that holds and where it comes from:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run132.sh [all|steps]
-# the 8B MXFP4 step, default and define; the MXFP4 GPU cases (packed against the interpreter, greedy generation
+# the 1B and 8B MXFP4 steps, default and define; the MXFP4 GPU cases (packed against the interpreter, greedy generation
 # against the reference with the default tiles) and the ring's in the define's build; a traced step of each build
 # (`steps`: the two steps alone).
 set -uo pipefail
@@ -21,8 +21,8 @@ wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 log steps
 for defines in "" "$ahead"; do
-  fits 50 "the MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines bench "mxfp4${defines:+-ahead}" 50 \
-    --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  fits 70 "the MXFP4 steps ($defines)" && LITHOS_KERNEL_DEFINES=$defines bench "mxfp4${defines:+-ahead}" 70 \
+    --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
 done
 [ "$phase" = steps ] && { save; log done; exit 0; }
 log tests

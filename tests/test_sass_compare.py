@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lithos.custom_calls import build, sass_compare
@@ -93,6 +95,44 @@ def test_registers_are_read_per_function_and_reported_beside_the_instructions():
     assert " -/- " in sass_compare.report(sass_compare.compare(code, code), "HEAD", ".")
 
 
+# `nvdisasm -g -c` of a library built with line tables (dashes shortened): a section line opens each function,
+# a file-and-line comment (the innermost line, with the caller it was inlined at) stands above the
+# instructions compiled from it.
+DISASSEMBLY = """
+//---- .text._ZN6lithos2mk46_GLOBAL__N__04a1383d_13_megakernel_cu_4524264410megakernelILi1EEEvNS0_4ArgsE ----
+	.align	128
+        /*0000*/                   STL [R1+0x70], R3 ;
+	//## File "/src/lithos/custom_calls/csrc/mk_attention.h", line 153 inlined at "/src/csrc/megakernel.cu", line 200
+        /*0010*/                   LDL R44, [R93] ;
+        /*0020*/              @!P1 LDL.64 R8, [R1+0x10] ;
+        /*0030*/                   LDS R4, [R0] ;
+.L_x_1:
+	//## File "/src/lithos/custom_calls/csrc/rowdot.h", line 82
+        /*0040*/                   STL.128 [R1], R4 ;
+        /*0050*/                   LDG.E R2, desc[UR4][R2.64] ;
+//- .text._ZN6lithos45_GLOBAL__N__7e6b8b80_12_attention_cu_6dbd765b24attention_combine_kernelILi64EEEvNS0_8AttnArgsE -
+        /*0000*/                   LDL R4, [R1] ;
+"""
+MEGAKERNEL = "_ZN6lithos2mk(anonymous)10megakernelILi1EEEvNS0_4ArgsE"
+COMBINE = "_ZN6lithos(anonymous)24attention_combine_kernelILi64EEEvNS0_8AttnArgsE"
+
+
+def test_local_accesses_are_counted_at_the_innermost_source_line():
+    """The spills' source lines (--lines): each local load or store at the line above it, the caller's line
+    ignored, a line's count not carried into the next function."""
+    lines = sass_compare.local_access_lines(DISASSEMBLY)
+    assert lines == {
+        MEGAKERNEL: {"(no line)": 1, "mk_attention.h:153": 2, "rowdot.h:82": 1},
+        COMBINE: {"(no line)": 1},
+    }
+    fewer = sass_compare.local_access_lines(DISASSEMBLY.replace("LDL R44, [R93]", "IMAD R44, R93, R2, RZ"))
+    text = sass_compare.lines_report(lines, fewer, [MEGAKERNEL, COMBINE], top=1)
+    assert "     2      1  mk_attention.h:153" in text
+    assert "     2      2  (2 more)" in text  # the rest: the line without a source and rowdot.h's, on each side
+    assert "     4      3  in all" in text and "     1      1  in all" in text
+    assert sass_compare.lines_report(lines, fewer, ["no such function"], top=1) == ""
+
+
 def test_an_unknown_revision_names_the_fix(tmp_path):
     with pytest.raises(LithosError, match="git archive no-such-revision failed: .* name a commit"):
         sass_compare.source_tree("no-such-revision", tmp_path)
@@ -118,3 +158,35 @@ def test_a_define_changes_only_the_kernels_that_read_it(capsys):
     differing = [line for line in lines if line.endswith(("NO", "only a", "only b"))]
     assert len(differing) == 1 and "mma_kernelILi128E" in differing[0]
     assert differing[0].endswith("only b")
+
+
+def test_the_spills_by_source_line_add_up_to_the_local_accesses(capsys):
+    """Compiled for real with line tables (unoptimised, to be quick, so that its functions spill): every local
+    access the SASS holds is counted at a source line (csrc's, or a CUDA header's that they inline), and line
+    tables change no instruction."""
+    try:
+        if build.find_compiler("cuda") is None:
+            raise LithosError(f"nvcc is not installed ({build.INSTALL_HINT['cuda']})")
+        sass_compare.find_cuobjdump()
+    except LithosError as e:
+        if STRICT:
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    assert sass_compare.main(["qk_norm_rope", "--a", ".", "--opt-level", "0", "--lines", "1000"]) == 0
+    text = capsys.readouterr().out
+    table, _, by_line = text.partition("\nlocal loads and stores by source line")
+    assert by_line, "an unoptimised build spills"
+    local = {}  # function (shortened as the report does) -> its local accesses in the SASS
+    for line in table.splitlines():
+        if line.endswith(" yes"):
+            fields = line.split()
+            local[fields[0]] = int(fields[-3].split("/")[0])
+    counted = {}
+    for block in by_line.split("\nlocal loads and stores by source line, "):
+        name = block.removeprefix(", ").split(":\n")[0]
+        rows = [line.split() for line in block.splitlines()[2:]]
+        assert all(re.fullmatch(r"[\w.]+:\d+", r[2]) for r in rows if r[2] != "in")
+        assert any(r[2].split(":")[0] in {p.name for p in build.CSRC.iterdir()} for r in rows)
+        assert all(r[0] == r[1] for r in rows)  # one build on both sides
+        counted[name] = int(next(r[0] for r in rows if r[2:] == ["in", "all"]))
+    assert counted and all(counted[name] == local[name] for name in counted)

@@ -124,11 +124,16 @@ class Toolchain:
     # assembler more than -O1 costs it (a Q4_K_M megakernel 14.0 s -> 9.5 s; the fused kernels the same).
     opt_level: int = 3
     defines: tuple[str, ...] = ()  # NAME=VALUE, from $LITHOS_KERNEL_DEFINES
+    # Source lines in the library's line tables, for a disassembly that says where each instruction came from
+    # (sass_compare --lines); the code is the same either way.
+    line_info: bool = False
 
     def command(self, source: Path, output: Path) -> list[str]:
         check = ["LITHOS_TWO_BUCKETS=1"] if self.opt_level != 3 else []
         include = [f"-I{jax.ffi.include_dir()}", f"-I{CSRC}", *(f"-D{d}" for d in (*check, *self.defines))]
         optimize = [f"-O{self.opt_level}"]
+        if self.line_info:
+            optimize.append("-lineinfo" if self.platform == "cuda" else "-gline-tables-only")
         if self.platform == "cuda":
             # -gencode, not -arch=sm_90a: the shorthand also runs a plain sm_90 pass (HOPPER.md).
             arch = self.arch.removeprefix("sm_")

@@ -14,9 +14,15 @@ comparison by a fixed-width address pattern would stop early).
 Prints, per function, each side's instruction count, registers a thread (past 128 an SM holds fewer than
 16 warps of it: a change with fewer instructions can run slower) and its global, local and shared-memory
 operations, and whether the two are identical; exits 1 when any function differs (or is on one side only), so a
-refactor meant to change nothing can be checked by a script. Needs nvcc, and cuobjdump with the nvdisasm
-it calls (not part of the nvcc package: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`, test
-dependencies here, or $LITHOS_CUOBJDUMP).
+refactor meant to change nothing can be checked by a script. With --lines, both sides are built with line tables
+(the same code) and each function's local loads and stores, i.e. its register spills, are counted by the source
+line they were compiled from (an inlined helper's own line), side by side:
+
+    python -m lithos.custom_calls.sass_compare megakernel --match 'megakernelILi1E' --lines \
+        --a-defines LITHOS_MK_MLP_FORMAT=1 --b-defines "LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_ATTN_SECOND_AHEAD=1"
+
+Needs nvcc, and cuobjdump with the nvdisasm it calls (not part of the nvcc package: `pip install
+nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`, test dependencies here, or $LITHOS_CUOBJDUMP).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +53,10 @@ MEMORY_OPS = {"global": ("LDG", "STG"), "local": ("LDL", "STL"), "shared": ("LDS
 # `cuobjdump --dump-resource-usage`: " Function NAME:" then "  REG:127 STACK:0 SHARED:1188 LOCAL:0 ...".
 _USAGE_FUNCTION = re.compile(r"^\s*Function (\S+):\s*$")
 _REGISTERS = re.compile(r"\bREG:(\d+)")
+# `nvdisasm -g`: "//------ .text.NAME ------" opens a function; "//## File "PATH", line N[ inlined at ...]" names
+# the innermost source line of the instructions under it.
+_SECTION = re.compile(r"^//-+ \.text\.(\S+) -+$")
+_SOURCE_LINE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
 
 
 def functions(sass: str) -> dict[str, list[str]]:
@@ -79,6 +90,40 @@ def memory_ops(instructions: Sequence[str]) -> dict[str, int]:
     """How many loads and stores of each memory space the instructions hold (predicates allowed)."""
     opcodes = [i.split()[1] if i.startswith("@") and len(i.split()) > 1 else i.split()[0] for i in instructions if i]
     return {space: sum(op.split(".")[0] in names for op in opcodes) for space, names in MEMORY_OPS.items()}
+
+
+def local_access_lines(disassembly: str) -> dict[str, Counter[str]]:
+    """`nvdisasm -g` output as {function name: {"file:line": its local loads and stores}}, names as `functions`
+    gives them, each access counted at the innermost source line it was compiled from."""
+    out: dict[str, Counter[str]] = {}
+    current: Counter[str] | None = None
+    where = "(no line)"
+    for line in disassembly.splitlines():
+        if match := _SECTION.match(line):
+            current, where = out.setdefault(_ANONYMOUS.sub("(anonymous)", match.group(1)), Counter()), "(no line)"
+        elif match := _SOURCE_LINE.match(line):
+            where = f"{Path(match.group(1)).name}:{match.group(2)}"
+        elif current is not None and (match := _INSTRUCTION.match(line)) and memory_ops([match.group(1)])["local"]:
+            current[where] += 1
+    return out
+
+
+def lines_report(a: dict[str, Counter[str]], b: dict[str, Counter[str]], names: Sequence[str], top: int) -> str:
+    """Each function's local loads and stores by source line, a's and b's side by side, the `top` lines with the
+    most on either side."""
+    lines = []
+    for name in names:
+        a_lines, b_lines = a.get(name, Counter()), b.get(name, Counter())
+        if not (a_lines or b_lines):
+            continue
+        lines += ["", f"local loads and stores by source line, {short(name)}:", f"{'a':>6s} {'b':>6s}  line"]
+        every = sorted(set(a_lines) | set(b_lines), key=lambda w: (-max(a_lines[w], b_lines[w]), w))
+        lines += [f"{a_lines[w]:6d} {b_lines[w]:6d}  {w}" for w in every[:top]]
+        if len(every) > top:
+            rest = every[top:]
+            lines.append(f"{sum(a_lines[w] for w in rest):6d} {sum(b_lines[w] for w in rest):6d}  ({len(rest)} more)")
+        lines.append(f"{sum(a_lines.values()):6d} {sum(b_lines.values()):6d}  in all")
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,28 +184,69 @@ def source_tree(rev: str, scratch: Path) -> Path:
     return target / inside
 
 
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One side's build: its SASS, its resource usage, and (built with line tables) its disassembly with source
+    lines."""
+
+    sass: str
+    usage: str
+    disassembly: str | None = None
+
+
 def side_sass(
-    kernel: str, rev: str, defines: Sequence[str], arch: str, scratch: Path, cuobjdump: str, opt_level: int = 3
-) -> tuple[str, str]:
+    kernel: str,
+    rev: str,
+    defines: Sequence[str],
+    arch: str,
+    scratch: Path,
+    cuobjdump: str,
+    opt_level: int = 3,
+    line_info: bool = False,
+) -> Side:
     """Compile `kernel` from `rev` with `defines` as lithos builds it (at `opt_level`: 3 is what the GPU
-    loads, build.CHECK_OPT_LEVEL the compile check), and dump its SASS and its resource usage."""
-    tc = dataclasses.replace(build.toolchain("cuda", arch), defines=tuple(defines), opt_level=opt_level)
+    loads, build.CHECK_OPT_LEVEL the compile check), and dump its SASS and its resource usage; with `line_info`,
+    also its disassembly with source lines."""
+    tc = dataclasses.replace(
+        build.toolchain("cuda", arch), defines=tuple(defines), opt_level=opt_level, line_info=line_info
+    )
     if rev == ".":  # the working tree's library is the one lithos caches: a build made before is not made again
         library = build.build(kernel, tc)
     else:
         library = _compile(kernel, rev, tc, scratch)
-    return _dump(cuobjdump, "-sass", library), _dump(cuobjdump, "--dump-resource-usage", library)
+    disassembly = _disassemble_with_lines(cuobjdump, library, scratch) if line_info else None
+    return Side(_dump(cuobjdump, "-sass", library), _dump(cuobjdump, "--dump-resource-usage", library), disassembly)
+
+
+def _tool_environment(cuobjdump: str) -> dict[str, str]:
+    # cuobjdump hands the disassembly to nvdisasm, looked up on PATH: the wheels put it beside cuobjdump.
+    return dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ.get("PATH", "")]))
+
+
+def _run_tool(command: list[str], **kwargs) -> str:
+    dump = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if dump.returncode != 0:
+        raise LithosError(
+            f"{' '.join(command[:2])} failed: {dump.stderr.strip()} (nvdisasm comes with `pip install "
+            "nvidia-cuda-nvdisasm`)"
+        )
+    return dump.stdout
 
 
 def _dump(cuobjdump: str, what: str, library: Path) -> str:
-    # cuobjdump hands the disassembly to nvdisasm, looked up on PATH: the wheels put it beside cuobjdump.
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ.get("PATH", "")]))
-    dump = subprocess.run([cuobjdump, what, str(library)], capture_output=True, text=True, env=env)
-    if dump.returncode != 0:
-        raise LithosError(
-            f"{cuobjdump} {what} failed: {dump.stderr.strip()} (nvdisasm comes with `pip install nvidia-cuda-nvdisasm`)"
-        )
-    return dump.stdout
+    return _run_tool([cuobjdump, what, str(library)], env=_tool_environment(cuobjdump))
+
+
+def _disassemble_with_lines(cuobjdump: str, library: Path, scratch: Path) -> str:
+    """The library's device code through `nvdisasm -g` (cuobjdump's SASS has no source lines): its ELF images
+    extracted, then disassembled, code only."""
+    env = _tool_environment(cuobjdump)
+    nvdisasm = shutil.which("nvdisasm", path=env["PATH"])
+    if nvdisasm is None:
+        raise LithosError("nvdisasm was not found beside cuobjdump or on PATH: `pip install nvidia-cuda-nvdisasm`")
+    with tempfile.TemporaryDirectory(dir=scratch) as images:
+        _run_tool([cuobjdump, "-xelf", "all", str(library)], env=env, cwd=images)
+        return "".join(_run_tool([nvdisasm, "-g", "-c", str(i)], env=env) for i in sorted(Path(images).glob("*")))
 
 
 def short(name: str, width: int = 72) -> str:
@@ -212,21 +298,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--diff", nargs="?", const=60, default=0, type=int, help="show the first differing function's diff (N lines)"
     )
+    p.add_argument(
+        "--lines",
+        nargs="?",
+        const=12,
+        default=0,
+        type=int,
+        help="each function's local loads and stores by source line (the N lines with the most; builds with line "
+        "tables)",
+    )
     args = p.parse_args(argv)
     try:
         cuobjdump = find_cuobjdump()
-        sides = []
+        sides, labels = [], []
         with tempfile.TemporaryDirectory() as tmp:
             for rev, defines in ((args.a, args.a_defines), (args.b, args.b_defines)):
                 names = defines.replace(",", " ").split()
-                sass, usage = side_sass(args.kernel, rev, names, args.arch, Path(tmp), cuobjdump, args.opt_level)
-                sides.append((f"{rev} {' '.join(names) or '(no defines)'}", functions(sass), registers(usage)))
+                sides.append(
+                    side_sass(args.kernel, rev, names, args.arch, Path(tmp), cuobjdump, args.opt_level, args.lines > 0)
+                )
+                labels.append(f"{rev} {' '.join(names) or '(no defines)'}")
     except LithosError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (a_label, a_code, a_registers), (b_label, b_code, b_registers) = sides
-    rows = [r for r in compare(a_code, b_code, a_registers, b_registers) if re.search(args.match, r.name)]
-    print(report(rows, a_label, b_label, args.diff))
+    a, b = sides
+    every = compare(functions(a.sass), functions(b.sass), registers(a.usage), registers(b.usage))
+    rows = [r for r in every if re.search(args.match, r.name)]
+    print(report(rows, *labels, args.diff))
+    if args.lines:
+        a_lines, b_lines = (local_access_lines(side.disassembly or "") for side in sides)
+        print(lines_report(a_lines, b_lines, [r.name for r in rows], args.lines))
     return 0 if all(r.identical for r in rows) else 1
 
 

@@ -138,10 +138,7 @@ def test_an_unknown_revision_names_the_fix(tmp_path):
         sass_compare.source_tree("no-such-revision", tmp_path)
 
 
-def test_a_define_changes_only_the_kernels_that_read_it(capsys):
-    """Compiled for real (unoptimised, to be quick): the tensor-core attention built to head dimension 128
-    adds that kernel's instantiation and changes nothing else; a define the attention never reads changes
-    nothing. Needs nvcc and cuobjdump (the nvidia-cuda-cuobjdump wheel, a test dependency)."""
+def needs_nvcc_and_cuobjdump() -> None:
     try:
         if build.find_compiler("cuda") is None:
             raise LithosError(f"nvcc is not installed ({build.INSTALL_HINT['cuda']})")
@@ -150,6 +147,13 @@ def test_a_define_changes_only_the_kernels_that_read_it(capsys):
         if STRICT:
             pytest.fail(str(e))
         pytest.skip(str(e))
+
+
+def test_a_define_changes_only_the_kernels_that_read_it(capsys):
+    """Compiled for real (unoptimised, to be quick): the tensor-core attention built to head dimension 128
+    adds that kernel's instantiation and changes nothing else; a define the attention never reads changes
+    nothing. Needs nvcc and cuobjdump (the nvidia-cuda-cuobjdump wheel, a test dependency)."""
+    needs_nvcc_and_cuobjdump()
     common = ["attention", "--a", ".", "--opt-level", "0"]
     assert sass_compare.main([*common, "--b-defines", "LITHOS_FUSED_MMA_CHUNKS=2"]) == 0
     assert "functions identical" in capsys.readouterr().out
@@ -162,16 +166,8 @@ def test_a_define_changes_only_the_kernels_that_read_it(capsys):
 
 def test_the_spills_by_source_line_add_up_to_the_local_accesses(capsys):
     """Compiled for real with line tables (unoptimised, to be quick, so that its functions spill): every local
-    access the SASS holds is counted at a source line (csrc's, or a CUDA header's that they inline), and line
-    tables change no instruction."""
-    try:
-        if build.find_compiler("cuda") is None:
-            raise LithosError(f"nvcc is not installed ({build.INSTALL_HINT['cuda']})")
-        sass_compare.find_cuobjdump()
-    except LithosError as e:
-        if STRICT:
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    access the SASS holds is counted at a source line (csrc's, or a CUDA header's that they inline)."""
+    needs_nvcc_and_cuobjdump()
     assert sass_compare.main(["qk_norm_rope", "--a", ".", "--opt-level", "0", "--lines", "1000"]) == 0
     text = capsys.readouterr().out
     table, _, by_line = text.partition("\nlocal loads and stores by source line")

@@ -54,8 +54,8 @@ fits 120 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_F
 log traces
 for defines in "" "$ahead"; do
   name=trace${defines:+-ahead}
-  fits 40 "a traced MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines LITHOS_MEGAKERNEL_TRACE="$work/$name.json" \
-    timeout 40 "${lithos[@]}" bench --shape llama-3.1-8b --context 1024 --weight-format mxfp4 --kernels megakernel \
+  fits 40 "a traced MXFP4 step ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
+    LITHOS_MEGAKERNEL_TRACE="$work/$name.json" timeout 40 "${lithos[@]}" bench --shape llama-3.1-8b --context 1024 --weight-format mxfp4 --kernels megakernel \
     --steps 32 --runs 1 >/dev/null 2>&1 &&
     python3 -m lithos.custom_calls.megakernel.trace "$work/$name.json" >"$work/$name.log" 2>&1 &&
     head -9 "$work/$name.log" | tail -7

@@ -529,7 +529,7 @@ def same_layout(a: StepWeights, b: StepWeights) -> bool:
 
 
 def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
-    """MXFP4 gate and up laid out in tiles on CUDA by default (the other groups stay in rows) take the tiles
+    """MXFP4 Q/K/V, gate and up laid out in tiles on CUDA by default (O and down stay in rows) take the tiles
     build; where rows are asked for (LITHOS_TILES=none), elsewhere, or where the tiles do not fit, the weights stay
     as they are; the interpreter reads both layouts alike; a bad LITHOS_TILES, or a variable it replaced, is an error
     that names the fix."""
@@ -549,6 +549,13 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
         laid_out(packed, hd)
     monkeypatch.delenv("LITHOS_GATE_UP_TILES")
     assert same_layout(laid_out(packed, hd, None), packed) and same_layout(laid_out(packed, hd, "rocm"), packed)
+    default = laid_out(packed, hd)
+    assert all(getattr(default, n).format.rotary_head == hd for n in ("wq", "wk", "wv"))
+    assert default.w_gate.format == default.w_up.format == quant.MXFP4_TILES
+    rows = {n: getattr(packed, n) for n in ("wq", "wk", "wv", "w_gate", "w_up")}
+    assert same_layout(default._replace(**rows), packed)
+    assert weight_formats(default) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, qkv_tiles=True)
+    monkeypatch.setenv("LITHOS_TILES", "gate_up")
     tiled = laid_out(packed, hd)
     assert tiled.w_gate.format == tiled.w_up.format == quant.MXFP4_TILES
     assert same_layout(tiled._replace(w_gate=packed.w_gate, w_up=packed.w_up), packed)

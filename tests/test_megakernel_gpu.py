@@ -136,7 +136,9 @@ def test_tiled_gate_up_megakernel_equals_interpreter(name, tokens, monkeypatch):
     cores where B fits the lane ring's memory, decoded to f32 where it does not (and on HIP). A negative count: as
     many tokens, with every 7th block's scale 2^12 larger and every 11th 2^12 smaller (each path's conversion of
     scales far from 2^0)."""
-    monkeypatch.delenv("LITHOS_TILES", raising=False)  # the default layout on CUDA
+    # gate and up alone (the default build, Q/K/V tiled too: test_tiled_single_matrix_megakernel_equals_interpreter,
+    # its qkv cases)
+    monkeypatch.setenv("LITHOS_TILES", "gate_up")
     args = mxfp4_step_laid_out(name, tokens, ("w_gate", "w_up"), seed=abs(tokens) + 1)
     assert args[0].w_gate.format == args[0].w_up.format == quant.MXFP4_TILES
     check_against_interpreter(args, 1000)
@@ -252,9 +254,9 @@ def test_megakernel_greedy_generation_equals_reference(hf_checkpoint, arch):
 
 @pytest.mark.parametrize("tiles", [None, "qkv,o,gate_up,down"], ids=["default-tiles", "all-tiles"])
 def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint, monkeypatch, tiles):
-    """MXFP4 attention and MLP (gate and up in fragment tiles on CUDA by default, every group where LITHOS_TILES
-    names them all): the jitted decode loop and speculative verification of k + 1 positions against the reference
-    path over the same packed values."""
+    """MXFP4 attention and MLP (Q/K/V, gate and up in fragment tiles on CUDA by default, every group where
+    LITHOS_TILES names them all): the jitted decode loop and speculative verification of k + 1 positions against
+    the reference path over the same packed values."""
     if tiles is None:
         monkeypatch.delenv("LITHOS_TILES", raising=False)
     else:

@@ -363,8 +363,8 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
-    # The attention's second loop step's older keys loaded during the wait too (NOTES.md, "The second step's keys
-    # during the wait"; run 131: the bf16 build 0.3% slower, the MXFP4 build's spills gone and its step faster).
+    # The attention's second loop step's older keys loaded during the wait in the bf16 build too (the packed builds'
+    # default; NOTES.md, "The second step's keys during the wait"; run 131: the bf16 build 0.3% slower with it).
     "LITHOS_MK_ATTN_SECOND_AHEAD=1": ("megakernel",),
 }
 

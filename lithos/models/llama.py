@@ -442,8 +442,8 @@ def kernel_gaps(cfg, kernels: str) -> list[str]:
 def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
     """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
     (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
-    tiles on CUDA (gate and up by default: tiles_for_megakernel); for the fused path, `qkv_in_one_format`. The values
-    are the same; the reference path reads any layout."""
+    tiles on CUDA (Q/K/V, gate and up by default: tiles_for_megakernel); for the fused path, `qkv_in_one_format`.
+    The values are the same; the reference path reads any layout."""
     if kernels == "fused":
         return qkv_in_one_format(params)
     if kernels != "megakernel":

@@ -49,7 +49,7 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": QKV_WEIGHTS, "o": ("wo",), "gate_up": GATE_UP_WEIGHTS, "down": ("w_down",)}
-DEFAULT_TILES = "gate_up"
+DEFAULT_TILES = "qkv,gate_up"
 
 
 class WeightFormats(NamedTuple):
@@ -150,9 +150,11 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
 
 def tiles_wanted(platform: str | None) -> frozenset[str]:
     """The matrix groups (TILE_GROUPS) the megakernel reads in MXFP4 fragment tiles: those LITHOS_TILES names (a
-    comma list; "none" for rows throughout), by default gate and up (on the H200 an 8B step is 5% faster than with
-    their rows, an 8-position verification round 18% faster: lithos/custom_calls/NOTES.md, runs 108-109). Only on
-    CUDA: the tiled tasks run on tensor cores, and HIP reads rows."""
+    comma list; "none" for rows throughout), by default Q/K/V, gate and up: gate and up tiled made the H200's 8B step
+    5% faster than their rows and an 8-position verification round 18% (runs 108-109), and Q/K/V too 7% faster again
+    on an H100 (2.813-2.818 ms against 3.032-3.034, run 133), where O and down in tiles cost time (runs 119-133;
+    lithos/custom_calls/NOTES.md, "Which groups pay in tiles"). Only on CUDA: the tiled tasks run on tensor cores,
+    and HIP reads rows."""
     for old in ("LITHOS_GATE_UP_TILES", "LITHOS_DOWN_TILES"):
         if old in os.environ:
             raise LithosError(

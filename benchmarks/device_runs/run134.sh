@@ -2,17 +2,37 @@
 # Run 134 (written 2026-12-06 after run 133): the default build on CUDA is now the attention's second keys loaded
 # during the wait in every packed build, and Q/K/V with gate/up in fragment tiles (LITHOS_TILES default qkv,gate_up).
 # Run 133 timed only the 8B one-token step that way. This times what the change moved and was not timed:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run134.sh [all|rounds]
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run134.sh [all|rounds|bf16-rounds]
 # `all`: the GPU cases of the default MXFP4 build (against the interpreter, greedy generation and verification against
 # the reference) and of the gate/up-only build; the 1B and 8B MXFP4 steps, qkv,gate_up against gate_up, twice; a traced
 # 8B step of the new default (how near its 4.2 us floor the Q/K/V stage's tiled dots come). `rounds`: the 8B k = 7
 # and 1B k = 15 verification rounds, qkv,gate_up against gate_up (NOTES.md predicts the 8B round within -8% .. +2%).
+# `bf16-rounds`: the bf16 build's 8- and 16-token kernels spill in the attention's loop where its one-token kernel
+# does not (SASS: 43 and 69 local accesses, 10 each with the keys ahead), so the 8B bf16 k = 7 round, default against
+# LITHOS_MK_ATTN_SECOND_AHEAD=1, twice (NOTES.md, "The second step's keys during the wait", predicts 1-3% faster).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
 source benchmarks/device_runs/lib.sh run134 "$phase"
 
 log build
+ahead="LITHOS_MK_ATTN_SECOND_AHEAD=1"
+if [ "$phase" = bf16-rounds ]; then
+  python3 benchmarks/build_variants.py gate_up >"$work/build.log" 2>&1 &
+  LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py gate_up >"$work/build-ahead.log" 2>&1
+  wait
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  log rounds
+  for round in 1 2; do
+    for defines in "" "$ahead"; do
+      fits 90 "the 8B bf16 round ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
+        bench "round-8b-bf16${defines:+-ahead}-$round" 90 --spec ngram --draft-tokens 7 --no-acceptance \
+        --shape llama-3.1-8b --kernels megakernel
+    done
+  done
+  log done
+  exit 0
+fi
 python3 benchmarks/build_variants.py gate_up qkv,gate_up >"$work/build.log" 2>&1
 grep -E "FAILED|rror" "$work/build.log" | cut -c1-300
 if [ "$phase" = rounds ]; then

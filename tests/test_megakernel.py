@@ -658,6 +658,43 @@ def test_tiled_sums_that_do_not_fit_are_an_error_that_names_the_fix():
         )
 
 
+def test_tiled_tasks_are_cut_to_fit_their_staging(monkeypatch):
+    """Where a group's share of the grid would not fit a tiled task's staging (a 70B shape's Q/K/V at 16 tokens on
+    132 blocks: 5 tiles, 80 KB of 64), the schedule the kernel runs cuts the group into more tasks than the grid has
+    blocks, each block taking several; where it fits (8B on 132 blocks) the schedule is the one without caps; the
+    interpreter's result does not depend on the cut."""
+    from lithos.custom_calls.megakernel.kernel import check_tiled_staging, largest_task, staged_lane_steps, tiled_ops
+
+    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, qkv_tiles=True)
+    large = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1, hidden=8192, heads=64)
+    with pytest.raises(lithos.LithosError, match="leave qkv out of LITHOS_TILES"):
+        check_tiled_staging(build_schedule(large, 132, True, 32, lane_steps(formats, 16, "cuda")), 16, (Op.QKV,))
+    for tokens in (1, 8, 16):
+        steps = staged_lane_steps(large, formats, tokens, "cuda")
+        schedule = build_schedule(large, 132, True, 32, steps)
+        check_tiled_staging(schedule, tokens, tiled_ops(formats))
+        qkv_tasks = sum(t.op == Op.QKV for t in tasks_of(schedule))
+        assert (largest_task(schedule, Op.QKV) // 4, qkv_tasks) == ((4, 160) if tokens == 16 else (5, 128))
+        eight = dataclasses.replace(SHAPES["llama-3.1-8b"], layers=1)
+        capped, plain = (
+            build_schedule(eight, 132, True, 32, s)
+            for s in (staged_lane_steps(eight, formats, tokens, "cuda"), lane_steps(formats, tokens, "cuda"))
+        )
+        np.testing.assert_array_equal(capped.tasks, plain.tasks)
+
+    shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=192)
+    weights, *rest = random_step(shape, 3, 40, jnp.float32)
+    monkeypatch.setenv("LITHOS_TILES", "qkv,gate_up,down")
+    tiled = laid_out(packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"}), shape.head_dim)
+    steps = lane_steps(weight_formats(tiled), 3, "cuda")
+    one_tile = dataclasses.replace(steps, tiled_caps=(1,) * len(steps.tiled))
+    whole, cut = (build_schedule(shape, 2, True, 32, s) for s in (steps, one_tile))
+    for op in (Op.QKV, Op.DOWN):
+        assert largest_task(whole, op) > 4 and largest_task(cut, op) == 4
+    for a, b in zip(*(interpreted(s, tiled, *rest, eps=1e-5, with_logits=True) for s in (whole, cut)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_down_of_inputs_that_are_not_whole_tiles_stays_in_rows(monkeypatch):
     """ffn of 160 is not whole tiles of 64 inputs: down keeps its rows where LITHOS_TILES names it."""
     monkeypatch.setenv("LITHOS_TILES", "down")

@@ -10,6 +10,7 @@ first use beside the others (lithos.custom_calls.build.Variant).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from typing import NamedTuple
@@ -345,7 +346,23 @@ def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: Weig
     if platform is None:
         return build_schedule(shape, CPU_WORKERS, with_head)
     blocks = resident_blocks(platform, tokens, formats.variant())
-    return build_schedule(shape, blocks, with_head, WARP_SIZE[platform], lane_steps(formats, tokens, platform))
+    steps = staged_lane_steps(shape, formats, tokens, platform)
+    return build_schedule(shape, blocks, with_head, WARP_SIZE[platform], steps)
+
+
+def staged_lane_steps(shape: ModelShape, formats: WeightFormats, tokens: int, platform: str) -> LaneSteps:
+    """`lane_steps`, with each tiled task kind's cap: the most tiles whose staging fits the build's area at `tokens`
+    tokens (a 70B shape's Q/K/V at 16 tokens on 132 blocks would take 5 tiles, 80 KB of 64: cut into more tasks)."""
+    steps = lane_steps(formats, tokens, platform)
+    room = staging_bytes(formats)
+    return dataclasses.replace(steps, tiled_caps=tuple(most_tiles(op, tokens, shape, room) for op in steps.tiled))
+
+
+def most_tiles(op: Op, tokens: int, shape: ModelShape, room: int) -> int:
+    """The most tiles a tiled task of kind `op` may take for `tokens` tokens with `room` bytes of staging (0 where
+    not even one fits: check_tiled_staging then names the fix)."""
+    fixed = tiled_staging_bytes(op, 0, tokens, shape)
+    return max(0, (room - fixed) // (tiled_staging_bytes(op, 1, tokens, shape) - fixed))
 
 
 def shape_of(weights: StepWeights, k_cache: jax.Array) -> ModelShape:

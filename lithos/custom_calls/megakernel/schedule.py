@@ -56,6 +56,10 @@ class LaneSteps:
     # The O and down projections' lane steps where their formats differ from their groups' (None: the group's).
     o: int | None = None
     down: int | None = None
+    # The most tiles a task of each `tiled` kind may take (in `tiled`'s order; 0 or absent: any number): its warps'
+    # sums of its tiles are staged in a fixed area (csrc/mk_tiled_matvec.h), so where the grid's share of a group
+    # would not fit there, the group is cut into more tasks than the grid has blocks, each block taking several.
+    tiled_caps: tuple[int, ...] = ()
 
     def of(self, op: Op) -> int:
         """The lane step of the rows task kind `op` reads."""
@@ -66,6 +70,11 @@ class LaneSteps:
         if op in (Op.QKV, Op.O_PROJ):
             return self.attention
         return self.head if op == Op.HEAD else self.mlp
+
+    def tasks_for(self, op: Op, tiles: int, tasks: int) -> int:
+        """Tasks to cut `tiles` tiles of the tiled kind `op` into: `tasks`, or more where its cap asks for more."""
+        cap = dict(zip(self.tiled, self.tiled_caps)).get(op, 0)
+        return max(tasks, -(-tiles // cap)) if cap > 0 else tasks
 
 
 class ScheduleError(LithosError):
@@ -176,22 +185,27 @@ def build_schedule(
             k, unit = WARPS_PER_BLOCK, TILE_ROW_UNITS
         else:
             k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
-        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), workers)
+        most = workers
+        if op in lane_steps.tiled:  # a round is one tile
+            most = lane_steps.tasks_for(op, -(-units // TILE_ROW_UNITS), workers)
+        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), most)
         for first, count in ranges:
             tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)
 
     for layer in range(shape.layers):
         per_group = shape.qkv_units_per_group
+        group_tasks = max(1, workers // shape.kv_heads)
         if Op.QKV in lane_steps.tiled:  # whole tiles (a head is whole tiles), the block's warps sharing each
             k, slots = WARPS_PER_BLOCK, TILE_ROW_UNITS
+            group_tasks = lane_steps.tasks_for(Op.QKV, -(-per_group // TILE_ROW_UNITS), group_tasks)
         else:
-            k = k_split_for(per_group, shape.hidden, max(1, workers // shape.kv_heads), warp_size, lane_steps.attention)
+            k = k_split_for(per_group, shape.hidden, group_tasks, warp_size, lane_steps.attention)
             slots = WARPS_PER_BLOCK // k
         qkv_done = []
         for g in range(shape.kv_heads):
             done = counter(f"layer {layer} qkv group {g}")
-            ranges = split_units(per_group, slots, max(1, workers // shape.kv_heads))
+            ranges = split_units(per_group, slots, group_tasks)
             for first, count in ranges:
                 tasks.append(Task(Op.QKV, layer, g * per_group + first, count, k, *waits, done))
             qkv_done.append((done, len(ranges)))

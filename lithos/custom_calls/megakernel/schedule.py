@@ -185,10 +185,10 @@ def build_schedule(
             k, unit = WARPS_PER_BLOCK, TILE_ROW_UNITS
         else:
             k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
-        most = workers
+        task_count = workers
         if op in lane_steps.tiled:  # a round is one tile
-            most = lane_steps.tasks_for(op, -(-units // TILE_ROW_UNITS), workers)
-        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), most)
+            task_count = lane_steps.tasks_for(op, -(-units // TILE_ROW_UNITS), workers)
+        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), task_count)
         for first, count in ranges:
             tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)

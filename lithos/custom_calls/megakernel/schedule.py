@@ -71,10 +71,11 @@ class LaneSteps:
             return self.attention
         return self.head if op == Op.HEAD else self.mlp
 
-    def tasks_for(self, op: Op, tiles: int, tasks: int) -> int:
-        """Tasks to cut `tiles` tiles of the tiled kind `op` into: `tasks`, or more where its cap asks for more."""
+    def tasks_for(self, op: Op, units: int, tasks: int) -> int:
+        """Tasks to cut `units` row groups of kind `op` into: `tasks`, or more where `op` is tiled and its cap on a
+        task's tiles asks for more."""
         cap = dict(zip(self.tiled, self.tiled_caps)).get(op, 0)
-        return max(tasks, -(-tiles // cap)) if cap > 0 else tasks
+        return max(tasks, -(-units // (TILE_ROW_UNITS * cap))) if cap > 0 else tasks
 
 
 class ScheduleError(LithosError):
@@ -185,20 +186,16 @@ def build_schedule(
             k, unit = WARPS_PER_BLOCK, TILE_ROW_UNITS
         else:
             k, unit = k_split_for(units, shape.input_size(op), workers, warp_size, lane_steps.of(op)), 1
-        task_count = workers
-        if op in lane_steps.tiled:  # a round is one tile
-            task_count = lane_steps.tasks_for(op, -(-units // TILE_ROW_UNITS), workers)
-        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), task_count)
+        ranges = split_units(units, unit * (WARPS_PER_BLOCK // k), lane_steps.tasks_for(op, units, workers))
         for first, count in ranges:
             tasks.append(Task(op, layer, first, count, k, after[0], after[1], done))
         return done, len(ranges)
 
     for layer in range(shape.layers):
         per_group = shape.qkv_units_per_group
-        group_tasks = max(1, workers // shape.kv_heads)
+        group_tasks = lane_steps.tasks_for(Op.QKV, per_group, max(1, workers // shape.kv_heads))
         if Op.QKV in lane_steps.tiled:  # whole tiles (a head is whole tiles), the block's warps sharing each
             k, slots = WARPS_PER_BLOCK, TILE_ROW_UNITS
-            group_tasks = lane_steps.tasks_for(Op.QKV, -(-per_group // TILE_ROW_UNITS), group_tasks)
         else:
             k = k_split_for(per_group, shape.hidden, group_tasks, warp_size, lane_steps.attention)
             slots = WARPS_PER_BLOCK // k

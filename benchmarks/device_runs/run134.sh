@@ -6,7 +6,8 @@
 # `all`: the GPU cases of the default MXFP4 build (against the interpreter, greedy generation and verification against
 # the reference) and of the gate/up-only build; the 1B and 8B MXFP4 steps, qkv,gate_up against gate_up, twice; a traced
 # 8B step of the new default (how near its 4.2 us floor the Q/K/V stage's tiled dots come). `rounds`: the 8B k = 7
-# and 1B k = 15 verification rounds, qkv,gate_up against gate_up (NOTES.md predicts the 8B round within -8% .. +2%).
+# and 1B k = 15 verification rounds, qkv,gate_up against gate_up (NOTES.md predicts the 8B round within -8% .. +2%),
+# each round followed by the 8B bf16 pair of `bf16-rounds` where the call's time allows.
 # `bf16-rounds`: the bf16 build's 8- and 16-token kernels spill in the attention's loop where its one-token kernel
 # does not (SASS: 43 and 69 local accesses, 10 each with the keys ahead), so the 8B bf16 k = 7 round, default against
 # LITHOS_MK_ATTN_SECOND_AHEAD=1, twice (NOTES.md, "The second step's keys during the wait", predicts 1-3% faster).
@@ -33,8 +34,14 @@ if [ "$phase" = bf16-rounds ]; then
   log done
   exit 0
 fi
+if [ "$phase" = rounds ]; then
+  # The bf16 build with the define is built beside the MXFP4 ones, so that the 8B bf16 pair follows the MXFP4 rounds
+  # in the same call when its time allows (`bf16-rounds` alone otherwise).
+  LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py gate_up >"$work/build-ahead.log" 2>&1 &
+fi
 python3 benchmarks/build_variants.py gate_up qkv,gate_up >"$work/build.log" 2>&1
-grep -E "FAILED|rror" "$work/build.log" | cut -c1-300
+wait
+grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
   for round in 1 2; do
@@ -43,6 +50,11 @@ if [ "$phase" = rounds ]; then
         --spec ngram --draft-tokens 7 --no-acceptance --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
       fits 60 "the 1B round ($tiles)" && LITHOS_TILES=$tiles bench "round-1b-${tiles//,/-}-$round" 60 \
         --spec ngram --draft-tokens 15 --no-acceptance --shape llama-3.2-1b --weight-format mxfp4 --kernels megakernel
+    done
+    for defines in "" "$ahead"; do
+      fits 90 "the 8B bf16 round ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
+        bench "round-8b-bf16${defines:+-ahead}-$round" 90 --spec ngram --draft-tokens 7 --no-acceptance \
+        --shape llama-3.1-8b --kernels megakernel
     done
   done
   log done

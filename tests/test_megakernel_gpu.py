@@ -268,7 +268,8 @@ def test_megakernel_greedy_generation_over_mxfp4_equals_reference(hf_checkpoint,
     mega = Model(checkpoint, max_len=128, kernels="megakernel")
     if jax.default_backend() != "rocm":
         assert mega.params.layers.w_gate.format == quant.MXFP4_TILES
-        assert (mega.params.layers.wq.format.rotary_head == 64) == (tiles is not None)
+        assert mega.params.layers.wq.format.rotary_head == 64  # Q/K/V in rotary tiles in both
+        assert (mega.params.layers.wo.format.tile is not None) == (tiles is not None)
     for prompt in ("hello", "the quick brown fox jumps"):
         expected = ref.generate(prompt, raw=True, max_new_tokens=24).token_ids
         assert mega.generate(prompt, raw=True, max_new_tokens=24).token_ids == expected

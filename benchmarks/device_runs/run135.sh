@@ -5,14 +5,37 @@
 # (1, 4) and (2, 2) against the default, 8B MXFP4 at 1K, with Q/K/V + gate/up and with every group tiled; runs the
 # single-matrix tiled GPU cases at one token in the (1, 4) build and the MXFP4 greedy generation in the default one
 # (its Q/K/V in tiles since run 133); then traces the faster geometry with every group tiled and repeats the steps:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run135.sh
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run135.sh [all|short]
+# `short`, for a call of under 6 minutes: the default against (1, 4) with Q/K/V + gate/up and with every group tiled,
+# once, then the default build's MXFP4 greedy generation.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source benchmarks/device_runs/lib.sh run135 single
+phase=${1:-all}
+source benchmarks/device_runs/lib.sh run135 "$phase"
 declare -A geometry=([two]="LITHOS_MK_SINGLE_TILES=2 LITHOS_MK_SINGLE_DEPTH=2"
   [four]="LITHOS_MK_SINGLE_TILES=1 LITHOS_MK_SINGLE_DEPTH=4")
 all=qkv,o,gate_up,down
 
+generation="tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
+if [ "$phase" = short ]; then
+  log build
+  python3 benchmarks/build_variants.py qkv,gate_up >"$work/build.log" 2>&1 &
+  LITHOS_KERNEL_DEFINES=${geometry[four]} python3 benchmarks/build_variants.py qkv,gate_up $all \
+    >"$work/build-four.log" 2>&1
+  wait
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  log steps
+  for case in "qkv,gate_up" "qkv,gate_up four" "$all four"; do
+    read -r tiles name <<<"$case"
+    tag="mxfp4-${tiles//,/-}${name:+-$name}-short"
+    fits 60 "$tag" && LITHOS_KERNEL_DEFINES=${name:+${geometry[$name]}} LITHOS_TILES=$tiles bench "$tag" 60 \
+      --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  done
+  log tests
+  fits 60 "the generation test" && run_tests gpu-tests-default 100 "$generation"
+  log done
+  exit 0
+fi
 log build
 python3 benchmarks/build_variants.py qkv,gate_up >"$work/build.log" 2>&1 &
 LITHOS_KERNEL_DEFINES=${geometry[two]} python3 benchmarks/build_variants.py $all >"$work/build-two.log" 2>&1 &
@@ -37,8 +60,7 @@ for c in down-llama-3.2-1b-1 down-llama-3.1-8b-1 down-smollm2-like-1 down-smollm
   cases+=("tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[$c]")
 done
 if fits 150 "the GPU cases"; then
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-default 150 \
-    "tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]" &
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-default 150 "$generation" &
   LITHOS_KERNEL_DEFINES=${geometry[four]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-four 150 -n 3 \
     "${cases[@]}"
   wait

@@ -6,6 +6,8 @@
 # single-matrix tiled GPU cases at one token in the (1, 4) build and the MXFP4 greedy generation in the default one
 # (its Q/K/V in tiles since run 133); then traces the faster geometry with every group tiled and repeats the steps:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run135.sh [all|short]
+# The knob was removed after the run (both geometries slower): apply
+# benchmarks/results/logs/2026-12-06-h100-run135-single-tiles.patch first, or the defines build the default's code.
 # `short`, for a call of under 6 minutes: the default build's MXFP4 greedy generation, then the default against (1, 4)
 # with Q/K/V + gate/up and with every group tiled, once each, as far as the call's time goes.
 set -uo pipefail

@@ -31,24 +31,6 @@ namespace mk {
 
 constexpr int kTileRowUnits = kTileRows / kRowsPerWarp;  // tasks.py's 4-row units in a 16-row tile
 
-// A one-token step of these tasks: R tiles at one k tile, D steps in flight (gate/up's LITHOS_MK_TILE_PAIRS and
-// LITHOS_MK_TILE_DEPTH unless a build asks for its own: LITHOS_KERNEL_DEFINES="LITHOS_MK_SINGLE_TILES=2
-// LITHOS_MK_SINGLE_DEPTH=2"). Their tasks hold fewer tiles than a step's R (8B on 132 blocks: Q/K/V 3, O and down
-// 2), so a warp has 2-3 chunks in flight where gate/up's has 8 (NOTES.md, "Chunks in flight in the single-matrix
-// tiles"). The 2-16-token kernels keep gate/up's.
-#ifndef LITHOS_MK_SINGLE_TILES
-#define LITHOS_MK_SINGLE_TILES LITHOS_MK_TILE_PAIRS
-#endif
-#ifndef LITHOS_MK_SINGLE_DEPTH
-#define LITHOS_MK_SINGLE_DEPTH LITHOS_MK_TILE_DEPTH
-#endif
-static_assert(LITHOS_MK_SINGLE_TILES >= 1 && LITHOS_MK_SINGLE_DEPTH >= 1,
-              "tiles a step and steps in flight: 1 or more");
-template <int TMAX>
-constexpr int kSingleTiles = TMAX == 1 ? LITHOS_MK_SINGLE_TILES : LITHOS_MK_TILE_PAIRS;
-template <int TMAX>
-constexpr int kSingleDepth = TMAX == 1 ? LITHOS_MK_SINGLE_DEPTH : LITHOS_MK_TILE_DEPTH;
-
 #if LITHOS_MK_TILE_MMA
 // A tile's sums from one warp and n-block: [lane][fragment], lane (g, t) holding rows g and g + 8 of the n-block's
 // columns 2t and 2t + 1.
@@ -358,7 +340,7 @@ struct QkvTiles {
 template <int TMAX, class Kind>
 __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   using Operand = typename Kind::template Operand<TMAX>;
-  constexpr int NB = Operand::NB, D = kSingleDepth<TMAX>, R = kSingleTiles<TMAX>;
+  constexpr int NB = Operand::NB, D = LITHOS_MK_TILE_DEPTH, R = LITHOS_MK_TILE_PAIRS;
   const Kind kind(a, task);
   const int lane32 = lane_id() % 32, g = lane32 / 4, t = lane32 % 4;
   const int first_tile = task.first / kTileRowUnits, tiles = task.count / kTileRowUnits;

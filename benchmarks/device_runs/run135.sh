@@ -18,6 +18,17 @@ declare -A geometry=([two]="LITHOS_MK_SINGLE_TILES=2 LITHOS_MK_SINGLE_DEPTH=2"
   [four]="LITHOS_MK_SINGLE_TILES=1 LITHOS_MK_SINGLE_DEPTH=4")
 all=qkv,o,gate_up,down
 
+# steps ROUND SECONDS CASE...: the 8B MXFP4 step of each case ("TILES [GEOMETRY]"), tagged with ROUND.
+steps() {
+  local round=$1 limit=$2 case tiles name tag
+  shift 2
+  for case in "$@"; do
+    read -r tiles name <<<"$case"
+    tag="mxfp4-${tiles//,/-}${name:+-$name}-$round"
+    fits "$limit" "$tag" && LITHOS_KERNEL_DEFINES=${name:+${geometry[$name]}} LITHOS_TILES=$tiles bench "$tag" \
+      "$limit" --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  done
+}
 generation="tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
 if [ "$phase" = short ]; then
   log build
@@ -29,12 +40,7 @@ if [ "$phase" = short ]; then
   log tests
   fits 60 "the generation test" && run_tests gpu-tests-default 100 "$generation"
   log steps
-  for case in "qkv,gate_up" "qkv,gate_up four" "$all four"; do
-    read -r tiles name <<<"$case"
-    tag="mxfp4-${tiles//,/-}${name:+-$name}-short"
-    fits 55 "$tag" && LITHOS_KERNEL_DEFINES=${name:+${geometry[$name]}} LITHOS_TILES=$tiles bench "$tag" 55 \
-      --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
-  done
+  steps short 55 "qkv,gate_up" "qkv,gate_up four" "$all four"
   log done
   exit 0
 fi
@@ -45,26 +51,19 @@ LITHOS_KERNEL_DEFINES=${geometry[four]} python3 benchmarks/build_variants.py qkv
   gate_up,qkv >"$work/build-four.log" 2>&1
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
-steps() {
-  for case in "qkv,gate_up" "qkv,gate_up four" "$all four" "$all two"; do
-    read -r tiles name <<<"$case"
-    tag="mxfp4-${tiles//,/-}${name:+-$name}-$1"
-    fits 60 "$tag" && LITHOS_KERNEL_DEFINES=${name:+${geometry[$name]}} LITHOS_TILES=$tiles bench "$tag" 60 \
-      --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
-  done
-}
+cases=("qkv,gate_up" "qkv,gate_up four" "$all four" "$all two")
 log steps
-steps 1
+steps 1 60 "${cases[@]}"
 log tests
-cases=()
+tests=()
 for c in down-llama-3.2-1b-1 down-llama-3.1-8b-1 down-smollm2-like-1 down-smollm2-like--1 o-llama-3.1-8b-1 \
   o-smollm2-like--1 qkv-llama-3.2-1b-1 qkv-llama-3.1-8b-1 qkv-smollm2-like--1; do
-  cases+=("tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[$c]")
+  tests+=("tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[$c]")
 done
 if fits 150 "the GPU cases"; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-default 150 "$generation" &
   LITHOS_KERNEL_DEFINES=${geometry[four]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-four 150 -n 3 \
-    "${cases[@]}"
+    "${tests[@]}"
   wait
 fi
 log trace
@@ -73,5 +72,5 @@ step() { awk '/^llama/ {print $5}' "$work/run135-mxfp4-qkv-o-gate_up-down-$1-1.l
 best=$(printf '%s %s\n' "$(step two)" two "$(step four)" four | sort -n | head -1 | cut -d' ' -f2)
 fits 150 "the traced step ($best)" && LITHOS_KERNEL_DEFINES=${geometry[$best]} TAG_SUFFIX=-$best mxfp4_step $all
 log steps
-steps 2
+steps 2 60 "${cases[@]}"
 log done

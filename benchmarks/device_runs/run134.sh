@@ -18,6 +18,15 @@ source benchmarks/device_runs/lib.sh run134 "$phase"
 
 log build
 ahead="LITHOS_MK_ATTN_SECOND_AHEAD=1"
+# bf16_pair ROUND: the 8B bf16 k = 7 round, the default build and then the keys ahead, tagged with ROUND.
+bf16_pair() {
+  local defines
+  for defines in "" "$ahead"; do
+    fits 90 "the 8B bf16 round ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
+      bench "round-8b-bf16${defines:+-ahead}-$1" 90 --spec ngram --draft-tokens 7 --no-acceptance \
+      --shape llama-3.1-8b --kernels megakernel
+  done
+}
 if [ "$phase" = bf16-rounds ]; then
   python3 benchmarks/build_variants.py gate_up >"$work/build.log" 2>&1 &
   LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py gate_up >"$work/build-ahead.log" 2>&1
@@ -25,11 +34,7 @@ if [ "$phase" = bf16-rounds ]; then
   grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
   log rounds
   for round in 1 2; do
-    for defines in "" "$ahead"; do
-      fits 90 "the 8B bf16 round ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
-        bench "round-8b-bf16${defines:+-ahead}-$round" 90 --spec ngram --draft-tokens 7 --no-acceptance \
-        --shape llama-3.1-8b --kernels megakernel
-    done
+    bf16_pair "$round"
   done
   log done
   exit 0
@@ -51,11 +56,7 @@ if [ "$phase" = rounds ]; then
       fits 60 "the 1B round ($tiles)" && LITHOS_TILES=$tiles bench "round-1b-${tiles//,/-}-$round" 60 \
         --spec ngram --draft-tokens 15 --no-acceptance --shape llama-3.2-1b --weight-format mxfp4 --kernels megakernel
     done
-    for defines in "" "$ahead"; do
-      fits 90 "the 8B bf16 round ($defines)" && LITHOS_KERNEL_DEFINES=$defines \
-        bench "round-8b-bf16${defines:+-ahead}-$round" 90 --spec ngram --draft-tokens 7 --no-acceptance \
-        --shape llama-3.1-8b --kernels megakernel
-    done
+    bf16_pair "$round"
   done
   log done
   exit 0

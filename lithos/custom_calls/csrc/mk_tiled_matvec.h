@@ -191,8 +191,12 @@ struct ProjectionTiles {
   struct Matrix {
     static constexpr int kCount = 1;
     TileSource source;
+    __device__ __forceinline__ ChunkAddress at(int, int tile, int kt) const { return source.at(tile, kt); }
     __device__ __forceinline__ TileChunk load(int, int tile, int kt) const { return source.load(tile, kt); }
   };
+  // One token's chunks in shared memory before the wait (LITHOS_MK_TILES_AHEAD) where the task is O's alone: down's
+  // do not fit (8B: 122 KB a tile).
+  static constexpr bool kAhead = kOTiles && !kDownTiles;
   const Args& a;
   int layer;
   bool o;
@@ -260,15 +264,17 @@ struct QkvTiles {
     static constexpr int kCount = 1;
     Place place;
     TileSource q, k, v;
-    __device__ __forceinline__ TileChunk load(int, int tile, int kt) const {
+    __device__ __forceinline__ ChunkAddress at(int, int tile, int kt) const {
       const int slot = place.slot(tile), group = place.group;
       const bool is_q = slot < group, is_k = slot == group;
       // Field by field: a select of the structs themselves chose between their copies on the stack.
       const TileSource s{is_q ? q.codes : (is_k ? k.codes : v.codes), is_q ? q.scales : (is_k ? k.scales : v.scales),
                          q.k_tiles};
-      return s.load(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
+      return s.at(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
     }
+    __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const { return at(m, tile, kt).load(); }
   };
+  static constexpr bool kAhead = true;  // LITHOS_MK_TILES_AHEAD: a task's chunks fit (kernel.py caps its tiles)
   const Args& a;
   int layer, n_in;
   Place place;
@@ -353,10 +359,26 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  TilePipeline<D, R, typename Kind::Matrix> pipe;
-  pipe.matrices = kind.matrix(lane32);
-  pipe.fill(steps, walk);
-  if (!block_wait(a, task, index)) return false;
+  // One token: the chunks in shared memory before the wait, after the sums (LITHOS_MK_TILES_AHEAD), or D steps of
+  // them in registers.
+  constexpr bool kAhead = TMAX == 1 && LITHOS_MK_TILES_AHEAD && Kind::kAhead;
+  const int chunks_offset = offset + tiles * kMatvecWarps * NB * kTiledPieceBytes;
+  const int slots = (all + kMatvecWarps - 1) / kMatvecWarps * min(R, tiles);
+  if (kAhead && chunks_offset + slots * ChunkSlots::kSlotBytes > kRingSmemBytes<TMAX>) {  // kernel.py checks it first
+    if (threadIdx.x == 0) abort_step(a, index);
+    return false;
+  }
+  TilePipeline<D, R, std::conditional_t<kAhead, ChunkSlots, typename Kind::Matrix>> pipe;
+  if constexpr (kAhead) {
+    stage_chunks<R>(kind.matrix(lane32), walk, steps, ChunkSlots::of(chunks_offset, slots, lane32));
+  } else {
+    pipe.matrices = kind.matrix(lane32);
+    pipe.fill(steps, walk);
+  }
+  if (!block_wait(a, task, index)) {
+    if constexpr (kAhead) ring_drain();
+    return false;
+  }
   int group = q0 / k_tiles, kt = q0 % k_tiles;
   // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
   Operand operand = kind.template operand<TMAX>(g, t);
@@ -364,6 +386,12 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   __shared__ float squares[kMatvecWarps][TMAX];  // Q/K/V's, for the RMSNorm factor
   kind.template after_wait<TMAX>(squares);
   trace_phase(a, index, 0);
+  if constexpr (kAhead) {
+    async_wait<0>();
+    __syncwarp();  // a lane group's scale word was copied by its first lane
+    pipe.matrices = ChunkSlots::of(chunks_offset, slots, lane32);
+    pipe.fill(steps, walk);
+  }
   float(*pieces)[kMatvecWarps][NB][32][4] =
       reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory() + offset);  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};

@@ -42,6 +42,16 @@ struct TileChunk {
   uint32_t scales;
 };
 
+// Where one chunk of a lane lies: its 16 bytes of codes and its lane group's scale word.
+struct ChunkAddress {
+  const uint8_t* codes;
+  const uint8_t* scale;
+  __device__ __forceinline__ TileChunk load() const {
+    const Bf16Vec<8> v = load_streaming<8>(reinterpret_cast<const bf16_t*>(codes));
+    return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scale)};
+  }
+};
+
 // Where a lane's chunks of one matrix at one layer lie, formed once a task: its 16 bytes of step (tile, kt)'s codes
 // and its lane group's scale word are chunk tile * k_tiles + kt past these. (Formed at every step, the two addresses
 // cost some 30 instructions a tile: NOTES.md, "Tile addresses from per-task bases".)
@@ -54,14 +64,12 @@ struct TileSource {
     return {w.data + layer * w.data_outer + lane32 * 16, w.scales + layer * w.scale_outer + (lane32 / 4) * 4,
             w.n_in / kTileInputs};
   }
-  // The lane's chunk of step `kt` of output tile `tile` (a layer's matrix has under 2^31 chunks).
-  __device__ __forceinline__ TileChunk load(int tile, int kt) const {
-    const unsigned at = static_cast<unsigned>(tile * k_tiles + kt);
-    const auto* chunk = reinterpret_cast<const bf16_t*>(codes + static_cast<size_t>(at) * kTileBytes);
-    const Bf16Vec<8> v = load_streaming<8>(chunk);
-    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(at) * kTileScaleBytes);
-    return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, word};
+  // Where the lane's chunk of step `kt` of output tile `tile` lies (a layer's matrix has under 2^31 chunks).
+  __device__ __forceinline__ ChunkAddress at(int tile, int kt) const {
+    const size_t chunk = static_cast<unsigned>(tile * k_tiles + kt);
+    return {codes + chunk * kTileBytes, scales + chunk * kTileScaleBytes};
   }
+  __device__ __forceinline__ TileChunk load(int tile, int kt) const { return at(tile, kt).load(); }
 };
 
 // Scale byte I of a lane group's word, 2^(c - 127) (packed_decode.h's E8M0 decode).
@@ -216,7 +224,7 @@ struct TilePipeline {
 
  private:
   template <class Walk>
-  __device__ __forceinline__ void load(Walk& walk, TileChunk (&c)[M][R]) const {
+  __device__ __forceinline__ void load(Walk& walk, TileChunk (&c)[M][R]) {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll
@@ -231,6 +239,62 @@ struct TilePipeline {
     }
   }
 };
+
+#if LITHOS_MK_TILE_MMA
+// LITHOS_MK_TILES_AHEAD=1 (a build variant): a one-token single-matrix tiled task copies all of its chunks into the
+// ring's memory before its wait, and its steps read them from there (NOTES.md, "A one-token tiled task's whole
+// matrix in shared memory before its wait").
+#ifndef LITHOS_MK_TILES_AHEAD
+#define LITHOS_MK_TILES_AHEAD 0
+#endif
+
+// A warp's chunks in the ring's memory, in the order its steps read them: slot s's codes of warp w, lane l at
+// [s][w][l] (16 bytes), then every slot's scale words, lane group q's at [s][w][q]. The pipeline's `Matrices` in
+// place of the matrix: each load is the next slot.
+struct ChunkSlots {
+  static constexpr int kCount = 1;
+  static constexpr int kCodesStride = kMatvecWarps * kTileBytes, kScalesStride = kMatvecWarps * kTileScaleBytes;
+  static constexpr int kSlotBytes = kCodesStride + kScalesStride;
+  uint8_t* codes;   // this lane's in slot 0
+  uint8_t* scales;  // its lane group's in slot 0
+  int slot;
+
+  // The slots from `offset` bytes into the ring's memory, `slots` of them a warp.
+  __device__ __forceinline__ static ChunkSlots of(int offset, int slots, int lane32) {
+    uint8_t* base = ring_memory() + offset;
+    return {base + (warp_id() * 32 + lane32) * 16,
+            base + slots * kCodesStride + (warp_id() * 8 + lane32 / 4) * 4, 0};
+  }
+  __device__ __forceinline__ TileChunk load(int, int, int) {
+    const uint4 v = *reinterpret_cast<const uint4*>(codes + slot * kCodesStride);
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + slot * kScalesStride);
+    ++slot;
+    return {{v.x, v.y, v.z, v.w}, word};
+  }
+};
+
+// Copies a warp's chunks of its `steps` steps of `walk` (each step's tiles of `matrix`) into `to`'s slots in that
+// order, asynchronously, one commit group: every lane its 16 bytes, the first lane of each group of 4 its word.
+template <int R, class Matrix, class Walk>
+__device__ __forceinline__ void stage_chunks(const Matrix& matrix, Walk walk, int steps, ChunkSlots to) {
+  const uint64_t policy = evict_first_policy();
+  const bool copies_word = lane_id() % 4 == 0;
+  for (int i = 0; i < steps; ++i) {
+    int tile, kt, count;
+    walk.next(tile, kt, count);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < count) {
+        const ChunkAddress c = matrix.at(0, tile + r, kt);
+        async_copy16(to.codes + to.slot * ChunkSlots::kCodesStride, c.codes, policy);
+        if (copies_word) async_copy_word_of(to.scales + to.slot * ChunkSlots::kScalesStride, c.scale);
+        ++to.slot;
+      }
+    }
+  }
+  async_commit();
+}
+#endif
 
 // A warp's flat range of the block's (group, k tile) pairs, group-major: group j is tiles first + R j .. first +
 // min(R (j + 1), tiles) - 1.

@@ -2,9 +2,8 @@
 # Run 136 (written 2026-12-06, thirty-ninth session): a one-token single-matrix tiled task's whole matrix copied into
 # shared memory before its wait (LITHOS_MK_TILES_AHEAD=1; NOTES.md, "A one-token tiled task's whole matrix in shared
 # memory before its wait"). Builds the default and the define's builds of Q/K/V + gate/up and of Q/K/V + O + gate/up
-# tiled; runs the one-token tiled GPU cases and the MXFP4 greedy generation in the define's build; times the 1B and
-# 8B MXFP4 steps of the four builds twice, alternating; traces the define's 8B step with Q/K/V + gate/up tiled, then
-# with O tiled too:
+# tiled; times the 1B and 8B MXFP4 steps of the four builds; runs the one-token tiled GPU cases and the MXFP4 greedy
+# generation in the define's build; traces the define's 8B step with Q/K/V + gate/up tiled; times the steps again:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run136.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,27 +17,29 @@ LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py qkv,gate_up qk
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 
+# steps ROUND: the 1B and 8B MXFP4 steps of the four builds, tagged with ROUND.
+steps() {
+  local case tiles name tag
+  for case in "qkv,gate_up" "qkv,gate_up ahead" "qkv,o,gate_up ahead" "qkv,o,gate_up"; do
+    read -r tiles name <<<"$case"
+    tag="mxfp4-${tiles//,/-}${name:+-$name}-$1"
+    fits 60 "$tag" && LITHOS_KERNEL_DEFINES=${name:+$ahead} LITHOS_TILES=$tiles bench "$tag" 60 \
+      --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  done
+}
+log steps
+steps 1
 log tests
 tests=("tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]")
 for c in qkv-llama-3.2-1b-1 qkv-llama-3.1-8b-1 qkv-smollm2-like--1 o-llama-3.1-8b-1 o-smollm2-like--1 \
   down-llama-3.1-8b-1 qkv-llama-3.1-8b-8; do
   tests+=("tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[$c]")
 done
-fits 150 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-ahead \
-  140 -n 3 -rA "${tests[@]}"
-
-log steps
-for round in 1 2; do
-  for case in "qkv,gate_up" "qkv,gate_up ahead" "qkv,o,gate_up ahead" "qkv,o,gate_up"; do
-    read -r tiles name <<<"$case"
-    tag="mxfp4-${tiles//,/-}${name:+-$name}-$round"
-    fits 60 "$tag" && LITHOS_KERNEL_DEFINES=${name:+$ahead} LITHOS_TILES=$tiles bench "$tag" 60 \
-      --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
-  done
-done
+fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-ahead \
+  120 -n 3 -rA "${tests[@]}"
 
 log trace
-for tiles in qkv,gate_up qkv,o,gate_up; do
-  fits 80 "the traced step ($tiles)" && LITHOS_KERNEL_DEFINES=$ahead TAG_SUFFIX=-ahead-traced mxfp4_step "$tiles"
-done
+fits 80 "the traced step" && LITHOS_KERNEL_DEFINES=$ahead TAG_SUFFIX=-ahead-traced mxfp4_step qkv,gate_up
+log steps
+steps 2
 log done

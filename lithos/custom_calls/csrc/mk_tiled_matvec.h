@@ -194,9 +194,6 @@ struct ProjectionTiles {
     __device__ __forceinline__ ChunkAddress at(int, int tile, int kt) const { return source.at(tile, kt); }
     __device__ __forceinline__ TileChunk load(int, int tile, int kt) const { return source.load(tile, kt); }
   };
-  // One token's chunks in shared memory before the wait (LITHOS_MK_TILES_AHEAD) where the task is O's alone: down's
-  // do not fit (8B: 122 KB a tile).
-  static constexpr bool kAhead = kOTiles && !kDownTiles;
   const Args& a;
   int layer;
   bool o;
@@ -274,7 +271,6 @@ struct QkvTiles {
     }
     __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const { return at(m, tile, kt).load(); }
   };
-  static constexpr bool kAhead = true;  // LITHOS_MK_TILES_AHEAD: a task's chunks fit (kernel.py caps its tiles)
   const Args& a;
   int layer, n_in;
   Place place;
@@ -359,22 +355,19 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  // One token: the chunks in shared memory before the wait, after the sums (LITHOS_MK_TILES_AHEAD), or D steps of
-  // them in registers.
-  constexpr bool kAhead = TMAX == 1 && LITHOS_MK_TILES_AHEAD && Kind::kAhead;
+  // One token: the first chunks, as many as the ring's memory holds after the sums, copied there before the wait
+  // (LITHOS_MK_TILES_AHEAD); else, and for the rest, D steps of them in registers, the first D before the wait.
+  constexpr bool kAhead = TMAX == 1 && LITHOS_MK_TILES_AHEAD;
   const int chunks_offset = offset + tiles * kMatvecWarps * NB * kTiledPieceBytes;
-  const int slots = (all + kMatvecWarps - 1) / kMatvecWarps * min(R, tiles);
-  if (kAhead && chunks_offset + slots * ChunkSlots::kSlotBytes > kRingSmemBytes<TMAX>) {  // kernel.py checks it first
-    if (threadIdx.x == 0) abort_step(a, index);
-    return false;
-  }
-  TilePipeline<D, R, std::conditional_t<kAhead, ChunkSlots, typename Kind::Matrix>> pipe;
+  const int capacity = kAhead ? max(0, (kRingSmemBytes<TMAX> - chunks_offset) / ChunkSlots::kSlotBytes) : 0;
+  TilePipeline<D, R, std::conditional_t<kAhead, StagedChunks<typename Kind::Matrix>, typename Kind::Matrix>> pipe;
   if constexpr (kAhead) {
-    stage_chunks<R>(kind.matrix(lane32), walk, steps, ChunkSlots::of(chunks_offset, slots, lane32));
+    pipe.matrices = {kind.matrix(lane32), ChunkSlots::of(chunks_offset, capacity, lane32)};
+    stage_chunks<R>(pipe.matrices.matrix, walk, steps, pipe.matrices.slots);
   } else {
     pipe.matrices = kind.matrix(lane32);
-    pipe.fill(steps, walk);
   }
+  if (capacity == 0) pipe.fill(steps, walk);
   if (!block_wait(a, task, index)) {
     if constexpr (kAhead) ring_drain();
     return false;
@@ -386,10 +379,9 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   __shared__ float squares[kMatvecWarps][TMAX];  // Q/K/V's, for the RMSNorm factor
   kind.template after_wait<TMAX>(squares);
   trace_phase(a, index, 0);
-  if constexpr (kAhead) {
+  if (capacity > 0) {
     async_wait<0>();
     __syncwarp();  // a lane group's scale word was copied by its first lane
-    pipe.matrices = ChunkSlots::of(chunks_offset, slots, lane32);
     pipe.fill(steps, walk);
   }
   float(*pieces)[kMatvecWarps][NB][32][4] =

@@ -241,54 +241,67 @@ struct TilePipeline {
 };
 
 #if LITHOS_MK_TILE_MMA
-// LITHOS_MK_TILES_AHEAD=1 (a build variant): a one-token single-matrix tiled task copies all of its chunks into the
-// ring's memory before its wait, and its steps read them from there (NOTES.md, "A one-token tiled task's whole
+// LITHOS_MK_TILES_AHEAD=1 (a build variant): a one-token single-matrix tiled task copies its chunks, as many as fit,
+// into the ring's memory before its wait, and its steps read them from there (NOTES.md, "A one-token tiled task's whole
 // matrix in shared memory before its wait").
 #ifndef LITHOS_MK_TILES_AHEAD
 #define LITHOS_MK_TILES_AHEAD 0
 #endif
 
-// A warp's chunks in the ring's memory, in the order its steps read them: slot s's codes of warp w, lane l at
-// [s][w][l] (16 bytes), then every slot's scale words, lane group q's at [s][w][q]. The pipeline's `Matrices` in
-// place of the matrix: each load is the next slot.
+// Where a warp's first chunks lie in the ring's memory, in the order its steps read them: slot s's codes of warp w,
+// lane l at [s][w][l] (16 bytes), then every slot's scale words, lane group q's at [s][w][q].
 struct ChunkSlots {
-  static constexpr int kCount = 1;
   static constexpr int kCodesStride = kMatvecWarps * kTileBytes, kScalesStride = kMatvecWarps * kTileScaleBytes;
   static constexpr int kSlotBytes = kCodesStride + kScalesStride;
   uint8_t* codes;   // this lane's in slot 0
   uint8_t* scales;  // its lane group's in slot 0
-  int slot;
+  int capacity;     // slots a warp
 
-  // The slots from `offset` bytes into the ring's memory, `slots` of them a warp.
-  __device__ __forceinline__ static ChunkSlots of(int offset, int slots, int lane32) {
+  // `capacity` slots a warp from `offset` bytes into the ring's memory.
+  __device__ __forceinline__ static ChunkSlots of(int offset, int capacity, int lane32) {
     uint8_t* base = ring_memory() + offset;
-    return {base + (warp_id() * 32 + lane32) * 16,
-            base + slots * kCodesStride + (warp_id() * 8 + lane32 / 4) * 4, 0};
+    return {base + (warp_id() * 32 + lane32) * 16, base + capacity * kCodesStride + (warp_id() * 8 + lane32 / 4) * 4,
+            capacity};
   }
-  __device__ __forceinline__ TileChunk load(int, int, int) {
+  __device__ __forceinline__ TileChunk load(int slot) const {
     const uint4 v = *reinterpret_cast<const uint4*>(codes + slot * kCodesStride);
-    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + slot * kScalesStride);
-    ++slot;
-    return {{v.x, v.y, v.z, v.w}, word};
+    return {{v.x, v.y, v.z, v.w}, *reinterpret_cast<const uint32_t*>(scales + slot * kScalesStride)};
   }
 };
 
-// Copies a warp's chunks of its `steps` steps of `walk` (each step's tiles of `matrix`) into `to`'s slots in that
-// order, asynchronously, one commit group: every lane its 16 bytes, the first lane of each group of 4 its word.
+// The pipeline's `Matrices` for a task whose warps' first chunks were copied into their slots before its wait
+// (stage_chunks): a warp's chunk i (in the order its steps read them) from slot i while the slots last, from the
+// matrix after.
+template <class Matrix>
+struct StagedChunks {
+  static constexpr int kCount = 1;
+  Matrix matrix;
+  ChunkSlots slots;
+  int next = 0;
+
+  __device__ __forceinline__ TileChunk load(int m, int tile, int kt) {
+    return next < slots.capacity ? slots.load(next++) : matrix.load(m, tile, kt);
+  }
+};
+
+// Copies a warp's first chunks (of its `steps` steps of `walk`, each step's tiles of `matrix`) into its slots, as
+// many as they hold, asynchronously, one commit group: every lane its 16 bytes, the first lane of each group of 4
+// its word.
 template <int R, class Matrix, class Walk>
-__device__ __forceinline__ void stage_chunks(const Matrix& matrix, Walk walk, int steps, ChunkSlots to) {
+__device__ __forceinline__ void stage_chunks(const Matrix& matrix, Walk walk, int steps, const ChunkSlots& to) {
   const uint64_t policy = evict_first_policy();
   const bool copies_word = lane_id() % 4 == 0;
-  for (int i = 0; i < steps; ++i) {
+  int slot = 0;
+  for (int i = 0; i < steps && slot < to.capacity; ++i) {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (r < count) {
+      if (r < count && slot < to.capacity) {
         const ChunkAddress c = matrix.at(0, tile + r, kt);
-        async_copy16(to.codes + to.slot * ChunkSlots::kCodesStride, c.codes, policy);
-        if (copies_word) async_copy_word_of(to.scales + to.slot * ChunkSlots::kScalesStride, c.scale);
-        ++to.slot;
+        async_copy16(to.codes + slot * ChunkSlots::kCodesStride, c.codes, policy);
+        if (copies_word) async_copy_word_of(to.scales + slot * ChunkSlots::kScalesStride, c.scale);
+        ++slot;
       }
     }
   }

@@ -4,11 +4,42 @@
 # memory before its wait"). Builds the default and the define's builds of Q/K/V + gate/up and of Q/K/V + O + gate/up
 # tiled; times the 1B and 8B MXFP4 steps of the four builds; runs the one-token tiled GPU cases and the MXFP4 greedy
 # generation in the define's build; traces the define's 8B step with Q/K/V + gate/up tiled; times the steps again:
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run136.sh
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run136.sh [all|short]
+# `short`, for a call of about 5 minutes: the Q/K/V + gate/up builds alone, their steps, the Q/K/V GPU cases and the
+# MXFP4 greedy generation in the define's build, the steps again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source benchmarks/device_runs/lib.sh run136 all
+phase=${1:-all}
+source benchmarks/device_runs/lib.sh run136 "$phase"
 ahead="LITHOS_MK_TILES_AHEAD=1"
+generation="tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
+single="tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter"
+# short_steps ROUND: the 1B and 8B MXFP4 steps, Q/K/V + gate/up tiled, the default and then the define's build.
+short_steps() {
+  local defines
+  for defines in "" "$ahead"; do
+    fits 45 "the steps ($defines)" && LITHOS_KERNEL_DEFINES=$defines LITHOS_TILES=qkv,gate_up \
+      bench "mxfp4-qkv-gate_up${defines:+-ahead}-short-$1" 45 --shape llama-3.2-1b --shape llama-3.1-8b \
+      --weight-format mxfp4 --kernels megakernel
+  done
+}
+if [ "$phase" = short ]; then
+  log build
+  python3 benchmarks/build_variants.py qkv,gate_up >"$work/build.log" 2>&1 &
+  LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py qkv,gate_up >"$work/build-ahead.log" 2>&1
+  wait
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  log steps
+  short_steps 1
+  log tests
+  fits 100 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests \
+    gpu-tests-ahead-short 90 -n 3 -rA "$generation" "$single[qkv-llama-3.1-8b-1]" "$single[qkv-llama-3.2-1b-1]" \
+    "$single[qkv-smollm2-like--1]"
+  log steps
+  short_steps 2
+  log done
+  exit 0
+fi
 
 log build
 python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up >"$work/build.log" 2>&1 &
@@ -30,10 +61,10 @@ steps() {
 log steps
 steps 1
 log tests
-tests=("tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]")
+tests=("$generation")
 for c in qkv-llama-3.2-1b-1 qkv-llama-3.1-8b-1 qkv-smollm2-like--1 o-llama-3.1-8b-1 o-smollm2-like--1 \
   down-llama-3.1-8b-1 qkv-llama-3.1-8b-8; do
-  tests+=("tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[$c]")
+  tests+=("$single[$c]")
 done
 fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=$ahead XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-ahead \
   120 -n 3 -rA "${tests[@]}"

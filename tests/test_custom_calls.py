@@ -421,7 +421,7 @@ HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 def test_build_variant_compiles(define, kernel):
     """Each experiment variant (build.EXPERIMENT_VARIANTS) builds beside the default, for every kernel that
     reads its define."""
-    variant = check_build(compiler_toolchain("cuda"), defines=(define,))
+    variant = check_build(compiler_toolchain("cuda"), defines=tuple(define.split()))
     library = build.build(kernel, variant)
     assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
     for symbol in build.KERNELS[kernel]:

@@ -37,7 +37,8 @@ constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
 // "The second step's keys during the wait"): on in every build that reads a packed format, where it takes the
 // attention loop's spills out (the 8B MXFP4 step 3.223 -> 3.038 ms, the 1B 0.988 -> 0.971, H100, run 132); off in
 // the bf16 build, whose one-token loop never spilled (0.3% slower with it, run 131; its 4-16-token kernels do spill,
-// and run 134 times its rounds with it). LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_SECOND_AHEAD=0|1" sets it either way.
+// yet its 8B k = 7 round was 0.4% slower with it too, run 134). LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_SECOND_AHEAD=0|1"
+// sets it either way.
 #ifndef LITHOS_MK_ATTN_SECOND_AHEAD
 #define LITHOS_MK_ATTN_SECOND_AHEAD \
   (LITHOS_MK_ATTENTION_FORMAT != 0 || LITHOS_MK_MLP_FORMAT != 0 || LITHOS_MK_HEAD_FORMAT != 0 || \

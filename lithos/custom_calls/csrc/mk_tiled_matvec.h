@@ -355,19 +355,13 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  // One token: the first chunks, as many as the ring's memory holds after the sums, copied there before the wait
-  // (LITHOS_MK_TILES_AHEAD); else, and for the rest, D steps of them in registers, the first D before the wait.
-  constexpr bool kAhead = TMAX == 1 && LITHOS_MK_TILES_AHEAD;
-  const int chunks_offset = offset + tiles * kMatvecWarps * NB * kTiledPieceBytes;
-  const int capacity = kAhead ? max(0, (kRingSmemBytes<TMAX> - chunks_offset) / ChunkSlots::kSlotBytes) : 0;
-  TilePipeline<D, R, std::conditional_t<kAhead, StagedChunks<typename Kind::Matrix>, typename Kind::Matrix>> pipe;
-  if constexpr (kAhead) {
-    pipe.matrices = {kind.matrix(lane32), ChunkSlots::of(chunks_offset, capacity, lane32)};
-    stage_chunks<R>(pipe.matrices.matrix, walk, steps, pipe.matrices.slots);
-  } else {
-    pipe.matrices = kind.matrix(lane32);
-  }
-  if (capacity == 0) pipe.fill(steps, walk);
+  // One token with LITHOS_MK_TILES_AHEAD: the first chunks, as many as the ring's memory holds after the sums, into
+  // slots there before the wait; else, and for the rest, D steps of them in registers.
+  constexpr bool kAhead = TMAX == 1 && kSingleTilesAhead;
+  using Chunks = OneTokenChunks<kAhead, typename Kind::Matrix>;
+  TilePipeline<D, R, typename Chunks::type> pipe;
+  pipe.matrices = Chunks::of(kind.matrix(lane32), offset + tiles * kMatvecWarps * NB * kTiledPieceBytes, lane32);
+  pipe.ask_first(steps, walk);
   if (!block_wait(a, task, index)) {
     if constexpr (kAhead) ring_drain();
     return false;
@@ -379,11 +373,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   __shared__ float squares[kMatvecWarps][TMAX];  // Q/K/V's, for the RMSNorm factor
   kind.template after_wait<TMAX>(squares);
   trace_phase(a, index, 0);
-  if (capacity > 0) {
-    async_wait<0>();
-    __syncwarp();  // a lane group's scale word was copied by its first lane
-    pipe.fill(steps, walk);
-  }
+  pipe.first_landed(steps, walk);
   float(*pieces)[kMatvecWarps][NB][32][4] =
       reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory() + offset);  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};

@@ -365,9 +365,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
     # A one-token tiled task's first chunks (all of them where they fit) copied into shared memory before its wait
-    # (NOTES.md, "A one-token tiled task's whole matrix in shared memory before its wait"), in the MXFP4 build with
-    # every group tiled: Q/K/V's and O's chunks fit on 8B, down's in part.
-    "LITHOS_MK_TILES_AHEAD=1 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
+    # (NOTES.md, "A one-token tiled task's whole matrix in shared memory before its wait"), every tiled kind's, in the
+    # MXFP4 build with every group tiled: on 8B Q/K/V's and O's chunks fit, down's and gate/up's in part.
+    "LITHOS_MK_TILES_AHEAD=3 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
     "LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),
 }
 

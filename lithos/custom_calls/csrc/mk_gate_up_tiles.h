@@ -43,7 +43,6 @@ constexpr int kTileDepth = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_DEPTH : 2;
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
 #if LITHOS_MK_TILE_MMA
-
 // n-blocks of the mma for TMAX tokens: columns 2 u' and 2 u' + 1 of n-block u / 4 are token u's two parts
 // (u' = u % 4), so lane (g, t)'s sums end up as rows g and g + 8 of token 4 nb + t.
 template <int TMAX>
@@ -122,7 +121,9 @@ struct GateUpMatrices {
   __device__ __forceinline__ static GateUpMatrices of(const Args& a, int layer, int lane32) {
     return {TileSource::of(a.w_gate, layer, lane32), TileSource::of(a.w_up, layer, lane32)};
   }
-  __device__ __forceinline__ ChunkAddress at(int m, int tile, int kt) const { return (m == 0 ? gate : up).at(tile, kt); }
+  __device__ __forceinline__ ChunkAddress at(int m, int tile, int kt) const {
+    return (m == 0 ? gate : up).at(tile, kt);
+  }
   __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const {
     return (m == 0 ? gate : up).load(tile, kt);
   }

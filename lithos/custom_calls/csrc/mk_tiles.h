@@ -188,7 +188,8 @@ __device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&
 #ifndef LITHOS_MK_TILES_AHEAD
 #define LITHOS_MK_TILES_AHEAD 0
 #endif
-constexpr bool kSingleTilesAhead = (LITHOS_MK_TILES_AHEAD & 1) != 0, kGateUpTilesAhead = (LITHOS_MK_TILES_AHEAD & 2) != 0;
+constexpr bool kSingleTilesAhead = (LITHOS_MK_TILES_AHEAD & 1) != 0;
+constexpr bool kGateUpTilesAhead = (LITHOS_MK_TILES_AHEAD & 2) != 0;
 
 #if LITHOS_MK_TILE_MMA
 // Where a warp's first chunks lie in the ring's memory, in the order its steps read them: slot s's codes of warp w,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run 136 (written 2026-12-06, thirty-ninth session): a one-token single-matrix tiled task's whole matrix copied into
-# shared memory before its wait (LITHOS_MK_TILES_AHEAD=1; NOTES.md, "A one-token tiled task's whole matrix in shared
-# memory before its wait"). Builds the default and the define's builds (1: the single-matrix kinds; 3: gate/up too) of
+# Run 136 (written 2026-12-06, thirty-ninth session): a one-token tiled task's first chunks (on 8B a Q/K/V or O task's
+# whole matrix) copied into shared memory before its wait (LITHOS_MK_TILES_AHEAD, bits; NOTES.md, "A one-token tiled
+# task's whole matrix in shared memory before its wait"). Builds the default and the define's builds (1: the single-matrix kinds; 3: gate/up too) of
 # Q/K/V + gate/up and of Q/K/V + O + gate/up tiled; times the 1B and 8B MXFP4 steps of the five cases; runs the
 # one-token tiled GPU cases and the MXFP4 greedy generation in the build with 3; traces the 8B step with 3 and Q/K/V +
 # gate/up tiled; times the steps again:
@@ -77,7 +77,8 @@ fi
 
 log build
 python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up >"$work/build.log" 2>&1 &
-LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up >"$work/build-ahead.log" 2>&1 &
+LITHOS_KERNEL_DEFINES=$ahead python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up \
+  >"$work/build-ahead.log" 2>&1 &
 LITHOS_KERNEL_DEFINES=${defines[both]} python3 benchmarks/build_variants.py qkv,gate_up gate_up,o gate_up,down \
   >"$work/build-both.log" 2>&1
 wait
@@ -101,8 +102,8 @@ for c in qkv-llama-3.2-1b-1 qkv-llama-3.1-8b-1 qkv-smollm2-like--1 o-llama-3.1-8
   down-llama-3.1-8b-1 qkv-llama-3.1-8b-8; do
   tests+=("$single[$c]")
 done
-fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=${defines[both]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-ahead \
-  120 -n 3 -rA "${tests[@]}"
+fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=${defines[both]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+  run_tests gpu-tests-ahead 120 -n 3 -rA "${tests[@]}"
 
 log trace
 fits 80 "the traced step" && LITHOS_KERNEL_DEFINES=${defines[both]} TAG_SUFFIX=-both-traced mxfp4_step qkv,gate_up

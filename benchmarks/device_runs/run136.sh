@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run 136 (written 2026-12-06, thirty-ninth session): a one-token tiled task's first chunks (on 8B a Q/K/V or O task's
 # whole matrix) copied into shared memory before its wait (LITHOS_MK_TILES_AHEAD, bits; NOTES.md, "A one-token tiled
-# task's whole matrix in shared memory before its wait"). Builds the default and the define's builds (1: the single-matrix kinds; 3: gate/up too) of
-# Q/K/V + gate/up and of Q/K/V + O + gate/up tiled; times the 1B and 8B MXFP4 steps of the five cases; runs the
-# one-token tiled GPU cases and the MXFP4 greedy generation in the build with 3; traces the 8B step with 3 and Q/K/V +
-# gate/up tiled; times the steps again:
+# task's whole matrix in shared memory before its wait"). Builds the default and the define's builds (1: the
+# single-matrix kinds; 3: gate/up too) of Q/K/V + gate/up and of Q/K/V + O + gate/up tiled; times the 1B and 8B MXFP4
+# steps of the five cases; runs the one-token tiled GPU cases and the MXFP4 greedy generation in the build with 3;
+# traces the 8B step with 3 and Q/K/V + gate/up tiled; times the steps again:
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run136.sh [all|short|rounds]
 # `short`, for a call of about 5 minutes: the Q/K/V + gate/up builds alone, their steps, the Q/K/V GPU cases and the
 # MXFP4 greedy generation in the build with 3, the steps again. `rounds`: the MXFP4 verification rounds with every

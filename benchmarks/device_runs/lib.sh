@@ -12,7 +12,8 @@
 #   mxfp4_step TILES        the 8B MXFP4 megakernel step with LITHOS_TILES=TILES: timed (bench), then one traced
 #                           step summarised (TAG_SUFFIX, if set, ends its tags)
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
-#                           pytest into $work/NAME.log, its summary printed and saved
+#                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
+#                           stops it first, the tests passed and failed until then
 #   fits SECONDS WHAT       whether SECONDS of the call's RUN_LIMIT (default 430 s) are left for WHAT (else it
 #                           says so: the part is skipped)
 run_name=${1:?usage: source lib.sh RUN PHASE}
@@ -56,10 +57,15 @@ mxfp4_step() {
 }
 
 run_tests() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 log=$work/$1.log
   shift 2
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" >"$work/$name.log" 2>&1
-  grep -E "passed|failed|FAILED|Error" "$work/$name.log" | tail -8
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider "$@" >"$log" 2>&1
+  if [ $? = 124 ]; then
+    echo "$name: stopped by its $limit s limit: $(grep -c ' PASSED' "$log") passed, $(grep -c ' FAILED' "$log") failed"
+    grep ' FAILED' "$log" | cut -c1-200
+  else
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$log" | tail -8
+  fi
   save
 }
 

@@ -9,6 +9,9 @@
 #                           STEP_TIMEOUT (default 120 s) its limit
 #   bench TAG TIMEOUT [BENCH ARGS...]
 #                           `lithos bench` at 1K into $work, tagged RUN-TAG, its table's rows printed and saved
+#   traced NAME TIMEOUT [BENCH ARGS...]
+#                           `lithos bench` at 1K with LITHOS_MEGAKERNEL_TRACE into $work/trace-NAME.json, the traced
+#                           launch (the last: a verification step's where --spec runs rounds) summarised and saved
 #   mxfp4_step TILES        the 8B MXFP4 megakernel step with LITHOS_TILES=TILES: timed (bench), then one traced
 #                           step summarised (TAG_SUFFIX, if set, ends its tags)
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
@@ -45,15 +48,21 @@ bench() {
   save
 }
 
-mxfp4_step() {
-  local tiles=$1 name=${1//,/-}${TAG_SUFFIX:-}
-  LITHOS_TILES=$tiles bench "mxfp4-$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
-  LITHOS_TILES=$tiles LITHOS_MEGAKERNEL_TRACE="$work/trace-$name.json" timeout 150 "${lithos[@]}" bench \
-    --shape llama-3.1-8b --context 1024 --weight-format mxfp4 --kernels megakernel --steps 32 --runs 1 \
+traced() {
+  local name=$1 limit=$2
+  shift 2
+  LITHOS_MEGAKERNEL_TRACE="$work/trace-$name.json" timeout "$limit" "${lithos[@]}" bench --context 1024 "$@" \
     >"$work/trace-bench-$name.log" 2>&1
   python3 -m lithos.custom_calls.megakernel.trace "$work/trace-$name.json" >"$work/trace-$name.log" 2>&1
   head -9 "$work/trace-$name.log"
   save
+}
+
+mxfp4_step() {
+  local tiles=$1 name=${1//,/-}${TAG_SUFFIX:-}
+  LITHOS_TILES=$tiles bench "mxfp4-$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  LITHOS_TILES=$tiles traced "$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel --steps 32 \
+    --runs 1
 }
 
 run_tests() {

@@ -44,14 +44,9 @@ if [ "$phase" = rounds ]; then
   # Where an 8-token step's time goes: the trace of the last verification step of an 8B k = 7 round, each layout.
   log trace
   for tiles in qkv,gate_up qkv,o,gate_up,down; do
-    name=round-8b-${tiles//,/-}-traced
-    fits 90 "the traced round ($tiles)" || continue
-    LITHOS_TILES=$tiles LITHOS_MEGAKERNEL_TRACE="$work/trace-$name.json" timeout 90 "${lithos[@]}" bench \
-      --spec ngram --draft-tokens 7 --no-acceptance --shape llama-3.1-8b --context 1024 --weight-format mxfp4 \
-      --kernels megakernel --steps 32 --runs 1 >"$work/trace-bench-$name.log" 2>&1
-    python3 -m lithos.custom_calls.megakernel.trace "$work/trace-$name.json" >"$work/trace-$name.log" 2>&1
-    head -9 "$work/trace-$name.log"
-    save
+    fits 90 "the traced round ($tiles)" && LITHOS_TILES=$tiles traced "round-8b-${tiles//,/-}" 90 --spec ngram \
+      --draft-tokens 7 --no-acceptance --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel --steps 32 \
+      --runs 1
   done
   log done
   exit 0

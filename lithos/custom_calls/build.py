@@ -343,8 +343,7 @@ PLAIN = Variant()  # the build without the caller's choices
 
 # Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES), each with
 # the kernels that read its define. `--variants` builds them all, as CI's compile gate does
-# (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md). A variant of
-# a code path only some weight formats compile names their defines after its own ("NAME=VALUE ...").
+# (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md).
 EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
     # megakernel's grid error names.
@@ -364,11 +363,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
-    # A one-token tiled task's first chunks (all of them where they fit) copied into shared memory before its wait
-    # (NOTES.md, "A one-token tiled task's whole matrix in shared memory before its wait"), every tiled kind's, in the
-    # MXFP4 build with every group tiled: on 8B Q/K/V's and O's chunks fit, down's and gate/up's in part.
-    "LITHOS_MK_TILES_AHEAD=3 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
-    "LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()
@@ -432,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         tc = dataclasses.replace(toolchain(platform, args.arch), opt_level=args.opt_level)
         if args.variants:
             jobs = [
-                (kernel, dataclasses.replace(tc, defines=tc.defines + tuple(define.split())))
+                (kernel, dataclasses.replace(tc, defines=tc.defines + (define,)))
                 for define, kernels in EXPERIMENT_VARIANTS.items()
                 for kernel in kernels
             ]

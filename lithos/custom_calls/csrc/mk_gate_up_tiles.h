@@ -39,10 +39,10 @@ constexpr int kTilePairs = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1;
 template <int TMAX>
 constexpr int kTileDepth = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_DEPTH : 2;
 
+#if LITHOS_MK_TILE_MMA
 // A tile's sums from one warp, beside B: [warp][lane group][gate g, gate g + 8, up g, up g + 8].
 constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 
-#if LITHOS_MK_TILE_MMA
 // n-blocks of the mma for TMAX tokens: columns 2 u' and 2 u' + 1 of n-block u / 4 are token u's two parts
 // (u' = u % 4), so lane (g, t)'s sums end up as rows g and g + 8 of token 4 nb + t.
 template <int TMAX>
@@ -120,9 +120,6 @@ struct GateUpMatrices {
   TileSource gate, up;
   __device__ __forceinline__ static GateUpMatrices of(const Args& a, int layer, int lane32) {
     return {TileSource::of(a.w_gate, layer, lane32), TileSource::of(a.w_up, layer, lane32)};
-  }
-  __device__ __forceinline__ ChunkAddress at(int m, int tile, int kt) const {
-    return (m == 0 ? gate : up).at(tile, kt);
   }
   __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const {
     return (m == 0 ? gate : up).load(tile, kt);
@@ -224,12 +221,8 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   const int first_tile = task.first / kTileUnits, tiles = task.count / kTileUnits;
   const int k_tiles = a.hidden / kTileInputs;
   constexpr int D = kTileDepth<TMAX>, R = kTilePairs<TMAX>;
-  // One token on tensor cores with LITHOS_MK_TILES_AHEAD's gate/up bit: the first chunks, as many as the ring's
-  // memory holds after B and the sums, into slots there before the wait (below).
-  using Chunks = OneTokenChunks<kGateUpTilesAhead && kTileMmaFor<TMAX>, GateUpMatrices>;
-  TilePipeline<D, R, typename Chunks::type> pipe;
-  pipe.matrices = Chunks::of(GateUpMatrices::of(a, layer, lane32),
-                             tile_operand_bytes(a.hidden) + tiles * kTilePieceBytes, lane32);
+  TilePipeline<D, R, GateUpMatrices> pipe;
+  pipe.matrices = GateUpMatrices::of(a, layer, lane32);
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
 
 #if LITHOS_MK_TILE_MMA
@@ -247,15 +240,11 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
     const int all = (tiles + R - 1) / R * k_tiles;
     const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
     FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-    pipe.ask_first(steps, walk);
-    if (!block_wait(a, task, index)) {
-      if constexpr (kGateUpTilesAhead) ring_drain();
-      return false;
-    }
+    pipe.fill(steps, walk);
+    if (!block_wait(a, task, index)) return false;
     __shared__ float squares[kMatvecWarps];
     stage_tile_operand(in, squares);
     trace_phase(a, index, 0);
-    pipe.first_landed(steps, walk);
     float(*pieces)[kMatvecWarps][8][4] =
         reinterpret_cast<float(*)[kMatvecWarps][8][4]>(ring_memory() + operand_bytes);  // [tile][warp][g][q]
     const uint2* bs = tile_operand();

@@ -191,7 +191,6 @@ struct ProjectionTiles {
   struct Matrix {
     static constexpr int kCount = 1;
     TileSource source;
-    __device__ __forceinline__ ChunkAddress at(int, int tile, int kt) const { return source.at(tile, kt); }
     __device__ __forceinline__ TileChunk load(int, int tile, int kt) const { return source.load(tile, kt); }
   };
   const Args& a;
@@ -261,15 +260,14 @@ struct QkvTiles {
     static constexpr int kCount = 1;
     Place place;
     TileSource q, k, v;
-    __device__ __forceinline__ ChunkAddress at(int, int tile, int kt) const {
+    __device__ __forceinline__ TileChunk load(int, int tile, int kt) const {
       const int slot = place.slot(tile), group = place.group;
       const bool is_q = slot < group, is_k = slot == group;
       // Field by field: a select of the structs themselves chose between their copies on the stack.
       const TileSource s{is_q ? q.codes : (is_k ? k.codes : v.codes), is_q ? q.scales : (is_k ? k.scales : v.scales),
                          q.k_tiles};
-      return s.at(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
+      return s.load(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
     }
-    __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const { return at(m, tile, kt).load(); }
   };
   const Args& a;
   int layer, n_in;
@@ -355,17 +353,10 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  // One token with LITHOS_MK_TILES_AHEAD: the first chunks, as many as the ring's memory holds after the sums, into
-  // slots there before the wait; else, and for the rest, D steps of them in registers.
-  constexpr bool kAhead = TMAX == 1 && kSingleTilesAhead;
-  using Chunks = OneTokenChunks<kAhead, typename Kind::Matrix>;
-  TilePipeline<D, R, typename Chunks::type> pipe;
-  pipe.matrices = Chunks::of(kind.matrix(lane32), offset + tiles * kMatvecWarps * NB * kTiledPieceBytes, lane32);
-  pipe.ask_first(steps, walk);
-  if (!block_wait(a, task, index)) {
-    if constexpr (kAhead) ring_drain();
-    return false;
-  }
+  TilePipeline<D, R, typename Kind::Matrix> pipe;
+  pipe.matrices = kind.matrix(lane32);
+  pipe.fill(steps, walk);
+  if (!block_wait(a, task, index)) return false;
   int group = q0 / k_tiles, kt = q0 % k_tiles;
   // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
   Operand operand = kind.template operand<TMAX>(g, t);
@@ -373,7 +364,6 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   __shared__ float squares[kMatvecWarps][TMAX];  // Q/K/V's, for the RMSNorm factor
   kind.template after_wait<TMAX>(squares);
   trace_phase(a, index, 0);
-  pipe.first_landed(steps, walk);
   float(*pieces)[kMatvecWarps][NB][32][4] =
       reinterpret_cast<float(*)[kMatvecWarps][NB][32][4]>(ring_memory() + offset);  // [tile][warp][n-block][lane][q]
   float acc[R][NB][4] = {};

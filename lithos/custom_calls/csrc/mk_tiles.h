@@ -42,16 +42,6 @@ struct TileChunk {
   uint32_t scales;
 };
 
-// Where one chunk of a lane lies: its 16 bytes of codes and its lane group's scale word.
-struct ChunkAddress {
-  const uint8_t* codes;
-  const uint8_t* scale;
-  __device__ __forceinline__ TileChunk load() const {
-    const Bf16Vec<8> v = load_streaming<8>(reinterpret_cast<const bf16_t*>(codes));
-    return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, *reinterpret_cast<const uint32_t*>(scale)};
-  }
-};
-
 // Where a lane's chunks of one matrix at one layer lie, formed once a task: its 16 bytes of step (tile, kt)'s codes
 // and its lane group's scale word are chunk tile * k_tiles + kt past these. (Formed at every step, the two addresses
 // cost some 30 instructions a tile: NOTES.md, "Tile addresses from per-task bases".)
@@ -64,12 +54,14 @@ struct TileSource {
     return {w.data + layer * w.data_outer + lane32 * 16, w.scales + layer * w.scale_outer + (lane32 / 4) * 4,
             w.n_in / kTileInputs};
   }
-  // Where the lane's chunk of step `kt` of output tile `tile` lies (a layer's matrix has under 2^31 chunks).
-  __device__ __forceinline__ ChunkAddress at(int tile, int kt) const {
-    const size_t chunk = static_cast<unsigned>(tile * k_tiles + kt);
-    return {codes + chunk * kTileBytes, scales + chunk * kTileScaleBytes};
+  // The lane's chunk of step `kt` of output tile `tile` (a layer's matrix has under 2^31 chunks).
+  __device__ __forceinline__ TileChunk load(int tile, int kt) const {
+    const unsigned at = static_cast<unsigned>(tile * k_tiles + kt);
+    const auto* chunk = reinterpret_cast<const bf16_t*>(codes + static_cast<size_t>(at) * kTileBytes);
+    const Bf16Vec<8> v = load_streaming<8>(chunk);
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(at) * kTileScaleBytes);
+    return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, word};
   }
-  __device__ __forceinline__ TileChunk load(int tile, int kt) const { return at(tile, kt).load(); }
 };
 
 // Scale byte I of a lane group's word, 2^(c - 127) (packed_decode.h's E8M0 decode).
@@ -78,16 +70,15 @@ __device__ __forceinline__ float mx_scale(uint32_t word) {
   return e8m0_to_float((word >> (8 * I)) & 0xFFu);
 }
 
+#if LITHOS_MK_TILE_MMA
+// Where a task stages B (one token: k-step s's part g for lanes (g, t) at [8 s + 4 g + t], 64 bytes a step of 16
+// inputs; more tokens: stage_tile_operand_tokens).
+__device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
 constexpr int kTileOperandBytesPerInput = 4;
 // Bytes of one token's staged B for `n_in` inputs, rounded up to 16 (what follows it is 16-byte aligned).
 __device__ __forceinline__ int tile_operand_bytes(int n_in) {
   return (n_in * kTileOperandBytesPerInput + 15) / 16 * 16;
 }
-
-#if LITHOS_MK_TILE_MMA
-// Where a task stages B (one token: k-step s's part g for lanes (g, t) at [8 s + 4 g + t], 64 bytes a step of 16
-// inputs; more tokens: stage_tile_operand_tokens).
-__device__ __forceinline__ uint2* tile_operand() { return reinterpret_cast<uint2*>(ring_memory()); }
 constexpr int kTileOperandParts = 2;
 // B is the activations times 2^64 (exact: an exponent moved), so that its products with A's value * 2^-126 stay
 // normal f32; mma_scale undoes both.
@@ -181,101 +172,6 @@ __device__ __forceinline__ void tile_step_mma(const TileChunk& c, const uint2 (&
 }
 #endif
 
-// LITHOS_MK_TILES_AHEAD (a build variant, bits): a one-token tiled task copies its first chunks, as many as fit, into
-// the ring's memory before its wait, and its steps read them from there, the rest from memory as before. Bit 0: the
-// single-matrix kinds (Q/K/V, O, down); bit 1: gate/up (NOTES.md, "A one-token tiled task's whole matrix in shared
-// memory before its wait").
-#ifndef LITHOS_MK_TILES_AHEAD
-#define LITHOS_MK_TILES_AHEAD 0
-#endif
-constexpr bool kSingleTilesAhead = (LITHOS_MK_TILES_AHEAD & 1) != 0;
-constexpr bool kGateUpTilesAhead = (LITHOS_MK_TILES_AHEAD & 2) != 0;
-
-#if LITHOS_MK_TILE_MMA
-// Where a warp's first chunks lie in the ring's memory, in the order its steps read them: slot s's codes of warp w,
-// lane l at [s][w][l] (16 bytes), then every slot's scale words, lane group q's at [s][w][q].
-struct ChunkSlots {
-  static constexpr int kCodesStride = kMatvecWarps * kTileBytes, kScalesStride = kMatvecWarps * kTileScaleBytes;
-  static constexpr int kSlotBytes = kCodesStride + kScalesStride;
-  uint8_t* codes;   // this lane's in slot 0
-  uint8_t* scales;  // its lane group's in slot 0
-  int capacity;     // slots a warp
-
-  // As many slots a warp as the one-token ring's memory holds from `offset` bytes on.
-  __device__ __forceinline__ static ChunkSlots from(int offset, int lane32) {
-    const int capacity = max(0, (kRingSmemBytes<1> - offset) / kSlotBytes);
-    uint8_t* base = ring_memory() + offset;
-    return {base + (warp_id() * 32 + lane32) * 16, base + capacity * kCodesStride + (warp_id() * 8 + lane32 / 4) * 4,
-            capacity};
-  }
-  __device__ __forceinline__ TileChunk load(int slot) const {
-    const uint4 v = *reinterpret_cast<const uint4*>(codes + slot * kCodesStride);
-    return {{v.x, v.y, v.z, v.w}, *reinterpret_cast<const uint32_t*>(scales + slot * kScalesStride)};
-  }
-};
-
-// The pipeline's `Matrices` for a task whose warps' first chunks go into their slots before its wait: a warp's chunk
-// i (in the order its steps read them, each step's tiles and each tile's matrices) from slot i while the slots last,
-// from the matrices after.
-template <class Matrices>
-struct StagedChunks {
-  static constexpr int kCount = Matrices::kCount;
-  Matrices matrices;
-  ChunkSlots slots;
-  int next = 0;
-
-  __device__ __forceinline__ TileChunk load(int m, int tile, int kt) {
-    return next < slots.capacity ? slots.load(next++) : matrices.load(m, tile, kt);
-  }
-  // Copies the warp's first chunks (of its `steps` steps of `walk`) into its slots, asynchronously, one commit group:
-  // every lane its 16 bytes, the first lane of each group of 4 its word.
-  template <int R, class Walk>
-  __device__ __forceinline__ void stage(Walk walk, int steps) const {
-    const uint64_t policy = evict_first_policy();
-    const bool copies_word = lane_id() % 4 == 0;
-    int slot = 0;
-    for (int i = 0; i < steps && slot < slots.capacity; ++i) {
-      int tile, kt, count;
-      walk.next(tile, kt, count);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int m = 0; m < kCount; ++m)
-          if (r < count && slot < slots.capacity) {
-            const ChunkAddress c = matrices.at(m, tile + r, kt);
-            async_copy16(slots.codes + slot * ChunkSlots::kCodesStride, c.codes, policy);
-            if (copies_word) async_copy_word_of(slots.scales + slot * ChunkSlots::kScalesStride, c.scale);
-            ++slot;
-          }
-    }
-    async_commit();
-  }
-};
-#endif
-
-// A one-token tiled task's matrices: with `kAhead` their first chunks staged in slots from `offset` bytes into the
-// ring's memory (StagedChunks), else themselves.
-template <bool kAhead, class Matrices>
-struct OneTokenChunks {
-  using type = Matrices;
-  __device__ __forceinline__ static Matrices of(const Matrices& m, int, int) { return m; }
-};
-#if LITHOS_MK_TILE_MMA
-template <class Matrices>
-struct OneTokenChunks<true, Matrices> {
-  using type = StagedChunks<Matrices>;
-  __device__ __forceinline__ static type of(const Matrices& m, int offset, int lane32) {
-    return {m, ChunkSlots::from(offset, lane32)};
-  }
-};
-#endif
-template <class T>
-constexpr bool kIsStagedChunks = false;
-#if LITHOS_MK_TILE_MMA
-template <class Matrices>
-constexpr bool kIsStagedChunks<StagedChunks<Matrices>> = true;
-#endif
-
 // The chunks a warp has in flight: D steps of R tiles of each matrix, in slots used round robin. The loops run D
 // steps an iteration, step i in slot i % D (a compile-time index once unrolled): a step takes its slot's chunks,
 // which landed long ago, and asks for step i + D into the same slot. (Moving the younger chunks up a slot each step
@@ -293,31 +189,6 @@ struct TilePipeline {
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < steps) load(walk, chunk[d]);
-  }
-  // Before the task's wait: the first chunks into their slots (StagedChunks), or the first D steps into registers
-  // where there are no slots.
-  template <class Walk>
-  __device__ __forceinline__ void ask_first(int steps, Walk& walk) {
-#if LITHOS_MK_TILE_MMA
-    if constexpr (kIsStagedChunks<Matrices>) {
-      matrices.template stage<R>(walk, steps);
-      if (matrices.slots.capacity > 0) return;
-    }
-#endif
-    fill(steps, walk);
-  }
-  // After the wait: the slots' copies landed (a lane group's scale word was copied by its first lane), then the
-  // first D steps from them.
-  template <class Walk>
-  __device__ __forceinline__ void first_landed(int steps, Walk& walk) {
-#if LITHOS_MK_TILE_MMA
-    if constexpr (kIsStagedChunks<Matrices>) {
-      if (matrices.slots.capacity == 0) return;
-      async_wait<0>();
-      __syncwarp();
-      fill(steps, walk);
-    }
-#endif
   }
   // body(i, gate, up) (or body(i, chunk) of a single matrix) for steps i = 0 .. steps - 1 in order: step i from slot
   // i % D (a constant once the loop is unrolled by D), which then asks for step i + D.
@@ -345,7 +216,7 @@ struct TilePipeline {
 
  private:
   template <class Walk>
-  __device__ __forceinline__ void load(Walk& walk, TileChunk (&c)[M][R]) {
+  __device__ __forceinline__ void load(Walk& walk, TileChunk (&c)[M][R]) const {
     int tile, kt, count;
     walk.next(tile, kt, count);
 #pragma unroll

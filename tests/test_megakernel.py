@@ -515,13 +515,15 @@ def test_weight_formats_choose_the_build():
         weight_formats(packed._replace(w_up=weights.w_up))
 
 
-def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda") -> StepWeights:
-    """`weights` as the megakernel on `platform` is asked to read them (LITHOS_TILES)."""
+def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda", rounds: bool = False) -> StepWeights:
+    """`weights` as the megakernel on `platform` is asked to read them (LITHOS_TILES) in one-token steps, or in
+    verification rounds (`rounds`)."""
     from lithos.custom_calls.megakernel import tiles_for_megakernel
     from lithos.custom_calls.megakernel.kernel import TILE_GROUPS
 
     names = [name for group in TILE_GROUPS.values() for name in group]
-    return weights._replace(**tiles_for_megakernel({n: getattr(weights, n) for n in names}, head_dim, platform))
+    matrices = {n: getattr(weights, n) for n in names}
+    return weights._replace(**tiles_for_megakernel(matrices, head_dim, platform, rounds))
 
 
 def same_layout(a: StepWeights, b: StepWeights) -> bool:
@@ -580,6 +582,40 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     odd = dataclasses.replace(SHAPES["tiny"], hidden=96)
     small = packed_step_weights(random_step(odd, 1, 8, jnp.float32)[0], {"mlp": "mxfp4"})
     assert same_layout(laid_out(small, odd.head_dim), small)
+
+
+def test_the_tiled_groups_follow_the_use(monkeypatch):
+    """One-token steps read Q/K/V, gate and up in tiles and verification rounds every group; a layout made for
+    one use is laid out for the other by the groups that differ (the rest the same arrays), back to the rows'
+    very codes and scales; LITHOS_TILES names the groups for both uses; HIP reads rows, even of tiled weights."""
+    from lithos.custom_calls.megakernel.kernel import TILE_GROUPS, tiles_wanted
+
+    monkeypatch.delenv("LITHOS_TILES", raising=False)
+    assert tiles_wanted("cuda") == {"qkv", "gate_up"}
+    assert tiles_wanted("cuda", rounds=True) == TILE_GROUPS.keys()
+    assert tiles_wanted("rocm", rounds=True) == tiles_wanted(None, rounds=True) == frozenset()
+    shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=192)
+    packed = packed_step_weights(random_step(shape, 3, 40, jnp.float32)[0], {"attention": "mxfp4", "mlp": "mxfp4"})
+    hd = shape.head_dim
+    steps = laid_out(packed, hd)
+    rounds = laid_out(steps, hd, rounds=True)
+    assert weight_formats(rounds) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True, True, True)
+    assert all(getattr(rounds, n) is getattr(steps, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
+    assert weight_formats(laid_out(packed, hd, rounds=True)) == weight_formats(rounds)  # from the rows alike
+    back = laid_out(rounds, hd)
+    assert weight_formats(back) == weight_formats(steps)
+    assert all(getattr(back, n) is getattr(rounds, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
+    for name in ("wo", "w_down"):  # from the tiles back to the rows as stored
+        got, stored = getattr(back, name), getattr(packed, name)
+        assert got.format == stored.format == quant.MXFP4
+        np.testing.assert_array_equal(np.asarray(got.data), np.asarray(stored.data))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(stored.scales))
+    rows = laid_out(rounds, hd, "rocm", rounds=True)
+    assert weight_formats(rows) == WeightFormats("mxfp4", "mxfp4", "bfloat16")
+    np.testing.assert_array_equal(np.asarray(rows.wq.data), np.asarray(packed.wq.data))  # rotary rows in order
+    monkeypatch.setenv("LITHOS_TILES", "gate_up")
+    assert tiles_wanted("cuda") == tiles_wanted("cuda", rounds=True) == {"gate_up"}
+    assert weight_formats(laid_out(rounds, hd, rounds=True)) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True)
 
 
 @pytest.mark.parametrize("asked", ["gate_up,down", "down", "o", "qkv", "qkv,o,gate_up,down"])
@@ -739,6 +775,43 @@ def test_megakernel_generation_equals_reference(hf_checkpoint):
     assert mega.generate("the quick brown fox", raw=True, max_new_tokens=16).token_ids == expected
     spec = mega.generate("the quick brown fox", raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3)
     assert spec.token_ids == expected
+
+
+def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
+    """MXFP4 weights laid out as the megakernel on CUDA reads them (the interpreter runs them here): a model's
+    one-token steps read O and down in rows, its speculative programs every group in tiles (`round_params`, laid
+    out on first use, sharing the groups laid out alike); both decode the reference path's tokens."""
+    import lithos.spec.engine as spec_engine
+    from lithos.custom_calls.megakernel import kernel as mk
+    from lithos.engine import Model
+
+    checkpoint = load_checkpoint(hf_checkpoint("llama_hd64", tied=False), dtype="bfloat16")
+    params = quant.quantize_params(checkpoint.params, "mxfp4", ["attention", "mlp"])
+    checkpoint = dataclasses.replace(checkpoint, params=params)
+    ref = Model(checkpoint, max_len=128)
+    assert ref.round_params is ref.params
+    monkeypatch.delenv("LITHOS_TILES", raising=False)
+    with monkeypatch.context() as cuda:
+        cuda.setattr(mk, "_gpu_platform", lambda: "cuda")
+        mega = Model(checkpoint, max_len=128, kernels="megakernel")
+        rounds = mega.round_params
+    steps = mega.params.layers
+    assert steps.wo.format == quant.MXFP4 and rounds.layers.wo.format == quant.MXFP4_TILES
+    # the same arrays for the rest: down's 96 inputs are no whole tiles of 64, so its rows in both
+    shared = ("wq", "wk", "wv", "w_gate", "w_up", "w_down")
+    assert all(getattr(rounds.layers, n) is getattr(steps, n) for n in shared)
+    assert mega.round_params is rounds
+    read = []
+    chunk = spec_engine.spec_chunk
+    monkeypatch.setattr(
+        spec_engine, "spec_chunk", lambda params, *a, **kw: read.append(params) or chunk(params, *a, **kw)
+    )
+    prompt = "the quick brown fox"
+    expected = ref.generate(prompt, raw=True, max_new_tokens=16).token_ids
+    assert mega.generate(prompt, raw=True, max_new_tokens=16).token_ids == expected
+    assert not read
+    assert mega.generate(prompt, raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3).token_ids == expected
+    assert read and all(params is rounds for params in read)
 
 
 def test_fixed_length_chunks_stop_where_the_reference_stops(hf_checkpoint, monkeypatch):

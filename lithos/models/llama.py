@@ -439,11 +439,13 @@ def kernel_gaps(cfg, kernels: str) -> list[str]:
     return missing
 
 
-def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
+def params_for_kernels(params: Params, cfg: Config, kernels: str, rounds: bool = False) -> Params:
     """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
     (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
-    tiles on CUDA (Q/K/V, gate and up by default: tiles_for_megakernel); for the fused path, `qkv_in_one_format`.
-    The values are the same; the reference path reads any layout."""
+    tiles on CUDA (tiles_for_megakernel: Q/K/V, gate and up by default for one-token steps, every group for
+    speculative verification's rounds of k + 1 positions, `rounds`); for the fused path, `qkv_in_one_format`.
+    The values are the same; the reference path reads any layout. `params` may be laid out already (for the other
+    use): the groups laid out alike are the same arrays."""
     if kernels == "fused":
         return qkv_in_one_format(params)
     if kernels != "megakernel":
@@ -453,7 +455,9 @@ def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
 
     layers = params.layers
     laid_out = one_format_a_group({name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)})
-    laid_out = tiles_for_megakernel(laid_out, cfg.head_dim)
+    laid_out = tiles_for_megakernel(laid_out, cfg.head_dim, rounds=rounds)
+    if all(w is getattr(layers, name) for name, w in laid_out.items()):
+        return params  # laid out as asked already: the same params, not a copy of the tree
     return params.replace(layers=layers.replace(**laid_out))
 
 

@@ -32,7 +32,7 @@ from lithos.custom_calls.megakernel.schedule import (
 from lithos.custom_calls.megakernel.tasks import FIELDS, STATUS_WORDS, WARPS_PER_BLOCK, ModelShape, Op
 from lithos.custom_calls.packed_weights import FORMAT_CODES, FORMAT_NAMES, add_leading_axis, format_code, planes
 from lithos.errors import CheckpointError, LithosError
-from lithos.quant import K_MIX, MXFP4, QuantizedArray, to_tiles
+from lithos.quant import K_MIX, MXFP4, QuantizedArray, from_tiles, to_tiles
 from lithos.quant.layouts import K_QUANTS, to_k_mix
 from lithos.quant.tiles import TILE_ROWS
 
@@ -50,7 +50,10 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": QKV_WEIGHTS, "o": ("wo",), "gate_up": GATE_UP_WEIGHTS, "down": ("w_down",)}
+# Which groups, by use (tiles_wanted): plain decoding's one-token steps, and speculative verification's rounds of
+# k + 1 positions.
 DEFAULT_TILES = "qkv,gate_up"
+ROUND_TILES = "qkv,o,gate_up,down"
 
 
 class WeightFormats(NamedTuple):
@@ -149,20 +152,23 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
     )
 
 
-def tiles_wanted(platform: str | None) -> frozenset[str]:
+def tiles_wanted(platform: str | None, rounds: bool = False) -> frozenset[str]:
     """The matrix groups (TILE_GROUPS) the megakernel reads in MXFP4 fragment tiles: those LITHOS_TILES names (a
-    comma list; "none" for rows throughout), by default Q/K/V, gate and up: gate and up tiled made the H200's 8B step
-    5% faster than their rows and an 8-position verification round 18% (runs 108-109), and Q/K/V too 7% faster again
-    on an H100 (2.813-2.818 ms against 3.032-3.034, run 133), where O and down in tiles cost time (runs 119-133;
-    lithos/custom_calls/NOTES.md, "Which groups pay in tiles"). Only on CUDA: the tiled tasks run on tensor cores,
-    and HIP reads rows."""
+    comma list; "none" for rows throughout), by default Q/K/V, gate and up for one-token steps and every group
+    for speculative verification's rounds (`rounds`). Gate and up tiled made the H200's 8B step 5% faster than
+    their rows and an 8-position verification round 18% (runs 108-109), and Q/K/V too 7% faster again on an H100
+    (2.813-2.818 ms against 3.032-3.034, run 133), where O and down in tiles cost the one-token step time (runs
+    119-133: 2.98 ms with every group); at 8 and 16 positions O and down in tiles take 31% off the 8B k = 7 round
+    and 28% off the 1B k = 15 round (run 136; lithos/custom_calls/NOTES.md, "Which groups pay in tiles", "O and
+    down in tiles for the verification rounds"). Only on CUDA: the tiled tasks run on tensor cores, and HIP reads
+    rows."""
     for old in ("LITHOS_GATE_UP_TILES", "LITHOS_DOWN_TILES"):
         if old in os.environ:
             raise LithosError(
                 f"{old} is replaced by LITHOS_TILES, a comma list of {', '.join(TILE_GROUPS)} (or none): e.g. "
                 "LITHOS_TILES=gate_up,down; unset it"
             )
-    asked = os.environ.get("LITHOS_TILES", DEFAULT_TILES).strip()
+    asked = os.environ.get("LITHOS_TILES", ROUND_TILES if rounds else DEFAULT_TILES).strip()
     groups = frozenset() if asked in ("", "none") else frozenset(g.strip() for g in asked.split(","))
     if not groups <= TILE_GROUPS.keys():
         raise LithosError(
@@ -195,18 +201,26 @@ def one_format_a_group(matrices: dict) -> dict:
     return out
 
 
-def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None) -> dict:
-    """The layer matrices `matrices` (a dict of TILE_GROUPS' names: `[layers, out, in]`) as this GPU's megakernel
-    is asked to read them: each group `tiles_wanted` names whose matrices are all MXFP4 in fragment tiles (Q/K/V in
-    rotary tiles of heads of `head_dim`), anything else unchanged; also unchanged where the tiles do not fit (a
-    shape, or a scale above 2^65, that the tiled tasks do not take)."""
+def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None, rounds: bool = False) -> dict:
+    """The layer matrices `matrices` (a dict of TILE_GROUPS' names: `[layers, out, in]`, in rows or in tiles) as
+    this GPU's megakernel is asked to read them for one-token steps, or for verification rounds (`rounds`): each
+    group `tiles_wanted` names whose matrices are all MXFP4 in fragment tiles (Q/K/V in rotary tiles of heads of
+    `head_dim`), each other group in rows; unchanged where the tiles do not fit (a shape, or a scale above 2^65,
+    that the tiled tasks do not take), and the same arrays where a group is laid out as asked already, so that
+    params laid out for one use are laid out for the other at the cost of the groups that differ."""
     platform = _gpu_platform() if platform is None else platform
+    wanted = tiles_wanted(platform, rounds)
     out = dict(matrices)
-    for group in tiles_wanted(platform):
-        names = TILE_GROUPS[group]
-        ws = [matrices[name] for name in names]
-        if not all(isinstance(w, QuantizedArray) and w.format == MXFP4 for w in ws):
+    for group, names in TILE_GROUPS.items():
+        ws = [matrices[name] for name in names if name in matrices]
+        if len(ws) < len(names) or not all(isinstance(w, QuantizedArray) for w in ws):
             continue
+        if group not in wanted:
+            if all(w.format.tile is not None for w in ws):
+                out.update({name: from_tiles(w) for name, w in zip(names, ws)})
+            continue
+        if not all(w.format == MXFP4 for w in ws):
+            continue  # in tiles already, or a format the tiles do not take
         if group == "gate_up" and ws[0].shape[-1] * TILE_OPERAND_BYTES_PER_INPUT > TILE_STAGING_BYTES * 3 // 4:
             continue  # B would leave no room for the sums
         try:

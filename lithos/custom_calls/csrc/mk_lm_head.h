@@ -54,27 +54,33 @@ __device__ bool head_task(const Args& a, const Task& task, int index) {
 #pragma unroll
   for (int t = 0; t < TMAX; ++t) best[t] = kNoBest;
   const TokenRows in{after_mlp(a), a.final_norm, a.tokens, a.hidden};
-  if (!stream_row_groups<kHeadFormat, TMAX>(
-          a, task, index, in, rows_of,
-      [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); },
-      [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
-        // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
+  auto rms = [&](const TokenRows& staged) { block_rms_scale<TMAX, 8, true>(staged, a.eps, rms_scale); };
+  auto track = [&](int unit, const float (&acc)[kRowsPerWarp][TMAX]) {
+    // Every lane holds every sum, so every lane tracks the same bests: no shuffles until the end.
 #pragma unroll
-        for (int t = 0; t < TMAX; ++t) {
-          if (t < a.tokens) {
+    for (int t = 0; t < TMAX; ++t) {
+      if (t < a.tokens) {
 #pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) {
-              const int row = unit * kRowsPerWarp + r;
-              if (row < a.vocab) {
-                const float logit = acc[r][t] * rms_scale[t];
-                best[t] = better(best[t], Best{logit, row});
-                if (a.logits != nullptr && lane_id() == r) a.logits[static_cast<size_t>(t) * a.vocab + row] = logit;
-              }
-            }
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          const int row = unit * kRowsPerWarp + r;
+          if (row < a.vocab) {
+            const float logit = acc[r][t] * rms_scale[t];
+            best[t] = better(best[t], Best{logit, row});
+            if (a.logits != nullptr && lane_id() == r) a.logits[static_cast<size_t>(t) * a.vocab + row] = logit;
           }
         }
-      }))
-    return false;
+      }
+    }
+  };
+  auto stream = [&]() {
+#if !defined(LITHOS_HIP)
+    if constexpr (kMkWideHead<kHeadFormat, TMAX>) {
+      if (task.k_split == 1) return stream_wide_row_groups<TMAX>(a, task, index, in, rows_of, rms, track);
+    }
+#endif
+    return stream_row_groups<kHeadFormat, TMAX>(a, task, index, in, rows_of, rms, track);
+  };
+  if (!stream()) return false;
 
   // This task's best per token (warps that only helped a k-split hold kNoBest).
 #pragma unroll

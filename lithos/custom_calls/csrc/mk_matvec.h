@@ -162,5 +162,59 @@ __device__ bool stream_row_groups(const Args& a, const Task& task, int index,
   return true;
 }
 
+// The LM head of the 4- to 16-token kernels in the fused kernels' 16-row layout (mma_wide_rows_dot), where its
+// tasks take whole row groups a warp: an experiment (NOTES.md, "The LM head of the 4-16-token kernels in the
+// 16-row layout"); LITHOS_KERNEL_DEFINES="LITHOS_MK_WIDE_HEAD=1" builds it.
+#ifndef LITHOS_MK_WIDE_HEAD
+#define LITHOS_MK_WIDE_HEAD 0
+#endif
+template <WeightFormat F, int TMAX>
+constexpr bool kMkWideHead = LITHOS_MK_WIDE_HEAD && F == WeightFormat::kBf16 && kMmaRowDot<TMAX>;
+
+#if !defined(LITHOS_HIP)
+// stream_row_groups for bf16 rows on tensor cores, a task whose warps each take whole row groups (k_split 1), in
+// the 16-row layout: each warp four consecutive groups a round, `epilogue(unit, acc)` for each. The loop bound is
+// block-uniform (before_epilogue's barriers); a warp past the task's end redoes its last group, unused.
+template <int TMAX, class RowsOf, class BeforeEpilogue, class Epilogue>
+__device__ bool stream_wide_row_groups(const Args& a, const Task& task, int index, const TokenRows& in,
+                                       RowsOf rows_of, BeforeEpilogue before_epilogue, Epilogue epilogue) {
+  const int end = task.first + task.count;
+  const int g = lane_id() / 4;  // this lane's rows g and g + 8 of the 16: row g % 4 of groups g / 4 and 2 + g / 4
+  __syncthreads();  // the last task's staged inputs read before anyone writes shared memory
+  if (!block_wait(a, task, index)) return false;
+  trace_phase(a, index, 0);
+  bool first_round = true;
+  for (int base = task.first; base < end; base += 4 * kMatvecWarps) {
+    const int item = base + 4 * warp_id();
+    const bf16_t* lane_rows[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      PackedRow rows[kRowsPerWarp];
+      rows_of(min(item + 2 * half + g / 4, end - 1), rows);
+      const bf16_t* bf16_rows[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) bf16_rows[r] = reinterpret_cast<const bf16_t*>(rows[r].data);
+      lane_rows[half] = mma_lane_row(bf16_rows);
+    }
+    float sum[(TMAX + 7) / 8][4];
+    mma_wide_rows_dot<TMAX, true>(lane_rows[0], lane_rows[1], in, 0, 1, sum);
+    trace_phase(a, index, 1);
+    if (first_round) {
+      before_epilogue(in);
+      first_round = false;
+    }
+#pragma unroll
+    for (int sub = 0; sub < 4; ++sub) {
+      if (item + sub >= end) break;  // warp-uniform: the hand-out's shuffles take every lane
+      float acc[kRowsPerWarp][TMAX];
+      mma_wide_hand_out<TMAX>(sum, sub, acc);
+      epilogue(item + sub, acc);
+    }
+  }
+  trace_phase(a, index, 2);
+  return true;
+}
+#endif
+
 }  // namespace mk
 }  // namespace lithos

@@ -283,8 +283,9 @@ constexpr int kWideChunk = 128;
 
 // d[q] = this warp's share of the 16 rows' dot products with token group q (layout above), before the
 // hand-out; the share is the 128-input chunks part, part + parts, ... `row_g` / `row_g8` are this lane's
-// rows g and g + 8. Rows and x rows are 16-byte aligned and n_in a multiple of 8.
-template <int TMAX>
+// rows g and g + 8. Rows and x rows are 16-byte aligned and n_in a multiple of 8. COHERENT: x was written
+// earlier in the same launch (the megakernel's; load_activation).
+template <int TMAX, bool COHERENT = false>
 __device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf16_t* row_g8, const TokenRows& in,
                                                   int part, int parts, float (&sum)[(TMAX + 7) / 8][4]) {
   constexpr int kGroups = (TMAX + 7) / 8;
@@ -309,7 +310,7 @@ __device__ __forceinline__ void mma_wide_rows_dot(const bf16_t* row_g, const bf1
       for (int q = 0; q < kGroups; ++q) {
         const int token = q * 8 + g;
         x[s][q] = k < in.n_in && token < in.tokens
-                      ? load_cached<8>(in.x + static_cast<size_t>(token) * in.n_in + k)
+                      ? load_activation<8, COHERENT>(in.x + static_cast<size_t>(token) * in.n_in + k)
                       : Bf16Vec<8>{};
       }
       if (in.norm_w != nullptr) nw[s] = k < in.n_in ? load_cached<8>(in.norm_w + k) : Bf16Vec<8>{};

@@ -1,82 +1,94 @@
 #!/usr/bin/env bash
-# Run 137 (written 2026-12-06, fortieth session): the LM head of the 4-16-token kernels in the 16-row layout
-# (LITHOS_MK_WIDE_HEAD; NOTES.md, "The LM head of the 4-16-token kernels in the 16-row layout"), and the first rounds
-# timed in the layout speculative decoding now reads by default (every MXFP4 group in tiles: Model.round_params).
+# Run 137 (written 2026-12-06, fortieth session): two changes to the 4-16-token kernels, measured in the layouts the
+# verification rounds now read by default (every MXFP4 group in tiles: Model.round_params):
+#   wide     LITHOS_MK_WIDE_HEAD=1, the LM head in the 16-row layout (NOTES.md, "The LM head of the 4-16-token
+#            kernels in the 16-row layout")
+#   combine  LITHOS_MK_COMBINE_VEC=4, the attention's combine four elements a thread (NOTES.md, "The attention's
+#            combine four elements a thread")
+#   both     the two together
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run137.sh [all|rounds|mini]
-# `all`: the builds (the define off and on), the 4-16-token GPU cases in the build with it, the 8B MXFP4, 8B bf16 and
-# 1B MXFP4 rounds once in each build, a traced 8B MXFP4 verification step with it. `rounds`: the rounds again, then
-# the one-token steps (the define leaves the one-token kernel as it was). `mini`, for a call of about 4 minutes: the
-# two MXFP4 builds with every group tiled and the 8B MXFP4 round in each, alternating.
+# `all`: the builds, the 4-16-token GPU cases in the build with both, the 8B MXFP4 round in each build, a traced 8B
+# MXFP4 verification step with both. `rounds`: the 8B MXFP4, 8B bf16 and 1B MXFP4 rounds in each build, then the
+# one-token steps of the default and of both. `mini`, for a call of about 4 minutes: the MXFP4 builds with every
+# group tiled, default and both, and the 8B MXFP4 round in each, alternating.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
 source benchmarks/device_runs/lib.sh run137 "$phase"
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
-wide="LITHOS_MK_WIDE_HEAD=1"
+declare -A defines=([wide]="LITHOS_MK_WIDE_HEAD=1" [combine]="LITHOS_MK_COMBINE_VEC=4"
+  [both]="LITHOS_MK_WIDE_HEAD=1 LITHOS_MK_COMBINE_VEC=4")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
-# rounds ROUND: the 8B MXFP4 (k = 7), 8B bf16 (k = 7) and 1B MXFP4 (k = 15) rounds, the default build then the wide
-# head's, tagged with ROUND.
-rounds() {
-  local name
-  for name in "" wide; do
-    fits 60 "the 8B MXFP4 round ($name)" && LITHOS_KERNEL_DEFINES=${name:+$wide} bench \
-      "round-8b-mxfp4${name:+-$name}-$1" 60 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4
-    fits 60 "the 8B bf16 round ($name)" && LITHOS_KERNEL_DEFINES=${name:+$wide} bench \
-      "round-8b-bf16${name:+-$name}-$1" 60 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b
-    fits 45 "the 1B MXFP4 round ($name)" && LITHOS_KERNEL_DEFINES=${name:+$wide} bench \
-      "round-1b-mxfp4${name:+-$name}-$1" 45 "${spec[@]}" --draft-tokens 15 --shape llama-3.2-1b --weight-format mxfp4
+# round SHAPE ROUND [NAMES...]: SHAPE's round (8b-mxfp4, 8b-bf16 or 1b-mxfp4) in the default build ("") and in each
+# named build, tagged with ROUND.
+round() {
+  local shape=$1 tag=$2 name
+  shift 2
+  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=60
+  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=45
+  [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
+  for name in "$@"; do
+    fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
+      "round-$shape${name:+-$name}-$tag" "$limit" "${spec[@]}" "${args[@]}"
   done
 }
-if [ "$phase" = mini ]; then  # a call of about 4 minutes: the 8B MXFP4 round alone, alternating
-  log build
-  python3 benchmarks/build_variants.py qkv,o,gate_up,down >"$work/build.log" 2>&1 &
-  LITHOS_KERNEL_DEFINES=$wide python3 benchmarks/build_variants.py qkv,o,gate_up,down >"$work/build-wide.log" 2>&1
+# build NAME TILES...: build_variants.py of the MXFP4 layouts TILES (and the bf16 build) with NAME's defines.
+build() {
+  local name=$1
+  shift
+  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py "$@" \
+    >"$work/build${name:+-$name}.log" 2>&1
+}
+log build
+if [ "$phase" = mini ]; then
+  build "" qkv,o,gate_up,down &
+  build both qkv,o,gate_up,down
   wait
   grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
   log rounds
-  for round in 1 2; do
-    for name in "" wide; do
-      fits 40 "the 8B MXFP4 round ($name)" && LITHOS_KERNEL_DEFINES=${name:+$wide} bench \
-        "mini-round-8b-mxfp4${name:+-$name}-$round" 40 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b \
-        --weight-format mxfp4
-    done
-  done
+  round 8b-mxfp4 mini-1 "" both
+  round 8b-mxfp4 mini-2 "" both
   log done
   exit 0
 fi
-log build
-python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up,down >"$work/build.log" 2>&1 &
-LITHOS_KERNEL_DEFINES=$wide python3 benchmarks/build_variants.py qkv,o,gate_up,down >"$work/build-wide.log" 2>&1
+build "" qkv,gate_up qkv,o,gate_up,down &
+build wide qkv,o,gate_up,down &
+build combine qkv,o,gate_up,down &
+build both qkv,gate_up qkv,o,gate_up,down
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  rounds 2
+  round 8b-mxfp4 2 "" wide combine both
+  round 8b-bf16 1 "" wide combine both
+  round 1b-mxfp4 1 "" wide combine both
   log steps
-  for name in "" wide; do
-    fits 45 "the steps ($name)" && LITHOS_KERNEL_DEFINES=${name:+$wide} bench "steps${name:+-$name}" 45 \
-      --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  for name in "" both; do
+    fits 45 "the steps (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
+      "steps${name:+-$name}" 45 --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
   done
   log done
   exit 0
 fi
 log tests
-# The head of every 4-16-token kernel the GPU cases build: bf16 (two shapes, head dimension 256), MXFP4 in the
-# default tiles, and greedy generation with verification rounds (bf16 and MXFP4).
+# The head and the combine of every 4-16-token kernel the GPU cases build (bf16: two shapes, head dimension 256; MXFP4
+# down tiled at 8 tokens), the one-token combine, and greedy generation with verification rounds (bf16 and MXFP4).
+gpu=tests/test_megakernel_gpu.py
 cases=(
-  "tests/test_megakernel_gpu.py::test_megakernel_equals_interpreter[4-smollm2-like]"
-  "tests/test_megakernel_gpu.py::test_megakernel_equals_interpreter[16-smollm2-like]"
-  "tests/test_megakernel_gpu.py::test_megakernel_equals_interpreter[16-llama-3.2-1b]"
-  "tests/test_megakernel_gpu.py::test_megakernel_equals_interpreter_with_head_dim_256[1000-16]"
-  "tests/test_megakernel_gpu.py::test_tiled_single_matrix_megakernel_equals_interpreter[down-llama-3.1-8b-8]"
-  "tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_equals_reference[llama_hd64]"
-  "tests/test_megakernel_gpu.py::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
+  "$gpu::test_megakernel_equals_interpreter[1-smollm2-like]"
+  "$gpu::test_megakernel_equals_interpreter[4-smollm2-like]"
+  "$gpu::test_megakernel_equals_interpreter[16-smollm2-like]"
+  "$gpu::test_megakernel_equals_interpreter[16-llama-3.2-1b]"
+  "$gpu::test_megakernel_equals_interpreter_with_head_dim_256[1000-16]"
+  "$gpu::test_tiled_single_matrix_megakernel_equals_interpreter[down-llama-3.1-8b-8]"
+  "$gpu::test_megakernel_greedy_generation_equals_reference[llama_hd64]"
+  "$gpu::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
 )
-fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=$wide XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests-wide \
-  120 -n 3 -rA "${cases[@]}"
+fits 130 "the GPU cases" && LITHOS_KERNEL_DEFINES=${defines[both]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests \
+  gpu-tests-both 120 -n 3 -rA "${cases[@]}"
 log rounds
-rounds 1
+round 8b-mxfp4 1 "" wide combine both
 log trace
-fits 80 "the traced round" && LITHOS_KERNEL_DEFINES=$wide traced round-8b-mxfp4-wide 80 "${spec[@]}" --draft-tokens 7 \
-  --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1
+fits 80 "the traced round" && LITHOS_KERNEL_DEFINES=${defines[both]} traced round-8b-mxfp4-both 80 "${spec[@]}" \
+  --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1
 log done

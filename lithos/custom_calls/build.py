@@ -366,6 +366,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The LM head of the 4-16-token kernels in the fused kernels' 16-row layout (NOTES.md, "The LM head of the
     # 4-16-token kernels in the 16-row layout").
     "LITHOS_MK_WIDE_HEAD=1": ("megakernel",),
+    # The megakernel's attention combine four elements a thread (NOTES.md, "The attention's combine four elements
+    # a thread").
+    "LITHOS_MK_COMBINE_VEC=4": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -209,30 +209,53 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   return true;
 }
 
+// Elements of a row a thread of the combine takes, adjacent: 2 (one 8-byte load a split; the default) or 4 (one
+// 16-byte load: half the block's passes where a head group has more than 1024 elements; NOTES.md, "The attention's
+// combine four elements a thread"). LITHOS_KERNEL_DEFINES="LITHOS_MK_COMBINE_VEC=4" builds the wider one.
+#ifndef LITHOS_MK_COMBINE_VEC
+#define LITHOS_MK_COMBINE_VEC 2
+#endif
+#if LITHOS_MK_COMBINE_VEC != 2 && LITHOS_MK_COMBINE_VEC != 4
+#error "LITHOS_MK_COMBINE_VEC is 2 or 4 (elements a thread of the attention's combine takes)"
+#endif
+constexpr int kCombineVec = LITHOS_MK_COMBINE_VEC;
+
+// v = the kCombineVec floats at p (one 8- or 16-byte load).
+__device__ __forceinline__ void load_combine_elements(const float* p, float (&v)[kCombineVec]) {
+  if constexpr (kCombineVec == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  } else {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    v[0] = x.x, v[1] = x.y;
+  }
+}
+
 // Weight each split's output by its share of the softmax mass; a row that sees no key gets zeros.
-// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread takes two
-// adjacent elements of a row (one 8-byte load per split: at T = 1 and head_dim 128 the block covers
-// the 512 elements in one pass, one memory round trip instead of two), loads kCombineChunk splits'
-// values before using any and folds the chunks online.
+// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread takes kCombineVec
+// adjacent elements of a row (one load per split: at T = 1 and head_dim 128 the block covers the 512 elements
+// in one pass, one memory round trip instead of two), loads kCombineChunk splits' values before using any and
+// folds the chunks online.
 template <int D>
 __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, int kv_head) {
   constexpr int kCombineChunk = 16, d = D;
   const int group = a.heads / a.kv_heads, rows = a.tokens * group;
-  for (int i = 2 * threadIdx.x; i < rows * d; i += 2 * blockDim.x) {
-    const int row = i / d, e = i % d;  // e is even and d a multiple of 64: the pair stays in its row
-    float best = -INFINITY, sum = 0.0f, acc[2] = {0.0f, 0.0f};
+  for (int i = kCombineVec * threadIdx.x; i < rows * d; i += kCombineVec * blockDim.x) {
+    const int row = i / d, e = i % d;  // d is a multiple of 64: the thread's elements stay in their row
+    float best = -INFINITY, sum = 0.0f, acc[kCombineVec] = {};
     for (int first = 0; first < plan.splits; first += kCombineChunk) {
       float lse[kCombineChunk];
-      float2 out[kCombineChunk];
+      float out[kCombineChunk][kCombineVec];
       float chunk_best = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         lse[c] = -INFINITY;
-        out[c] = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kCombineVec; ++j) out[c][j] = 0.0f;
         if (first + c < plan.splits) {
           const size_t at = partial_row(a, kv_head, first + c, row);
           lse[c] = a.part_lse[at];
-          out[c] = *reinterpret_cast<const float2*>(a.part_out + at * d + e);
+          load_combine_elements(a.part_out + at * d + e, out[c]);
         }
       }
 #pragma unroll
@@ -241,21 +264,21 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
       if (new_best == -INFINITY) continue;  // no split so far saw a visible key
       const float rescale = exp2f(best - new_best);
       sum *= rescale;
-      acc[0] *= rescale;
-      acc[1] *= rescale;
+#pragma unroll
+      for (int j = 0; j < kCombineVec; ++j) acc[j] *= rescale;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         const float weight = exp2f(lse[c] - new_best);
         sum += weight;
-        acc[0] += weight * out[c].x;
-        acc[1] += weight * out[c].y;
+#pragma unroll
+        for (int j = 0; j < kCombineVec; ++j) acc[j] += weight * out[c][j];
       }
       best = new_best;
     }
     const int token = row / group, head = kv_head * group + row % group;
     bf16_t* to = a.attn + (static_cast<size_t>(token) * a.heads + head) * d + e;
-    to[0] = float_to_bf16(sum > 0.0f ? acc[0] / sum : 0.0f);
-    to[1] = float_to_bf16(sum > 0.0f ? acc[1] / sum : 0.0f);
+#pragma unroll
+    for (int j = 0; j < kCombineVec; ++j) to[j] = float_to_bf16(sum > 0.0f ? acc[j] / sum : 0.0f);
   }
 }
 

@@ -20,12 +20,12 @@ declare -A defines=([wide]="LITHOS_MK_WIDE_HEAD=1" [combine]="LITHOS_MK_COMBINE_
   [both]="LITHOS_MK_WIDE_HEAD=1 LITHOS_MK_COMBINE_VEC=4")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
 # round SHAPE ROUND [NAMES...]: SHAPE's round (8b-mxfp4, 8b-bf16 or 1b-mxfp4) in the default build ("") and in each
-# named build, tagged with ROUND.
+# named build, tagged with ROUND; each bench within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B).
 round() {
   local shape=$1 tag=$2 name
   shift 2
-  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=60
-  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=45
+  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=${ROUND_LIMIT:-60}
+  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=${ROUND_LIMIT:-45}
   [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
   for name in "$@"; do
     fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \

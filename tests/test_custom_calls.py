@@ -324,6 +324,24 @@ def test_build_command_builds_check_libraries_at_the_check_level(monkeypatch, ca
     assert " ".join(command).count(f"-O{check}") == 2 and "-Xcicc -O1" in " ".join(command)
 
 
+def test_variants_command_passes_each_define_of_a_variant(monkeypatch):
+    """`--variants` (CI's prebuild) compiles each experiment variant with every define its key names, as
+    test_build_variant_compiles does: one variant is an MXFP4 build's defines after its own."""
+    monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
+    monkeypatch.delenv("LITHOS_KERNEL_DEFINES", raising=False)
+    built = []
+    monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--variants"]) == 0
+    variants = build.EXPERIMENT_VARIANTS.items()
+    expected = [(kernel, tuple(key.split())) for key, kernels in variants for kernel in kernels]
+    assert [(kernel, tc.defines) for kernel, tc in built] == expected
+    assert any(len(defines) > 1 for _, defines in expected)
+    for _, tc in built:
+        command = tc.command(Path("k.cu"), Path("k.so"))
+        assert all(f"-D{define}" in command for define in tc.defines)
+
+
 COMPILERS = {"cuda": ("nvcc", "sm_90a"), "rocm": ("hipcc", "gfx90a")}
 
 
@@ -421,7 +439,7 @@ HOST_SYMBOLS = {"megakernel": ("LithosMegakernelBlocks",)}
 def test_build_variant_compiles(define, kernel):
     """Each experiment variant (build.EXPERIMENT_VARIANTS) builds beside the default, for every kernel that
     reads its define."""
-    variant = check_build(compiler_toolchain("cuda"), defines=(define,))
+    variant = check_build(compiler_toolchain("cuda"), defines=tuple(define.split()))
     library = build.build(kernel, variant)
     assert library != build.library_path(kernel, dataclasses.replace(variant, defines=()))
     for symbol in build.KERNELS[kernel]:

@@ -343,7 +343,8 @@ PLAIN = Variant()  # the build without the caller's choices
 
 # Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES), each with
 # the kernels that read its define. `--variants` builds them all, as CI's compile gate does
-# (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md).
+# (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md). A variant of
+# a code path only some weight formats compile names their defines after its own ("NAME=VALUE ...").
 EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
     # megakernel's grid error names.
@@ -369,6 +370,11 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The megakernel's attention combine four elements a thread (NOTES.md, "The attention's combine four elements
     # a thread").
     "LITHOS_MK_COMBINE_VEC=4": ("megakernel",),
+    # The 2-16-token tiled gate/up's B staged a k-step a thread, with the RMSNorm factor from the same loads
+    # (NOTES.md, "The 2-16-token gate/up B staged a k-step a thread"), in the MXFP4 build with every group tiled
+    # (the builds without gate/up in tiles do not compile the path).
+    "LITHOS_MK_STAGE_STEPS=1 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
+    "LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         tc = dataclasses.replace(toolchain(platform, args.arch), opt_level=args.opt_level)
         if args.variants:
             jobs = [
-                (kernel, dataclasses.replace(tc, defines=tc.defines + (define,)))
+                (kernel, dataclasses.replace(tc, defines=tc.defines + tuple(define.split())))
                 for define, kernels in EXPERIMENT_VARIANTS.items()
                 for kernel in kernels
             ]

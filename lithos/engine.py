@@ -141,9 +141,11 @@ class Model:
                 checkpoint, cfg=placement.cfg, params=placement.put_params(checkpoint.params)
             )
         self.placement = placement
-        self.checkpoint = checkpoint
-        self.cfg = checkpoint.cfg
         self.params = params_for_kernels(checkpoint.params, checkpoint.cfg, kernels)
+        # The checkpoint as laid out, so that the matrices a layout replaced are freed with the caller's copy (a
+        # Model made from this one's checkpoint lays them out for its own path: params_for_kernels).
+        self.checkpoint = dataclasses.replace(checkpoint, params=self.params)
+        self.cfg = checkpoint.cfg
         self._round_params = None  # laid out on the first speculative call (round_params)
         self.tokenizer = checkpoint.tokenizer
         self.max_len = max_len

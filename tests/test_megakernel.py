@@ -780,7 +780,9 @@ def test_megakernel_generation_equals_reference(hf_checkpoint):
 def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
     """MXFP4 weights laid out as the megakernel on CUDA reads them (the interpreter runs them here): a model's
     one-token steps read O and down in rows, its speculative programs every group in tiles (`round_params`, laid
-    out on first use, sharing the groups laid out alike); both decode the reference path's tokens."""
+    out on first use, sharing the groups laid out alike); both decode the reference path's tokens. The model keeps
+    its checkpoint as laid out (no second copy of the tiled matrices' rows), and a fused model made from it reads
+    them in rows again."""
     import lithos.spec.engine as spec_engine
     from lithos.custom_calls.megakernel import kernel as mk
     from lithos.engine import Model
@@ -795,6 +797,9 @@ def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
         cuda.setattr(mk, "_gpu_platform", lambda: "cuda")
         mega = Model(checkpoint, max_len=128, kernels="megakernel")
         rounds = mega.round_params
+        fused = Model(mega.checkpoint, max_len=128, kernels="fused")
+    assert mega.checkpoint.params is mega.params and mega.params.layers.w_gate.format == quant.MXFP4_TILES
+    assert all(getattr(fused.params.layers, n).format == quant.MXFP4 for n in ("wq", "wk", "wv", "w_gate", "w_up"))
     steps = mega.params.layers
     assert steps.wo.format == quant.MXFP4 and rounds.layers.wo.format == quant.MXFP4_TILES
     # the same arrays for the rest: down's 96 inputs are no whole tiles of 64, so its rows in both
@@ -809,6 +814,7 @@ def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
     prompt = "the quick brown fox"
     expected = ref.generate(prompt, raw=True, max_new_tokens=16).token_ids
     assert mega.generate(prompt, raw=True, max_new_tokens=16).token_ids == expected
+    assert fused.generate(prompt, raw=True, max_new_tokens=16).token_ids == expected
     assert not read
     assert mega.generate(prompt, raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3).token_ids == expected
     assert read and all(params is rounds for params in read)

@@ -443,21 +443,28 @@ def params_for_kernels(params: Params, cfg: Config, kernels: str, rounds: bool =
     """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
     (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
     tiles on CUDA (tiles_for_megakernel: Q/K/V, gate and up by default for one-token steps, every group for
-    speculative verification's rounds of k + 1 positions, `rounds`); for the fused path, `qkv_in_one_format`.
-    The values are the same; the reference path reads any layout. `params` may be laid out already (for the other
-    use): the groups laid out alike are the same arrays."""
-    if kernels == "fused":
-        return qkv_in_one_format(params)
-    if kernels != "megakernel":
+    speculative verification's rounds of k + 1 positions, `rounds`); for the fused path, MXFP4 in rows
+    (`in_rows`: a megakernel model's tiles back in them) and `qkv_in_one_format`. The values are the same; the
+    reference path reads any layout. `params` may be laid out already (for another use or path): the matrices
+    laid out alike are the same arrays."""
+    if kernels not in ("fused", "megakernel"):
         return params
-    from lithos.custom_calls.megakernel import one_format_a_group, tiles_for_megakernel
+    from lithos.custom_calls.megakernel import in_rows, one_format_a_group, tiles_for_megakernel
     from lithos.custom_calls.megakernel.kernel import ATTENTION_WEIGHTS, MLP_WEIGHTS
 
     layers = params.layers
-    laid_out = one_format_a_group({name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS)})
-    laid_out = tiles_for_megakernel(laid_out, cfg.head_dim, rounds=rounds)
+    matrices = {name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS) if hasattr(layers, name)}
+    if kernels == "fused":
+        return qkv_in_one_format(with_layers(params, in_rows(matrices)))
+    return with_layers(params, tiles_for_megakernel(one_format_a_group(matrices), cfg.head_dim, rounds=rounds))
+
+
+def with_layers(params, laid_out: dict):
+    """`params` with the layer matrices `laid_out` (a dict of names); the same params where each is the array
+    they hold already (not a copy of the tree)."""
+    layers = params.layers
     if all(w is getattr(layers, name) for name, w in laid_out.items()):
-        return params  # laid out as asked already: the same params, not a copy of the tree
+        return params
     return params.replace(layers=layers.replace(**laid_out))
 
 
@@ -470,14 +477,11 @@ def qkv_in_one_format(params):
     from lithos.custom_calls.megakernel import one_format_a_group
     from lithos.custom_calls.megakernel.kernel import QKV_WEIGHTS
 
-    layers = params.layers
     try:
-        laid_out = one_format_a_group({name: getattr(layers, name) for name in QKV_WEIGHTS})
+        laid_out = one_format_a_group({name: getattr(params.layers, name) for name in QKV_WEIGHTS})
     except LithosError:  # a mix K_MIX does not hold: the split form reads any
         return params
-    if all(w is getattr(layers, name) for name, w in laid_out.items()):
-        return params  # one format already (or not K-quants): the same params, not a copy of the tree
-    return params.replace(layers=layers.replace(**laid_out))
+    return with_layers(params, laid_out)
 
 
 def rope_inv_freq(cfg: Config) -> np.ndarray:

@@ -210,14 +210,11 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
     params laid out for one use are laid out for the other at the cost of the groups that differ."""
     platform = _gpu_platform() if platform is None else platform
     wanted = tiles_wanted(platform, rounds)
-    out = dict(matrices)
-    for group, names in TILE_GROUPS.items():
+    out = in_rows(matrices, [group for group in TILE_GROUPS if group not in wanted])
+    for group in wanted:
+        names = TILE_GROUPS[group]
         ws = [matrices[name] for name in names if name in matrices]
         if len(ws) < len(names) or not all(isinstance(w, QuantizedArray) for w in ws):
-            continue
-        if group not in wanted:
-            if all(w.format.tile is not None for w in ws):
-                out.update({name: from_tiles(w) for name, w in zip(names, ws)})
             continue
         if not all(w.format == MXFP4 for w in ws):
             continue  # in tiles already, or a format the tiles do not take
@@ -227,6 +224,19 @@ def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = N
             out.update({name: to_tiles(w, head_dim if group == "qkv" else 0) for name, w in zip(names, ws)})
         except LithosError:  # a shape or a scale the tiles do not take (to_tiles says which): rows read the same values
             continue
+    return out
+
+
+def in_rows(matrices: dict, groups=TILE_GROUPS) -> dict:
+    """The layer matrices `matrices` (a dict of TILE_GROUPS' names) with each of `groups` whose matrices are all in
+    fragment tiles back in MXFP4 rows as stored (what the fused kernels and HIP read); anything else the same
+    arrays."""
+    out = dict(matrices)
+    for group in groups:
+        names = TILE_GROUPS[group]
+        ws = [matrices[name] for name in names if name in matrices]
+        if len(ws) == len(names) and all(isinstance(w, QuantizedArray) and w.format.tile is not None for w in ws):
+            out.update({name: from_tiles(w) for name, w in zip(names, ws)})
     return out
 
 

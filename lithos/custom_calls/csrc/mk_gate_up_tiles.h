@@ -93,9 +93,9 @@ template <int TMAX>
 __device__ inline void stage_tile_operand_steps(const TokenRows& in, float (&squares)[kMatvecWarps][TMAX]) {
   constexpr int kColumns = 4 * kTileTokenBlocks<TMAX>, kBatch = TMAX < kStageTokens ? TMAX : kStageTokens;
   uint2* bs = tile_operand();
-  float sq[TMAX];
+  float sq[kColumns];  // columns past TMAX hold zeros and are not read
 #pragma unroll
-  for (int u = 0; u < TMAX; ++u) sq[u] = 0.0f;
+  for (int u = 0; u < kColumns; ++u) sq[u] = 0.0f;
   for (int s = static_cast<int>(threadIdx.x); s < in.n_in / 16; s += kMatvecThreads) {
     const int k = 16 * s;
     const Bf16Vec<8> n[2] = {load_cached<8>(in.norm_w + k), load_cached<8>(in.norm_w + k + 8)};
@@ -112,8 +112,7 @@ __device__ inline void stage_tile_operand_steps(const TokenRows& in, float (&squ
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         uint32_t part[kTileOperandParts][8];
-        float unused = 0.0f;
-        operand_parts_of(xv[b], n, true, part, first + b < TMAX ? sq[min(first + b, TMAX - 1)] : unused);
+        operand_parts_of(xv[b], n, true, part, sq[first + b]);
         store_operand_column<TMAX>(bs, s, first + b, part);
       }
     }

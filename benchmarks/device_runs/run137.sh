@@ -10,10 +10,10 @@
 #   every    the three together
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run137.sh [all|rounds|mini]
 # `all`: the builds, the 1-16-token GPU cases in the build with every change, the 8B MXFP4 round in the default
-# build and in that one, a traced 8B MXFP4 verification step in that one. `rounds`: the 8B MXFP4 and 1B MXFP4 rounds
-# in each build, the 8B bf16 round in the default, wide and combine builds, then the one-token steps of the default and
-# of every change. `mini`, for a call of about 4 minutes: the MXFP4 builds with every group tiled, default and every
-# change, and the 8B MXFP4 round in each, alternating.
+# build and in each build of a change, a traced 8B MXFP4 verification step in the build with every change. `rounds`:
+# the 1B MXFP4 round and a second 8B MXFP4 round in each build, the 8B bf16 round in the default, wide and combine
+# builds, then the one-token steps of the default and of every change. `mini`, for a call of about 4 minutes: the
+# MXFP4 builds with every group tiled, default and every change, and the 8B MXFP4 round in each, alternating.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -63,8 +63,8 @@ wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  round 8b-mxfp4 2 "" wide combine stage every
   round 1b-mxfp4 1 "" wide combine stage every
+  round 8b-mxfp4 2 "" wide combine stage every
   round 8b-bf16 1 "" wide combine
   log steps
   for name in "" every; do
@@ -96,7 +96,7 @@ cases=(
 fits 160 "the GPU cases" && LITHOS_KERNEL_DEFINES=${defines[every]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests \
   gpu-tests-every 150 -n 3 -rA "${cases[@]}"
 log rounds
-round 8b-mxfp4 1 "" every
+round 8b-mxfp4 1 "" wide combine stage every
 log trace
 fits 80 "the traced round" && LITHOS_KERNEL_DEFINES=${defines[every]} traced round-8b-mxfp4-every 80 "${spec[@]}" \
   --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1

@@ -364,9 +364,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
-    # The LM head of the 4-16-token kernels in the fused kernels' 16-row layout (NOTES.md, "The LM head of the
-    # 4-16-token kernels in the 16-row layout").
-    "LITHOS_MK_WIDE_HEAD=1": ("megakernel",),
     # The megakernel's attention combine four elements a thread (NOTES.md, "The attention's combine four elements
     # a thread").
     "LITHOS_MK_COMBINE_VEC=4": ("megakernel",),

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Run 138 (written 2026-12-07, forty-first session): the two changes run 137 could not time alone, in builds of both
+# layouts that `lithos bench --spec` reads (its plain step in Q/K/V + gate/up tiles, its rounds in every group's):
+#   combine  LITHOS_MK_COMBINE_VEC=4, the attention's combine four elements a thread (NOTES.md, "The attention's
+#            combine four elements a thread")
+#   stage    LITHOS_MK_STAGE_STEPS=1, the tiled gate/up's B staged a k-step a thread (NOTES.md, "The 2-16-token
+#            gate/up B staged a k-step a thread"; MXFP4 builds only)
+#   both     the two together
+# and the default's 16-row LM head (kept after run 137) where run 137 did not reach: its GPU cases, the 8B bf16
+# round, a traced 8B MXFP4 round.
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run138.sh [all|rounds]
+# `all`: the builds, the default build's GPU cases (with the MXFP4 greedy generation in the engine's two layouts), the
+# 8B MXFP4 round in each build. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round again, the 8B bf16
+# round and a traced 8B MXFP4 round of the default, the GPU cases in the build with both changes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:-all}
+source benchmarks/device_runs/lib.sh run138 "$phase"
+unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
+declare -A defines=([combine]="LITHOS_MK_COMBINE_VEC=4" [stage]="LITHOS_MK_STAGE_STEPS=1"
+  [both]="LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1")
+spec=(--spec ngram --no-acceptance --kernels megakernel)
+# round SHAPE ROUND [NAMES...]: SHAPE's round (8b-mxfp4, 8b-bf16 or 1b-mxfp4) in the default build ("") and in each
+# named build, tagged with ROUND; each bench within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B).
+round() {
+  local shape=$1 tag=$2 name
+  shift 2
+  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=${ROUND_LIMIT:-60}
+  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=${ROUND_LIMIT:-45}
+  [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
+  for name in "$@"; do
+    fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
+      "round-$shape${name:+-$name}-$tag" "$limit" "${spec[@]}" "${args[@]}"
+  done
+}
+# build NAME: build_variants.py of the two default layouts (and the GPU cases' own: gate/up alone, gate/up + down)
+# with NAME's defines, the bf16 build among them.
+build() {
+  LITHOS_KERNEL_DEFINES=${1:+${defines[$1]}} python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up,down \
+    gate_up gate_up,down >"$work/build${1:+-$1}.log" 2>&1
+}
+gpu=tests/test_megakernel_gpu.py
+# The 1-16-token kernels' head and combine (bf16: two shapes, head dimension 256), the tiled gate/up at 4-16 tokens and
+# down at 8, greedy generation with verification rounds (bf16; MXFP4 in the engine's two layouts).
+cases=(
+  "$gpu::test_megakernel_greedy_generation_over_mxfp4_equals_reference[default-tiles]"
+  "$gpu::test_megakernel_equals_interpreter[4-smollm2-like]"
+  "$gpu::test_megakernel_equals_interpreter[16-llama-3.2-1b]"
+  "$gpu::test_megakernel_equals_interpreter_with_head_dim_256[1000-16]"
+  "$gpu::test_tiled_gate_up_megakernel_equals_interpreter[llama-3.1-8b-8]"
+  "$gpu::test_tiled_gate_up_megakernel_equals_interpreter[llama-3.2-1b-16]"
+  "$gpu::test_tiled_single_matrix_megakernel_equals_interpreter[down-llama-3.1-8b-8]"
+  "$gpu::test_megakernel_greedy_generation_equals_reference[llama_hd64]"
+)
+log build
+build "" &
+build combine &
+build stage &
+build both
+wait
+grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+if [ "$phase" = rounds ]; then
+  log rounds
+  round 1b-mxfp4 1 "" combine stage both
+  round 8b-mxfp4 2 "" combine stage both
+  round 8b-bf16 1 ""
+  log trace
+  fits 80 "the traced round" && traced round-8b-mxfp4 80 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b \
+    --weight-format mxfp4 --steps 32 --runs 1
+  log tests
+  fits 130 "the GPU cases (both)" && LITHOS_KERNEL_DEFINES=${defines[both]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+    run_tests gpu-tests-both 120 -n 3 -rA "${cases[@]}"
+  log done
+  exit 0
+fi
+log tests
+fits 160 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests 150 -n 3 -rA "${cases[@]}"
+log rounds
+round 8b-mxfp4 1 "" combine stage both
+log done

@@ -287,7 +287,7 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.0", "sm_100a")),
         build.library_path("matvec", build.Toolchain("cuda", "nvcc", "V13.1", "sm_90a")),
         build.library_path("matvec", check_build(base)),  # a check build is never loaded
-        build.library_path("matvec", dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2",))),
+        build.library_path("matvec", dataclasses.replace(base, defines=("LITHOS_FUSED_MMA_CHUNKS=2",))),
         build.library_path("attention", base),
     }
     assert len(paths) == 6 and all(p.parent == tmp_path for p in paths)
@@ -297,6 +297,25 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
     assert not any("TWO_BUCKETS" in part for part in base.command(Path("k.cu"), Path("k.so")))
     monkeypatch.setattr(build, "jaxlib_version", lambda: "0.0.0")
     assert build.library_path("matvec", base) not in paths
+
+
+def test_a_define_keys_only_the_kernels_whose_sources_name_it(monkeypatch, tmp_path):
+    """A megakernel experiment's define leaves the fused kernels' libraries as they are (no rebuild of every
+    kernel for each experiment), while a define that a header two includes down reads still keys its kernel."""
+    monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
+    base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
+    megakernel_only = dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2", "LITHOS_MK_COMBINE_VEC=4"))
+    for kernel in ("matvec", "attention", "lm_head", "matvec_packed_mxfp4"):
+        assert build.library_path(kernel, megakernel_only) == build.library_path(kernel, base)
+        assert build.kernel_toolchain(kernel, megakernel_only) == base
+    assert build.library_path("megakernel", megakernel_only) != build.library_path("megakernel", base)
+    # mk_attention.h (megakernel.cu -> mk_attention.h) reads LITHOS_MK_COMBINE_VEC; matvec.cu -> row_groups.h reads
+    # LITHOS_FUSED_MMA_CHUNKS, which the megakernel's sources do not.
+    mixed = dataclasses.replace(base, defines=("LITHOS_MK_COMBINE_VEC=4", "LITHOS_FUSED_MMA_CHUNKS=2"))
+    assert build.kernel_toolchain("megakernel", mixed).defines == ("LITHOS_MK_COMBINE_VEC=4",)
+    assert build.kernel_toolchain("matvec", mixed).defines == ("LITHOS_FUSED_MMA_CHUNKS=2",)
+    command = build.kernel_toolchain("megakernel", mixed).command(Path("megakernel.cu"), Path("megakernel.so"))
+    assert "-DLITHOS_FUSED_MMA_CHUNKS=2" not in command
 
 
 def test_kernel_defines_come_from_the_environment(monkeypatch):

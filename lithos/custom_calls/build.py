@@ -8,9 +8,10 @@ is compiled against). Build them all ahead of time, e.g. for a container image:
     python -m lithos.custom_calls.build --platform cuda --arch sm_90a
     python -m lithos.custom_calls.build --platform rocm --arch gfx942
 
-Variants for experiments: `LITHOS_KERNEL_DEFINES="NAME=VALUE ..."` passes `-DNAME=VALUE` to every
-compile (the knobs a source declares with #ifndef, e.g. csrc/megakernel.cu's LITHOS_MK_MIN_BLOCKS);
-the defines are part of the key, so each variant is cached beside the default build.
+Variants for experiments: `LITHOS_KERNEL_DEFINES="NAME=VALUE ..."` passes `-DNAME=VALUE` to the compile
+of each kernel whose sources name NAME (the knobs a source declares with #ifndef, e.g. csrc/megakernel.cu's
+LITHOS_MK_MIN_BLOCKS); those defines are part of the key, so each variant is cached beside the default build, and
+a kernel that does not read them keeps its default build.
 
 A GPU with no compiler is an error that says what to install: the kernels never fall back to the
 reference path unless the caller asks for it (`path="reference"`).
@@ -25,6 +26,7 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -241,7 +243,34 @@ def toolchain(platform: str, arch: str | None = None) -> Toolchain:
     return Toolchain(platform, compiler, compiler_version(compiler), arch or detect_arch(platform), defines=defines)
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"/]+)"', re.MULTILINE)
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def kernel_sources(kernel: str) -> dict[Path, str]:
+    """The text of csrc/<kernel>.cu and of each csrc header it includes, directly or through another."""
+    todo, sources = [CSRC / f"{kernel}.cu"], {}
+    while todo:
+        path = todo.pop()
+        if path not in sources and path.exists():
+            sources[path] = path.read_text()
+            todo += [CSRC / name for name in _INCLUDE.findall(sources[path])]
+    return sources
+
+
+def kernel_toolchain(kernel: str, tc: Toolchain) -> Toolchain:
+    """`tc` keeping only the defines whose names `kernel`'s sources contain: a macro that no line of a
+    translation unit names cannot change its code, so a define for one kernel (a megakernel experiment)
+    leaves every other kernel's key, and its cached library, as they are."""
+    if not tc.defines:
+        return tc
+    names = set(_IDENTIFIER.findall("\n".join(kernel_sources(kernel).values())))
+    kept = tuple(define for define in tc.defines if define.split("=", 1)[0] in names)
+    return tc if kept == tc.defines else dataclasses.replace(tc, defines=kept)
+
+
 def source_key(kernel: str, tc: Toolchain) -> str:
+    tc = kernel_toolchain(kernel, tc)
     digest = hashlib.sha256()
     for path in [CSRC / f"{kernel}.cu", *sorted(CSRC.glob("*.h"))]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -277,6 +306,7 @@ def check_kernel(kernel: str, tc: Toolchain) -> None:
 def build(kernel: str, tc: Toolchain, force: bool = False) -> Path:
     """Compile csrc/<kernel>.cu for `tc` unless the cache already holds it; returns the library."""
     check_kernel(kernel, tc)
+    tc = kernel_toolchain(kernel, tc)
     output = library_path(kernel, tc)
     if output.exists() and not force:
         return output

@@ -8,10 +8,11 @@
 #   both     the two together
 # and the default's 16-row LM head (kept after run 137) where run 137 did not reach: its GPU cases, the 8B bf16
 # round, a traced 8B MXFP4 round.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run138.sh [all|rounds]
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run138.sh [all|rounds|table]
 # `all`: the builds, the default build's GPU cases (with the MXFP4 greedy generation in the engine's two layouts), the
 # 8B MXFP4 round in each build. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round again, the 8B bf16
-# round and a traced 8B MXFP4 round of the default, the GPU cases in the build with both changes.
+# round and a traced 8B MXFP4 round of the default, the GPU cases in the build with both changes. `table`, for an
+# H200: the README table's 1K rows again (run 79's call: every path of the 1B and 8B shapes, bf16, then MXFP4).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -52,6 +53,18 @@ cases=(
   "$gpu::test_tiled_single_matrix_megakernel_equals_interpreter[down-llama-3.1-8b-8]"
   "$gpu::test_megakernel_greedy_generation_equals_reference[llama_hd64]"
 )
+if [ "$phase" = table ]; then
+  log build
+  build ""
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  log table
+  for format in "" mxfp4; do
+    fits 200 "the ${format:-bf16} paths" && bench "paths${format:+-$format}" 200 --shape llama-3.2-1b \
+      --shape llama-3.1-8b ${format:+--weight-format $format} --kernels reference,fused,megakernel
+  done
+  log done
+  exit 0
+fi
 log build
 build "" &
 build combine &

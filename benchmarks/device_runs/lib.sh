@@ -14,6 +14,11 @@
 #                           launch (the last: a verification step's where --spec runs rounds) summarised and saved
 #   mxfp4_step TILES        the 8B MXFP4 megakernel step with LITHOS_TILES=TILES: timed (bench), then one traced
 #                           step summarised (TAG_SUFFIX, if set, ends its tags)
+#   spec_round SHAPE TAG [NAMES...]
+#                           SHAPE's verification round (8b-mxfp4, 8b-bf16 or 1b-mxfp4: ngram drafts, k = 7 on 8B and
+#                           15 on 1B, no acceptance run, megakernel) in the default build ("") and in each build NAMES
+#                           name (their defines: the script's `defines` array), tagged RUN-round-SHAPE[-NAME]-TAG;
+#                           each within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B)
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
 #                           stops it first, the tests passed and failed until then
@@ -63,6 +68,18 @@ mxfp4_step() {
   LITHOS_TILES=$tiles bench "mxfp4-$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
   LITHOS_TILES=$tiles traced "$name" 150 --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel --steps 32 \
     --runs 1
+}
+
+spec_round() {
+  local shape=$1 tag=$2 name
+  shift 2
+  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=${ROUND_LIMIT:-60}
+  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=${ROUND_LIMIT:-45}
+  [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
+  for name in "$@"; do
+    fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
+      "round-$shape${name:+-$name}-$tag" "$limit" --spec ngram --no-acceptance --kernels megakernel "${args[@]}"
+  done
 }
 
 run_tests() {

@@ -22,19 +22,6 @@ unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every grou
 declare -A defines=([wide]="LITHOS_MK_WIDE_HEAD=1" [combine]="LITHOS_MK_COMBINE_VEC=4" [stage]="LITHOS_MK_STAGE_STEPS=1"
   [every]="LITHOS_MK_WIDE_HEAD=1 LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
-# round SHAPE ROUND [NAMES...]: SHAPE's round (8b-mxfp4, 8b-bf16 or 1b-mxfp4) in the default build ("") and in each
-# named build, tagged with ROUND; each bench within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B).
-round() {
-  local shape=$1 tag=$2 name
-  shift 2
-  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=${ROUND_LIMIT:-60}
-  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=${ROUND_LIMIT:-45}
-  [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
-  for name in "$@"; do
-    fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
-      "round-$shape${name:+-$name}-$tag" "$limit" "${spec[@]}" "${args[@]}"
-  done
-}
 # build NAME TILES...: build_variants.py of the MXFP4 layouts TILES (and the bf16 build) with NAME's defines.
 build() {
   local name=$1
@@ -49,8 +36,8 @@ if [ "$phase" = mini ]; then
   wait
   grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
   log rounds
-  round 8b-mxfp4 mini-1 "" every
-  round 8b-mxfp4 mini-2 "" every
+  spec_round 8b-mxfp4 mini-1 "" every
+  spec_round 8b-mxfp4 mini-2 "" every
   log done
   exit 0
 fi
@@ -63,9 +50,9 @@ wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  round 1b-mxfp4 1 "" wide combine stage every
-  round 8b-mxfp4 2 "" wide combine stage every
-  round 8b-bf16 1 "" wide combine
+  spec_round 1b-mxfp4 1 "" wide combine stage every
+  spec_round 8b-mxfp4 2 "" wide combine stage every
+  spec_round 8b-bf16 1 "" wide combine
   log steps
   for name in "" every; do
     fits 45 "the steps (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
@@ -96,7 +83,7 @@ cases=(
 fits 160 "the GPU cases" && LITHOS_KERNEL_DEFINES=${defines[every]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests \
   gpu-tests-every 150 -n 3 -rA "${cases[@]}"
 log rounds
-round 8b-mxfp4 1 "" wide combine stage every
+spec_round 8b-mxfp4 1 "" wide combine stage every
 log trace
 fits 80 "the traced round" && LITHOS_KERNEL_DEFINES=${defines[every]} traced round-8b-mxfp4-every 80 "${spec[@]}" \
   --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1

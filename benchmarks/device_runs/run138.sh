@@ -21,19 +21,6 @@ unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every grou
 declare -A defines=([combine]="LITHOS_MK_COMBINE_VEC=4" [stage]="LITHOS_MK_STAGE_STEPS=1"
   [both]="LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
-# round SHAPE ROUND [NAMES...]: SHAPE's round (8b-mxfp4, 8b-bf16 or 1b-mxfp4) in the default build ("") and in each
-# named build, tagged with ROUND; each bench within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B).
-round() {
-  local shape=$1 tag=$2 name
-  shift 2
-  local args=(--draft-tokens 7 --shape llama-3.1-8b) limit=${ROUND_LIMIT:-60}
-  [ "$shape" = 1b-mxfp4 ] && args=(--draft-tokens 15 --shape llama-3.2-1b) && limit=${ROUND_LIMIT:-45}
-  [ "${shape#*-}" = mxfp4 ] && args+=(--weight-format mxfp4)
-  for name in "$@"; do
-    fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
-      "round-$shape${name:+-$name}-$tag" "$limit" "${spec[@]}" "${args[@]}"
-  done
-}
 # build NAME: build_variants.py of the two default layouts (and the GPU cases' own: gate/up alone, gate/up + down)
 # with NAME's defines, the bf16 build among them.
 build() {
@@ -74,9 +61,9 @@ wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  round 1b-mxfp4 1 "" combine stage both
-  round 8b-mxfp4 2 "" combine stage both
-  round 8b-bf16 1 ""
+  spec_round 1b-mxfp4 1 "" combine stage both
+  spec_round 8b-mxfp4 2 "" combine stage both
+  spec_round 8b-bf16 1 ""
   log trace
   fits 80 "the traced round" && traced round-8b-mxfp4 80 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b \
     --weight-format mxfp4 --steps 32 --runs 1
@@ -89,5 +76,5 @@ fi
 log tests
 fits 160 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests 150 -n 3 -rA "${cases[@]}"
 log rounds
-round 8b-mxfp4 1 "" combine stage both
+spec_round 8b-mxfp4 1 "" combine stage both
 log done

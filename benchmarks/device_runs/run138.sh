@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
-# Run 138 (written 2026-12-07, forty-first session): the two changes run 137 could not time alone, in builds of both
-# layouts that `lithos bench --spec` reads (its plain step in Q/K/V + gate/up tiles, its rounds in every group's):
+# Run 138 (written 2026-12-07, forty-first session): the two changes run 137 could not time alone and one more, in
+# builds of both layouts that `lithos bench --spec` reads (its plain step in Q/K/V + gate/up tiles, its rounds in
+# every group's):
 #   combine  LITHOS_MK_COMBINE_VEC=4, the attention's combine four elements a thread (NOTES.md, "The attention's
 #            combine four elements a thread")
 #   stage    LITHOS_MK_STAGE_STEPS=1, the tiled gate/up's B staged a k-step a thread (NOTES.md, "The 2-16-token
 #            gate/up B staged a k-step a thread"; MXFP4 builds only)
-#   both     the two together
+#   keys3    LITHOS_MK_ATTN_KEYS=3, three keys a lane group and loop step in the 4-16-token attention too (NOTES.md,
+#            "Three keys a loop step in the 4-16-token attention")
+#   every    the three together
 # and the default's 16-row LM head (kept after run 137) where run 137 did not reach: its GPU cases, the 8B bf16
 # round, a traced 8B MXFP4 round.
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run138.sh [all|rounds|table]
 # `all`: the builds, the default build's GPU cases (with the MXFP4 greedy generation in the engine's two layouts), the
-# 8B MXFP4 round in each build. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round again, the 8B bf16
-# round and a traced 8B MXFP4 round of the default, the GPU cases in the build with both changes. `table`, for an
-# H200: the README table's 1K rows again (run 79's call: every path of the 1B and 8B shapes, bf16, then MXFP4).
+# 8B MXFP4 round in each build. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round again, the GPU cases
+# in the build with every change, the 8B bf16 round and a traced 8B MXFP4 round of the default. `table`, for an H200:
+# the README table's 1K rows again (run 79's call: every path of the 1B and 8B shapes, bf16, then MXFP4).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
 source benchmarks/device_runs/lib.sh run138 "$phase"
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
 declare -A defines=([combine]="LITHOS_MK_COMBINE_VEC=4" [stage]="LITHOS_MK_STAGE_STEPS=1"
-  [both]="LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1")
+  [keys3]="LITHOS_MK_ATTN_KEYS=3" [every]="LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1 LITHOS_MK_ATTN_KEYS=3")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
-# build NAME: build_variants.py of the two default layouts (and the GPU cases' own: gate/up alone, gate/up + down)
-# with NAME's defines, the bf16 build among them.
+# build NAME [LAYOUTS...]: build_variants.py (the bf16 build and the MXFP4 LAYOUTS) with NAME's defines. The default
+# layouts (Q/K/V + gate/up tiled, every group tiled) unless named; the GPU cases also read gate/up alone and gate/up +
+# down.
 build() {
-  LITHOS_KERNEL_DEFINES=${1:+${defines[$1]}} python3 benchmarks/build_variants.py qkv,gate_up qkv,o,gate_up,down \
-    gate_up gate_up,down >"$work/build${1:+-$1}.log" 2>&1
+  local name=$1
+  shift
+  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py qkv,gate_up \
+    qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
 }
 gpu=tests/test_megakernel_gpu.py
 # The 1-16-token kernels' head and combine (bf16: two shapes, head dimension 256), the tiled gate/up at 4-16 tokens and
@@ -53,28 +59,30 @@ if [ "$phase" = table ]; then
   exit 0
 fi
 log build
-build "" &
+build "" gate_up gate_up,down &
 build combine &
 build stage &
-build both
+build keys3 &
+build every gate_up gate_up,down
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  spec_round 1b-mxfp4 1 "" combine stage both
-  spec_round 8b-mxfp4 2 "" combine stage both
+  spec_round 1b-mxfp4 1 "" combine stage keys3 every
+  spec_round 8b-mxfp4 2 "" combine stage keys3 every
+  log tests
+  fits 130 "the GPU cases (every)" && LITHOS_KERNEL_DEFINES=${defines[every]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+    run_tests gpu-tests-every 120 -n 3 -rA "${cases[@]}"
+  log bf16
   spec_round 8b-bf16 1 ""
   log trace
   fits 80 "the traced round" && traced round-8b-mxfp4 80 "${spec[@]}" --draft-tokens 7 --shape llama-3.1-8b \
     --weight-format mxfp4 --steps 32 --runs 1
-  log tests
-  fits 130 "the GPU cases (both)" && LITHOS_KERNEL_DEFINES=${defines[both]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
-    run_tests gpu-tests-both 120 -n 3 -rA "${cases[@]}"
   log done
   exit 0
 fi
 log tests
 fits 160 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests 150 -n 3 -rA "${cases[@]}"
 log rounds
-spec_round 8b-mxfp4 1 "" combine stage both
+spec_round 8b-mxfp4 1 "" combine stage keys3 every
 log done

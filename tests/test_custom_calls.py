@@ -301,7 +301,8 @@ def test_library_key_covers_source_arch_compiler_flags_and_jaxlib(monkeypatch, t
 
 def test_a_define_keys_only_the_kernels_whose_sources_name_it(monkeypatch, tmp_path):
     """A megakernel experiment's define leaves the fused kernels' libraries as they are (no rebuild of every
-    kernel for each experiment), while a define that a header two includes down reads still keys its kernel."""
+    kernel for each experiment), while a define read by a header that an included header includes still keys
+    its kernel."""
     monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
     base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
     megakernel_only = dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2", "LITHOS_MK_COMBINE_VEC=4"))
@@ -309,13 +310,15 @@ def test_a_define_keys_only_the_kernels_whose_sources_name_it(monkeypatch, tmp_p
         assert build.library_path(kernel, megakernel_only) == build.library_path(kernel, base)
         assert build.kernel_toolchain(kernel, megakernel_only) == base
     assert build.library_path("megakernel", megakernel_only) != build.library_path("megakernel", base)
-    # mk_attention.h (megakernel.cu -> mk_attention.h) reads LITHOS_MK_COMBINE_VEC; matvec.cu -> row_groups.h reads
-    # LITHOS_FUSED_MMA_CHUNKS, which the megakernel's sources do not.
-    mixed = dataclasses.replace(base, defines=("LITHOS_MK_COMBINE_VEC=4", "LITHOS_FUSED_MMA_CHUNKS=2"))
-    assert build.kernel_toolchain("megakernel", mixed).defines == ("LITHOS_MK_COMBINE_VEC=4",)
-    assert build.kernel_toolchain("matvec", mixed).defines == ("LITHOS_FUSED_MMA_CHUNKS=2",)
+    # Includes of includes: megakernel.cu -> mk_lm_head.h -> mk_matvec.h -> mk_lane_ring.h reads LITHOS_MK_LANE_RING,
+    # matvec.cu -> row_groups.h -> mma_rowdot.h LITHOS_MMA_ACCUMULATORS (both kernels), row_groups.h
+    # LITHOS_FUSED_MMA_CHUNKS (not the megakernel's).
+    mixed = ("LITHOS_MK_LANE_RING=0", "LITHOS_MMA_ACCUMULATORS=1", "LITHOS_FUSED_MMA_CHUNKS=2")
+    mixed = dataclasses.replace(base, defines=mixed)
+    assert build.kernel_toolchain("megakernel", mixed).defines == ("LITHOS_MK_LANE_RING=0", "LITHOS_MMA_ACCUMULATORS=1")
+    assert build.kernel_toolchain("matvec", mixed).defines == ("LITHOS_MMA_ACCUMULATORS=1", "LITHOS_FUSED_MMA_CHUNKS=2")
     command = build.kernel_toolchain("megakernel", mixed).command(Path("megakernel.cu"), Path("megakernel.so"))
-    assert "-DLITHOS_FUSED_MMA_CHUNKS=2" not in command
+    assert "-DLITHOS_FUSED_MMA_CHUNKS=2" not in command and "-DLITHOS_MK_LANE_RING=0" in command
 
 
 def test_kernel_defines_come_from_the_environment(monkeypatch):

@@ -389,14 +389,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_ATTENTION_MMA=128": ("attention",),
     # Two 256-input chunks in flight on the fused 4-row tensor-core path (the default is one, two blocks per SM).
     "LITHOS_FUSED_MMA_CHUNKS=2": ("matvec", "qkv_rope"),
-    # Instructions that do nothing ahead of the megakernel's task loop: whether the code's place costs time.
-    "LITHOS_MK_PROLOGUE_PAD=8": ("megakernel",),
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
-    # Three keys a lane group and loop step in every kernel's attention, the 4-16-token ones too (NOTES.md, "Three
-    # keys a loop step in the 4-16-token attention").
-    "LITHOS_MK_ATTN_KEYS=3": ("megakernel",),
     # The megakernel's attention combine four elements a thread (NOTES.md, "The attention's combine four elements
     # a thread").
     "LITHOS_MK_COMBINE_VEC=4": ("megakernel",),

@@ -107,21 +107,8 @@ __device__ __forceinline__ bool any_qkv_task(const Args& a, const Task& task, in
   }
 }
 
-// LITHOS_MK_PROLOGUE_PAD=k (a build variant, an experiment; NOTES.md "Does the code's place cost time?"): k
-// clock reads and a branch that is never taken, ahead of the task loop. They load nothing and nothing waits
-// on memory for them; they move every later instruction by a few hundred bytes.
-#ifndef LITHOS_MK_PROLOGUE_PAD
-#define LITHOS_MK_PROLOGUE_PAD 0
-#endif
-
 template <int TMAX>
 __global__ void __launch_bounds__(kMatvecThreads, LITHOS_MK_MIN_BLOCKS) megakernel(Args a) {
-  if constexpr (LITHOS_MK_PROLOGUE_PAD > 0) {
-    unsigned pad = 0;
-#pragma unroll
-    for (int i = 0; i < LITHOS_MK_PROLOGUE_PAD; ++i) pad = pad * 3u + static_cast<unsigned>(clock());
-    if (a.n_tasks < 0 && pad == 0x5EEDu) return;  // never taken (n_tasks >= 1): it keeps the reads
-  }
   for (int index = blockIdx.x; index < a.n_tasks; index += gridDim.x) {
     const Task task = a.tasks[index];
     trace_mark(a, index, kTraceBegin);

@@ -11,11 +11,12 @@
 #   every    the three together
 # and the default's 16-row LM head (kept after run 137) where run 137 did not reach: its GPU cases, the 8B bf16
 # round, a traced 8B MXFP4 round.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run138.sh [all|rounds|table]
-# `all`: the builds, the default build's GPU cases (with the MXFP4 greedy generation in the engine's two layouts), the
-# 8B MXFP4 round in each build. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round again, the GPU cases
-# in the build with every change, the 8B bf16 round and a traced 8B MXFP4 round of the default. `table`, for an H200:
-# the README table's 1K rows again (run 79's call: every path of the 1B and 8B shapes, bf16, then MXFP4).
+#   RUN_LIMIT=SECONDS [VARIANTS="keys3 every"] bash benchmarks/device_runs/run138.sh [all|rounds|table]
+# `all`: the builds, the 8B MXFP4 round in each build, the default build's GPU cases (with the MXFP4 greedy generation
+# in the engine's two layouts) in the time left. `rounds`: the 1B MXFP4 round in each build, the 8B MXFP4 round
+# again, the GPU cases in the build with every change, the 8B bf16 round and a traced 8B MXFP4 round of the default.
+# `table`, for an H200: the README table's 1K rows again (run 79's call: every path of the 1B and 8B shapes, bf16,
+# then MXFP4).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -58,18 +59,19 @@ if [ "$phase" = table ]; then
   log done
   exit 0
 fi
+# VARIANTS (default: all four) narrows the builds and the rounds, for a call shorter than the builds of all of them.
+read -ra variants <<<"${VARIANTS:-combine stage keys3 every}"
 log build
 build "" gate_up gate_up,down &
-build combine &
-build stage &
-build keys3 &
-build every gate_up gate_up,down
+for name in "${variants[@]}"; do
+  if [ "$name" = every ]; then build every gate_up gate_up,down & else build "$name" & fi
+done
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 if [ "$phase" = rounds ]; then
   log rounds
-  spec_round 1b-mxfp4 1 "" combine stage keys3 every
-  spec_round 8b-mxfp4 2 "" combine stage keys3 every
+  spec_round 1b-mxfp4 1 "" "${variants[@]}"
+  spec_round 8b-mxfp4 2 "" "${variants[@]}"
   log tests
   fits 130 "the GPU cases (every)" && LITHOS_KERNEL_DEFINES=${defines[every]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
     run_tests gpu-tests-every 120 -n 3 -rA "${cases[@]}"
@@ -81,8 +83,11 @@ if [ "$phase" = rounds ]; then
   log done
   exit 0
 fi
-log tests
-fits 160 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests 150 -n 3 -rA "${cases[@]}"
 log rounds
-spec_round 8b-mxfp4 1 "" combine stage keys3 every
+spec_round 8b-mxfp4 1 "" "${variants[@]}"
+# The GPU cases in what is left (at most 150 s): the cases until then are reported where the limit stops them.
+log tests
+left=$((run_limit - (SECONDS - run_start) - 10))
+fits 60 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests $((left < 150 ? left : 150)) -n 3 \
+  -rA "${cases[@]}"
 log done

@@ -59,8 +59,8 @@ if [ "$phase" = table ]; then
   log done
   exit 0
 fi
-# VARIANTS (default: all four) narrows the builds and the rounds, for a call shorter than the builds of all of them
-# (`rounds` runs the GPU cases of `every` only where it is built).
+# VARIANTS (default: all four; a blank: the default build alone) narrows the builds and the rounds, for a call shorter
+# than the builds of all of them (`rounds` runs the GPU cases of `every` only where it is built).
 read -ra variants <<<"${VARIANTS:-combine stage keys3 every}"
 log build
 build "" gate_up gate_up,down &

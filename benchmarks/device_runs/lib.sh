@@ -22,8 +22,8 @@
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
 #                           stops it first, the tests passed and failed until then
-#   fits SECONDS WHAT       whether SECONDS of the call's RUN_LIMIT (default 430 s) are left for WHAT (else it
-#                           says so: the part is skipped)
+#   seconds_left            the seconds of the call's RUN_LIMIT (default 430 s) not yet spent
+#   fits SECONDS WHAT       whether SECONDS of them are left for WHAT (else it says so: the part is skipped)
 run_name=${1:?usage: source lib.sh RUN PHASE}
 run_phase=${2:?usage: source lib.sh RUN PHASE}
 # LITHOS_CONFIGS: this tree's shapes and hardware, also for a SOURCES copy that holds only lithos/.
@@ -96,8 +96,10 @@ run_tests() {
 }
 
 run_limit=${RUN_LIMIT:-430}
+seconds_left() { echo $((run_limit - (SECONDS - run_start))); }
 fits() {
-  local left=$((run_limit - (SECONDS - run_start)))
+  local left
+  left=$(seconds_left)
   [ "$left" -ge "$1" ] && return 0
   echo "== skipped $2: ${left} s left"
   return 1

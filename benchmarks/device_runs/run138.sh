@@ -89,7 +89,7 @@ log rounds
 spec_round 8b-mxfp4 1 "" "${variants[@]}"
 # The GPU cases in what is left (at most 150 s): the cases until then are reported where the limit stops them.
 log tests
-left=$((run_limit - (SECONDS - run_start) - 10))
+left=$(($(seconds_left) - 10))
 fits 60 "the GPU cases" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 run_tests gpu-tests $((left < 150 ? left : 150)) -n 3 \
   -rA "${cases[@]}"
 log done

@@ -313,8 +313,8 @@ def test_a_define_keys_only_the_kernels_whose_sources_name_it(monkeypatch, tmp_p
     # Includes of includes: megakernel.cu -> mk_lm_head.h -> mk_matvec.h -> mk_lane_ring.h reads LITHOS_MK_LANE_RING,
     # matvec.cu -> row_groups.h -> mma_rowdot.h LITHOS_MMA_ACCUMULATORS (both kernels), row_groups.h
     # LITHOS_FUSED_MMA_CHUNKS (not the megakernel's).
-    mixed = ("LITHOS_MK_LANE_RING=0", "LITHOS_MMA_ACCUMULATORS=1", "LITHOS_FUSED_MMA_CHUNKS=2")
-    mixed = dataclasses.replace(base, defines=mixed)
+    defines = ("LITHOS_MK_LANE_RING=0", "LITHOS_MMA_ACCUMULATORS=1", "LITHOS_FUSED_MMA_CHUNKS=2")
+    mixed = dataclasses.replace(base, defines=defines)
     assert build.kernel_toolchain("megakernel", mixed).defines == ("LITHOS_MK_LANE_RING=0", "LITHOS_MMA_ACCUMULATORS=1")
     assert build.kernel_toolchain("matvec", mixed).defines == ("LITHOS_MMA_ACCUMULATORS=1", "LITHOS_FUSED_MMA_CHUNKS=2")
     command = build.kernel_toolchain("megakernel", mixed).command(Path("megakernel.cu"), Path("megakernel.so"))

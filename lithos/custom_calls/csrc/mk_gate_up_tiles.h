@@ -47,20 +47,6 @@ constexpr int kTilePieceBytes = kMatvecWarps * 8 * 4 * 4;
 // (u' = u % 4), so lane (g, t)'s sums end up as rows g and g + 8 of token 4 nb + t.
 template <int TMAX>
 constexpr int kTileTokenBlocks = (TMAX + 3) / 4;
-// Token u's parts of k-step s in B's layout for TMAX tokens (below): columns 2 (u % 4) and 2 (u % 4) + 1 of n-block
-// u / 4.
-template <int TMAX>
-__device__ __forceinline__ void store_operand_column(uint2* bs, int s, int u,
-                                                     const uint32_t (&part)[kTileOperandParts][8]) {
-  constexpr int NB = kTileTokenBlocks<TMAX>;
-  const int nb = u / 4, column = 2 * (u % 4);
-#pragma unroll
-  for (int g = 0; g < kTileOperandParts; ++g)
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-      bs[(s * NB + nb) * 32 + 4 * (column + g) + t] = make_uint2(part[g][t], part[g][t + 4]);
-}
-
 // B for up to TMAX tokens: k-step s's n-block nb for lane (g, t) at [(s NB + nb) 32 + 4 g + t], 16 bytes an input
 // and n-block (64 KB at 4096 inputs and 2-4 tokens, 128 KB at 8, 256 KB at 16); tokens past in.tokens are zeros.
 // Every thread calls it; a barrier ends it.
@@ -70,57 +56,14 @@ __device__ inline void stage_tile_operand_tokens(const TokenRows& in) {
   uint2* bs = tile_operand();
   float unused = 0.0f;
   for (int i = static_cast<int>(threadIdx.x); i < in.n_in / 16 * 4 * NB; i += kMatvecThreads) {
-    const int s = i / (4 * NB), u = i % (4 * NB);
+    const int s = i / (4 * NB), u = i % (4 * NB), nb = u / 4, column = 2 * (u % 4);
     uint32_t part[kTileOperandParts][8] = {};
     if (u < in.tokens) operand_parts(in.x + static_cast<size_t>(u) * in.n_in, in.norm_w, 16 * s, part, unused);
-    store_operand_column<TMAX>(bs, s, u, part);
-  }
-  __syncthreads();
-}
-
-// The 2-16-token B staged a k-step a thread (an experiment: NOTES.md, "The 2-16-token gate/up B staged a k-step a
-// thread"); LITHOS_KERNEL_DEFINES="LITHOS_MK_STAGE_STEPS=1" builds it.
-#ifndef LITHOS_MK_STAGE_STEPS
-#define LITHOS_MK_STAGE_STEPS 0
-#endif
-
-// stage_tile_operand_tokens's B, a thread a k-step of 16 inputs for every token: the step's norm weights loaded
-// once and the tokens' inputs kStageTokens at a time, issued together; each warp's sums of x^2 per token go to
-// squares[warp][token] from the same loads (the RMSNorm factor's, as stage_tile_operand's). Every thread calls it;
-// a barrier ends it.
-constexpr int kStageTokens = 8;
-template <int TMAX>
-__device__ inline void stage_tile_operand_steps(const TokenRows& in, float (&squares)[kMatvecWarps][TMAX]) {
-  constexpr int kColumns = 4 * kTileTokenBlocks<TMAX>, kBatch = TMAX < kStageTokens ? TMAX : kStageTokens;
-  uint2* bs = tile_operand();
-  float sq[kColumns];  // columns past TMAX hold zeros and are not read
 #pragma unroll
-  for (int u = 0; u < kColumns; ++u) sq[u] = 0.0f;
-  for (int s = static_cast<int>(threadIdx.x); s < in.n_in / 16; s += kMatvecThreads) {
-    const int k = 16 * s;
-    const Bf16Vec<8> n[2] = {load_cached<8>(in.norm_w + k), load_cached<8>(in.norm_w + k + 8)};
+    for (int g = 0; g < kTileOperandParts; ++g)
 #pragma unroll
-    for (int first = 0; first < kColumns; first += kBatch) {
-      Bf16Vec<8> xv[kBatch][2];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          xv[b][h] = first + b < in.tokens
-                         ? load_activation<8, true>(in.x + static_cast<size_t>(first + b) * in.n_in + k + 8 * h)
-                         : Bf16Vec<8>{};
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        uint32_t part[kTileOperandParts][8];
-        operand_parts_of(xv[b], n, true, part, sq[first + b]);
-        store_operand_column<TMAX>(bs, s, first + b, part);
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < TMAX; ++u) {
-    const float total = warp_sum(sq[u]);
-    if (lane_id() == 0) squares[warp_id()][u] = total;
+      for (int t = 0; t < 4; ++t)
+        bs[(s * NB + nb) * 32 + 4 * (column + g) + t] = make_uint2(part[g][t], part[g][t + 4]);
   }
   __syncthreads();
 }
@@ -233,20 +176,8 @@ __device__ bool gate_up_tiles_mma_tokens(const Args& a, const Task& task, int in
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
   if (!block_wait(a, task, index)) return false;
   __shared__ float rms_scale[TMAX];
-#if LITHOS_MK_STAGE_STEPS
-  __shared__ float squares[kMatvecWarps][TMAX];
-  stage_tile_operand_steps<TMAX>(in, squares);
-  if (threadIdx.x < static_cast<unsigned>(in.tokens)) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kMatvecWarps; ++w) total += squares[w][threadIdx.x];
-    rms_scale[threadIdx.x] = rms_factor(total, in.n_in, a.eps);
-  }
-  __syncthreads();
-#else
   block_rms_scale<TMAX, 8, true>(in, a.eps, rms_scale);
   stage_tile_operand_tokens<TMAX>(in);
-#endif
   trace_phase(a, index, 0);
   const uint2* bs = tile_operand();
   float acc[2][NB][4] = {};  // [gate, up][n-block][fragment]

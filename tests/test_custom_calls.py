@@ -305,7 +305,7 @@ def test_a_define_keys_only_the_kernels_whose_sources_name_it(monkeypatch, tmp_p
     its kernel."""
     monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
     base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
-    megakernel_only = dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2", "LITHOS_MK_COMBINE_VEC=4"))
+    megakernel_only = dataclasses.replace(base, defines=("LITHOS_MK_MIN_BLOCKS=2", "LITHOS_MK_ATTN_KEYS=3"))
     for kernel in ("matvec", "attention", "lm_head", "matvec_packed_mxfp4"):
         assert build.library_path(kernel, megakernel_only) == build.library_path(kernel, base)
         assert build.kernel_toolchain(kernel, megakernel_only) == base
@@ -348,10 +348,12 @@ def test_build_command_builds_check_libraries_at_the_check_level(monkeypatch, ca
 
 def test_variants_command_passes_each_define_of_a_variant(monkeypatch):
     """`--variants` (CI's prebuild) compiles each experiment variant with every define its key names, as
-    test_build_variant_compiles does: one variant is an MXFP4 build's defines after its own."""
+    test_build_variant_compiles does: an experiment on the MXFP4 build names that build's defines after its own."""
     monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
     monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
     monkeypatch.delenv("LITHOS_KERNEL_DEFINES", raising=False)
+    mxfp4_experiment = "LITHOS_MK_ATTN_KEYS=3 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1"
+    monkeypatch.setitem(build.EXPERIMENT_VARIANTS, mxfp4_experiment, ("megakernel",))
     built = []
     monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
     assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--variants"]) == 0

@@ -19,6 +19,10 @@
 #                           15 on 1B, no acceptance run, megakernel) in the default build ("") and in each build NAMES
 #                           name (their defines: the script's `defines` array), tagged RUN-round-SHAPE[-NAME]-TAG;
 #                           each within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B)
+#   build_variant NAME [LAYOUTS...]
+#                           build_variants.py with NAME's defines (the script's `defines` array; "": none) into
+#                           $work/build[-NAME].log: the bf16 build and the MXFP4 default layouts (Q/K/V + gate/up
+#                           tiled for steps, every group for rounds: what `lithos bench --spec` reads) and LAYOUTS
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
 #                           stops it first, the tests passed and failed until then
@@ -80,6 +84,13 @@ spec_round() {
     fits "$limit" "the $shape round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench \
       "round-$shape${name:+-$name}-$tag" "$limit" --spec ngram --no-acceptance --kernels megakernel "${args[@]}"
   done
+}
+
+build_variant() {
+  local name=$1
+  shift
+  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py qkv,gate_up \
+    qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
 }
 
 run_tests() {

@@ -25,15 +25,6 @@ unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every grou
 declare -A defines=([combine]="LITHOS_MK_COMBINE_VEC=4" [stage]="LITHOS_MK_STAGE_STEPS=1"
   [keys3]="LITHOS_MK_ATTN_KEYS=3" [every]="LITHOS_MK_COMBINE_VEC=4 LITHOS_MK_STAGE_STEPS=1 LITHOS_MK_ATTN_KEYS=3")
 spec=(--spec ngram --no-acceptance --kernels megakernel)
-# build NAME [LAYOUTS...]: build_variants.py (the bf16 build and the MXFP4 LAYOUTS) with NAME's defines. The default
-# layouts (Q/K/V + gate/up tiled, every group tiled) unless named; the GPU cases also read gate/up alone and gate/up +
-# down.
-build() {
-  local name=$1
-  shift
-  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py qkv,gate_up \
-    qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
-}
 gpu=tests/test_megakernel_gpu.py
 # The 1-16-token kernels' head and combine (bf16: two shapes, head dimension 256), the tiled gate/up at 4-16 tokens and
 # down at 8, greedy generation with verification rounds (bf16; MXFP4 in the engine's two layouts).
@@ -49,7 +40,7 @@ cases=(
 )
 if [ "$phase" = table ]; then
   log build
-  build ""
+  build_variant ""
   grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
   log table
   for format in "" mxfp4; do
@@ -63,9 +54,9 @@ fi
 # than the builds of all of them (`rounds` runs the GPU cases of `every` only where it is built).
 read -ra variants <<<"${VARIANTS:-combine stage keys3 every}"
 log build
-build "" gate_up gate_up,down &
+build_variant "" gate_up gate_up,down &
 for name in "${variants[@]}"; do
-  if [ "$name" = every ]; then build every gate_up gate_up,down & else build "$name" & fi
+  if [ "$name" = every ]; then build_variant every gate_up gate_up,down & else build_variant "$name" & fi
 done
 wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300

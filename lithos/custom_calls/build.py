@@ -392,14 +392,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
-    # The megakernel's attention combine four elements a thread (NOTES.md, "The attention's combine four elements
-    # a thread").
-    "LITHOS_MK_COMBINE_VEC=4": ("megakernel",),
-    # The 2-16-token tiled gate/up's B staged a k-step a thread, with the RMSNorm factor from the same loads
-    # (NOTES.md, "The 2-16-token gate/up B staged a k-step a thread"), in the MXFP4 build with every group tiled
-    # (the builds without gate/up in tiles do not compile the path).
-    "LITHOS_MK_STAGE_STEPS=1 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
-    "LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

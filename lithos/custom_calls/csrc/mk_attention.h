@@ -209,20 +209,18 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   return true;
 }
 
-// Elements of a row a thread of the combine takes, adjacent: 2 (one 8-byte load a split; the default) or 4 (one
-// 16-byte load: half the block's passes where a head group has more than 1024 elements; NOTES.md, "The attention's
-// combine four elements a thread"). LITHOS_KERNEL_DEFINES="LITHOS_MK_COMBINE_VEC=4" builds the wider one.
-#ifndef LITHOS_MK_COMBINE_VEC
-#define LITHOS_MK_COMBINE_VEC 2
-#endif
-#if LITHOS_MK_COMBINE_VEC != 2 && LITHOS_MK_COMBINE_VEC != 4
-#error "LITHOS_MK_COMBINE_VEC is 2 or 4 (elements a thread of the attention's combine takes)"
-#endif
-constexpr int kCombineVec = LITHOS_MK_COMBINE_VEC;
+// Elements of a row a thread of the combine takes, adjacent: 4 (one 16-byte load a split) in the 2-16-token kernels,
+// where at 2 a head group's rows took several passes of the block (run 138: the 8B k = 7 round 2.1% faster, the 1B
+// k = 15 round 1.8%); 2 (one 8-byte load) in the one-token kernel, whose rows are one pass either way and whose
+// step took 1.2% longer at 4 (NOTES.md, "The attention's combine four elements a thread").
+template <int TMAX>
+constexpr int kCombineVec = TMAX == 1 ? 2 : 4;
 
-// v = the kCombineVec floats at p (one 8- or 16-byte load).
-__device__ __forceinline__ void load_combine_elements(const float* p, float (&v)[kCombineVec]) {
-  if constexpr (kCombineVec == 4) {
+// v = the VEC floats at p (one 8- or 16-byte load).
+template <int VEC>
+__device__ __forceinline__ void load_combine_elements(const float* p, float (&v)[VEC]) {
+  static_assert(VEC == 2 || VEC == 4, "the combine loads 2 or 4 floats at once");
+  if constexpr (VEC == 4) {
     const float4 x = *reinterpret_cast<const float4*>(p);
     v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
   } else {
@@ -232,26 +230,26 @@ __device__ __forceinline__ void load_combine_elements(const float* p, float (&v)
 }
 
 // Weight each split's output by its share of the softmax mass; a row that sees no key gets zeros.
-// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread takes kCombineVec
+// Writes the group's heads of the attention output [tokens, heads * head_dim]. A thread takes VEC
 // adjacent elements of a row (one load per split: at T = 1 and head_dim 128 the block covers the 512 elements
 // in one pass, one memory round trip instead of two), loads kCombineChunk splits' values before using any and
 // folds the chunks online.
-template <int D>
+template <int D, int VEC>
 __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, int kv_head) {
   constexpr int kCombineChunk = 16, d = D;
   const int group = a.heads / a.kv_heads, rows = a.tokens * group;
-  for (int i = kCombineVec * threadIdx.x; i < rows * d; i += kCombineVec * blockDim.x) {
+  for (int i = VEC * threadIdx.x; i < rows * d; i += VEC * blockDim.x) {
     const int row = i / d, e = i % d;  // d is a multiple of 64: the thread's elements stay in their row
-    float best = -INFINITY, sum = 0.0f, acc[kCombineVec] = {};
+    float best = -INFINITY, sum = 0.0f, acc[VEC] = {};
     for (int first = 0; first < plan.splits; first += kCombineChunk) {
       float lse[kCombineChunk];
-      float out[kCombineChunk][kCombineVec];
+      float out[kCombineChunk][VEC];
       float chunk_best = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         lse[c] = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < kCombineVec; ++j) out[c][j] = 0.0f;
+        for (int j = 0; j < VEC; ++j) out[c][j] = 0.0f;
         if (first + c < plan.splits) {
           const size_t at = partial_row(a, kv_head, first + c, row);
           lse[c] = a.part_lse[at];
@@ -265,24 +263,24 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
       const float rescale = exp2f(best - new_best);
       sum *= rescale;
 #pragma unroll
-      for (int j = 0; j < kCombineVec; ++j) acc[j] *= rescale;
+      for (int j = 0; j < VEC; ++j) acc[j] *= rescale;
 #pragma unroll
       for (int c = 0; c < kCombineChunk; ++c) {
         const float weight = exp2f(lse[c] - new_best);
         sum += weight;
 #pragma unroll
-        for (int j = 0; j < kCombineVec; ++j) acc[j] += weight * out[c][j];
+        for (int j = 0; j < VEC; ++j) acc[j] += weight * out[c][j];
       }
       best = new_best;
     }
     const int token = row / group, head = kv_head * group + row % group;
     bf16_t* to = a.attn + (static_cast<size_t>(token) * a.heads + head) * d + e;
 #pragma unroll
-    for (int j = 0; j < kCombineVec; ++j) to[j] = float_to_bf16(sum > 0.0f ? acc[j] / sum : 0.0f);
+    for (int j = 0; j < VEC; ++j) to[j] = float_to_bf16(sum > 0.0f ? acc[j] / sum : 0.0f);
   }
 }
 
-template <int D, int KEYS>
+template <int D, int KEYS, int VEC>
 __device__ inline bool attention_task_of(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
@@ -291,7 +289,7 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
   const int arrived = block_signal(a, task.signal_counter);
   trace_phase(a, index, 4);
   if (arrived == task.arrivals - 1) {
-    attention_combine<D>(a, plan, task.first);
+    attention_combine<D, VEC>(a, plan, task.first);
     block_release(a, task.aux);
   }
   return true;
@@ -300,11 +298,11 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
 // The handler admits head dimensions 64, 128 and 256 only (megakernel.cu).
 template <int TMAX>
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
-  constexpr int keys = kAttnKeysPerStep<TMAX>;
+  constexpr int keys = kAttnKeysPerStep<TMAX>, vec = kCombineVec<TMAX>;
   switch (a.head_dim) {
-    case 64: return attention_task_of<64, keys>(a, task, index);
-    case 128: return attention_task_of<128, keys>(a, task, index);
-    default: return attention_task_of<256, keys>(a, task, index);
+    case 64: return attention_task_of<64, keys, vec>(a, task, index);
+    case 128: return attention_task_of<128, keys, vec>(a, task, index);
+    default: return attention_task_of<256, keys, vec>(a, task, index);
   }
 }
 

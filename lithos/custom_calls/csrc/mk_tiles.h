@@ -84,18 +84,24 @@ constexpr int kTileOperandParts = 2;
 // normal f32; mma_scale undoes both.
 constexpr float kTileOperandShift = 18446744073709551616.0f;
 
-// B's parts for 16 inputs of one token, x (xv) times the norm weights (n, or none where `normed` is false) times
-// 2^64, as hi and lo bf16 parts, exact (a product of two bf16 values has at most 16 significant bits; hi takes the
-// top 8, rounded to nearest, and the rest, at most 8 bits, is lo: checked over every pair of significands).
-// part[g][p] holds inputs 2p and 2p + 1 of part g; lane t of the mma reads pairs t (its x) and t + 4 (its y). The
-// inputs' x^2 are added to `squares`.
-__device__ __forceinline__ void operand_parts_of(const Bf16Vec<8> (&xv)[2], const Bf16Vec<8> (&n)[2], bool normed,
-                                                 uint32_t (&part)[kTileOperandParts][8], float& squares) {
+// B's parts for inputs k .. k + 15 of one token's row `x`: x * norm_w * 2^64 as hi and lo bf16 parts, exact (a
+// product of two bf16 values has at most 16 significant bits; hi takes the top 8, rounded to nearest, and the
+// rest, at most 8 bits, is lo: checked over every pair of significands). part[g][p] holds inputs k + 2p and
+// k + 2p + 1 of part g; lane t of the mma reads pairs t (its x) and t + 4 (its y). Four 16-byte loads issued
+// together; the inputs' x^2 are added to `squares`.
+__device__ __forceinline__ void operand_parts(const bf16_t* x, const bf16_t* norm_w, int k,
+                                              uint32_t (&part)[kTileOperandParts][8], float& squares) {
+  const Bf16Vec<8> xv[2] = {load_activation<8, true>(x + k), load_activation<8, true>(x + k + 8)};
+  Bf16Vec<8> n[2];
+  if (norm_w != nullptr) {
+    n[0] = load_cached<8>(norm_w + k);
+    n[1] = load_cached<8>(norm_w + k + 8);
+  }
   float v[16];
 #pragma unroll
   for (int e = 0; e < 16; ++e) {
     squares = fmaf(xv[e / 8][e % 8], xv[e / 8][e % 8], squares);
-    v[e] = (normed ? xv[e / 8][e % 8] * n[e / 8][e % 8] : xv[e / 8][e % 8]) * kTileOperandShift;
+    v[e] = (norm_w != nullptr ? xv[e / 8][e % 8] * n[e / 8][e % 8] : xv[e / 8][e % 8]) * kTileOperandShift;
   }
 #pragma unroll
   for (int g = 0; g < kTileOperandParts; ++g)
@@ -106,19 +112,6 @@ __device__ __forceinline__ void operand_parts_of(const Bf16Vec<8> (&xv)[2], cons
       v[e] -= bf16_to_float(b0);  // exact: the rest, for the next part
       v[e + 1] -= bf16_to_float(b1);
     }
-}
-
-// operand_parts_of for inputs k .. k + 15 of one token's row `x` and the norm weights `norm_w` (or none): four
-// 16-byte loads issued together.
-__device__ __forceinline__ void operand_parts(const bf16_t* x, const bf16_t* norm_w, int k,
-                                              uint32_t (&part)[kTileOperandParts][8], float& squares) {
-  const Bf16Vec<8> xv[2] = {load_activation<8, true>(x + k), load_activation<8, true>(x + k + 8)};
-  Bf16Vec<8> n[2];
-  if (norm_w != nullptr) {
-    n[0] = load_cached<8>(norm_w + k);
-    n[1] = load_cached<8>(norm_w + k + 8);
-  }
-  operand_parts_of(xv, n, norm_w != nullptr, part, squares);
 }
 
 // B for one token, a thread a k-step of 16 inputs (one memory round trip); the same loads give each warp's sum of

@@ -51,11 +51,19 @@ def test_megakernel_equals_interpreter(name, tokens):
 
 @pytest.mark.parametrize(
     "name, context, tokens",
-    [("llama-3.2-1b", 8192, 1), ("llama-3.2-1b", 8192, 2), ("llama-3.1-8b", 4096, 1), ("smollm2-like", 6000, 1)],
+    [
+        ("llama-3.2-1b", 8192, 1),
+        ("llama-3.2-1b", 8192, 2),
+        ("llama-3.1-8b", 4096, 1),
+        ("llama-3.1-8b", 4096, 8),
+        ("smollm2-like", 6000, 1),
+        ("smollm2-like", 6000, 16),
+    ],
 )
 def test_megakernel_equals_interpreter_at_long_context(name, context, tokens):
     """Attention splits of several loop steps of keys (at a 1K context a split is one step), on both
-    head sizes and an odd group size."""
+    head sizes and an odd group size; at 8 and 16 tokens several 16-key chunks a warp where the splits run on
+    tensor cores (LITHOS_MK_ATTN_MMA), and at 16 tokens of the odd group three 16-row tiles, two passes."""
     shape = dataclasses.replace(SHAPES[name], layers=2)
     check_against_interpreter(random_step(shape, tokens, context, jnp.bfloat16, seed=5), context)
 

@@ -392,6 +392,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The routed-expert kernels at two blocks an SM, with fewer loads in flight a warp (NOTES.md, "The expert
     # kernels' occupancy"; run 126).
     "LITHOS_EXPERT_TWO_BLOCKS=1": ("expert_matvec",),
+    # The megakernel's 4-16-token attention splits on tensor cores (NOTES.md, "The 4-16-token attention on tensor
+    # cores in the megakernel").
+    "LITHOS_MK_ATTN_MMA=1": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -35,6 +35,7 @@
 #include "mma_rowdot.h"
 #include "portable.h"
 #include "split_attention.h"
+#include "split_attention_mma.h"
 
 #ifndef LITHOS_ATTENTION_MMA
 #define LITHOS_ATTENTION_MMA 64
@@ -268,42 +269,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
 }
 
 #if !defined(LITHOS_HIP)
-// A cache row's 16 bytes, asked for where the call stands: as volatile asm it keeps its place before the
-// chunk's (volatile) mma. Plain loads of a chunk's values were sunk by the compiler below its Q.K mma
-// and into the softmax, so each chunk waited for two round trips one after the other (NOTES.md).
-__device__ __forceinline__ Bf16Vec<8> load_issued(const bf16_t* p) {
-  Bf16Vec<8> out;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(out.pair[0]), "=r"(out.pair[1]), "=r"(out.pair[2]), "=r"(out.pair[3])
-               : "l"(p));
-  return out;
-}
-
-// The splits on tensor cores (m16n8k16 bf16, f32 accumulators). Warp w takes row tile w % tile_warps of
-// the block (16 query rows: token x query head of the KV head) and every (key_warps)-th 16-key chunk of
-// the split. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of its tile.
-// - Scores S = Q K^T, two 8-key tiles a chunk (N side: key g of the tile). A dot product may take its
-//   dimensions in any order as long as both sides agree: k-step s = 2c + h of lane t covers dimensions
-//   32c + 8t + 4h .. + 3 (k = 2t, 2t + 1, 2t + 8, 2t + 9 in that order), so a lane reads 16 contiguous
-//   bytes of a key row (or query row) per c and both fragments come straight from registers.
-// - Online softmax on the score fragments (rows g and g + 8: 2 keys per tile, the row max over the 4
-//   lanes t by two shuffles), in the exp2 domain as the FMA kernel.
-// - O += P V: the score fragments of the two key tiles are the A fragment of one 16-key k-step (as in
-//   FlashAttention-2), P split into bf16 high and low parts so the weights keep about 16 bits. The
-//   output's n-tile j column n is dimension n * (head_dim / 8) + j, so lane (g, t) reads head_dim / 8
-//   contiguous dimensions of keys 2t, 2t + 1, 2t + 8, 2t + 9 and pairs them by byte permutes.
-// - A warp asks for its next chunk's keys and values before scoring the current one (two register sets
-//   of a chunk's rows), so a split waits for one round trip, not two per chunk.
-// Warps that share a tile fold their states through shared memory and the block writes its split as
-// the FMA kernel does; attention_combine_kernel is the same for both.
+// The splits on tensor cores (split_attention_mma.h). Warp w takes row tile w % tile_warps of the block and
+// every (key_warps)-th 16-key chunk of the split, and asks for its next chunk's keys and values before scoring
+// the current one (two register sets of a chunk's rows), so a split waits for one round trip, not two per chunk.
+// Warps that share a tile fold their states through shared memory and the block writes its split as the FMA
+// kernel does; attention_combine_kernel is the same for both.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnArgs a) {
-  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "16 rows of output fragments: head_dim / 2 registers");
-  constexpr int kSteps = HEAD_DIM / 16;      // Q.K k-steps
-  constexpr int kDimLoads = HEAD_DIM / 32;   // 16-byte loads per key (or query) row and lane
-  constexpr int kOutTiles = HEAD_DIM / 8;    // P.V n-tiles
-  constexpr int kValueLoads = HEAD_DIM / 64; // 16-byte loads per value row and lane (head_dim / 8 dims)
-  constexpr int kChunk = 16;                 // keys per loop step
+  using Warp = MmaSplitWarp<HEAD_DIM>;
+  constexpr int kOutTiles = Warp::kOutTiles, kChunk = Warp::kChunk;
 
   const BlockSplit block = block_split(a);
   if (!block.in_use()) return;
@@ -317,33 +291,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
   const int first_row = (blockIdx.x * tw + warp_tile) * kRowTile;
   const int g = lane_id() / 4, t = lane_id() % 4;
 
-  // Query fragments (kept for the whole split) and the keys each of the lane's two rows sees.
-  uint32_t qa[kSteps][4];
-  int see_from[2], see_to[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = first_row + g + 8 * r;
-    const bool valid = row < rows;
-    const int token = valid ? row / group : 0;
-    const int head = kv_head * group + (valid ? row % group : 0);
-    const bf16_t* q_row = a.q + (static_cast<size_t>(token) * a.heads + head) * HEAD_DIM + 8 * t;
-#pragma unroll
-    for (int c = 0; c < kDimLoads; ++c) {
-      const Bf16Vec<8> v = valid ? load_cached<8>(q_row + 32 * c) : Bf16Vec<8>{{0u, 0u, 0u, 0u}};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        qa[2 * c + h][r] = v.pair[2 * h];
-        qa[2 * c + h][r + 2] = v.pair[2 * h + 1];
-      }
-    }
-    see_to[r] = valid ? a.positions[token] : -1;  // an invalid row sees nothing
-    see_from[r] = a.window > 0 ? see_to[r] - a.window + 1 : 0;
-  }
-
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // sum: this lane's keys only
-  float out[kOutTiles][4];
-#pragma unroll
-  for (int j = 0; j < kOutTiles; ++j) out[j][0] = out[j][1] = out[j][2] = out[j][3] = 0.0f;
+  Warp warp;
+  warp.set_rows(first_row, rows, group, kv_head, a.heads, a.q, a.positions, a.window,
+                [](const bf16_t* p) { return load_cached<8>(p); });
+  warp.clear();
 
   const size_t head_offset = ((static_cast<size_t>(*a.layer) * a.kv_heads) + kv_head) * a.slots * HEAD_DIM;
   const bf16_t* keys = static_cast<const bf16_t*>(a.k_cache) + head_offset;
@@ -353,104 +304,22 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
     return static_cast<size_t>(slot_of(plan, a.slots, min(key, key_end - 1))) * HEAD_DIM;
   };
 
-  // A chunk's keys and values, asked for together (load_issued: they keep their place before the mma).
-  struct ChunkRows {
-    Bf16Vec<8> k[2][kDimLoads], v[4][kValueLoads];
-  };
-  auto load_chunk = [&](ChunkRows& rows_of, int chunk) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const bf16_t* key_row = keys + row_at(chunk + 8 * n + g) + 8 * t;
-#pragma unroll
-      for (int c = 0; c < kDimLoads; ++c) rows_of.k[n][c] = load_issued(key_row + 32 * c);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the chunk
-      const bf16_t* value_row = values + row_at(chunk + 2 * t + (i & 1) + 8 * (i >> 1)) + g * (HEAD_DIM / 8);
-#pragma unroll
-      for (int c = 0; c < kValueLoads; ++c) rows_of.v[i][c] = load_issued(value_row + 8 * c);
-    }
-  };
-
   const bool has_rows = first_row < rows;  // the grid's last block may hold a warp without a tile
   const int chunk_stride = key_warps * kChunk;
-  ChunkRows now, next{};  // zeros until a next chunk exists: the copy after the last chunk reads defined values
+  // Zeros until a next chunk exists: the copy after the last chunk reads defined values.
+  typename Warp::ChunkRows now, next{};
+  auto load_chunk = [&](typename Warp::ChunkRows& rows_of, int from) {
+    Warp::template load_chunk<true>(rows_of, keys, values, row_at, from);
+  };
   int chunk = key_begin + warp_keys * kChunk;
   if (has_rows && chunk < key_end) load_chunk(now, chunk);
   for (; has_rows && chunk < key_end; chunk += chunk_stride) {
     // The next chunk's rows fly while this one is scored: one round trip per split, not two per chunk.
     if (chunk + chunk_stride < key_end) load_chunk(next, chunk + chunk_stride);
-    const auto& k = now.k;
-    const auto& v = now.v;
-
-    // score[n][e]: row g + 8 * (e / 2), key chunk + 8n + 2t + e % 2.
-    float score[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      score[n][0] = score[n][1] = score[n][2] = score[n][3] = 0.0f;
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        mma_m16n8k16(score[n], qa[s][0], qa[s][1], qa[s][2], qa[s][3], k[n][s / 2].pair[2 * (s % 2)],
-                     k[n][s / 2].pair[2 * (s % 2) + 1]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float chunk_max = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const int key = chunk + 8 * n + 2 * t + e % 2;
-          const bool visible = key < key_end && key >= see_from[r] && key <= see_to[r];
-          score[n][e] = visible ? score[n][e] * a.scale_log2 : -INFINITY;
-          chunk_max = fmaxf(chunk_max, score[n][e]);
-        }
-      chunk_max = fmaxf(chunk_max, shfl_xor(chunk_max, 1));
-      chunk_max = fmaxf(chunk_max, shfl_xor(chunk_max, 2));
-      const float new_max = fmaxf(row_max[r], chunk_max);
-      // Nothing visible yet: no rescale, and every weight 0 (exp2(-inf - -inf) would be NaN).
-      const float rescale = new_max == -INFINITY ? 1.0f : exp2f(row_max[r] - new_max);
-      row_sum[r] *= rescale;
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          score[n][e] = new_max == -INFINITY ? 0.0f : exp2f(score[n][e] - new_max);
-          row_sum[r] += score[n][e];
-        }
-#pragma unroll
-      for (int j = 0; j < kOutTiles; ++j) {
-        out[j][2 * r] *= rescale;
-        out[j][2 * r + 1] *= rescale;
-      }
-      row_max[r] = new_max;
-    }
-
-    // P as one k-step's A fragment, in high and low bf16 parts.
-    uint32_t p_hi[4], p_lo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float p0 = score[i / 2][2 * (i % 2)], p1 = score[i / 2][2 * (i % 2) + 1];
-      p_hi[i] = bf16_pair(p0, p1);
-      p_lo[i] = bf16_pair(p0 - bf16_pair_at(p_hi[i], 0), p1 - bf16_pair_at(p_hi[i], 1));
-    }
-#pragma unroll
-    for (int j = 0; j < kOutTiles; ++j) {
-      // Column g of n-tile j is dimension g * head_dim / 8 + j: element j of each loaded value run.
-      const uint32_t select = j % 2 == 0 ? 0x5410u : 0x7632u;
-      const int word = (j % 8) / 2, load = j / 8;
-      const uint32_t b0 = __byte_perm(v[0][load].pair[word], v[1][load].pair[word], select);
-      const uint32_t b1 = __byte_perm(v[2][load].pair[word], v[3][load].pair[word], select);
-      mma_m16n8k16(out[j], p_hi[0], p_hi[1], p_hi[2], p_hi[3], b0, b1);
-      mma_m16n8k16(out[j], p_lo[0], p_lo[1], p_lo[2], p_lo[3], b0, b1);
-    }
+    warp.score(now, chunk, key_end, a.scale_log2);
     now = next;
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += shfl_xor(row_sum[r], 1);
-    row_sum[r] += shfl_xor(row_sum[r], 2);
-  }
+  warp.finish_sums();
 
   // Warps of one tile fold together through shared memory, then the block writes its split.
   __shared__ float shared_out[kAttnWarps][kRowTile][HEAD_DIM];
@@ -461,12 +330,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_mma_kernel(AttnA
     const int local_row = g + 8 * r;
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) {
-      shared_out[warp_id()][local_row][(2 * t) * (HEAD_DIM / 8) + j] = out[j][2 * r];
-      shared_out[warp_id()][local_row][(2 * t + 1) * (HEAD_DIM / 8) + j] = out[j][2 * r + 1];
+      shared_out[warp_id()][local_row][Warp::dim_of(j, 0)] = warp.out[j][2 * r];
+      shared_out[warp_id()][local_row][Warp::dim_of(j, 1)] = warp.out[j][2 * r + 1];
     }
     if (t == 0) {
-      shared_max[warp_id()][local_row] = row_max[r];
-      shared_sum[warp_id()][local_row] = row_sum[r];
+      shared_max[warp_id()][local_row] = warp.row_max[r];
+      shared_sum[warp_id()][local_row] = warp.row_sum[r];
     }
   }
   write_split<HEAD_DIM>(a, split, kv_head, tw, shared_out, shared_max, shared_sum, 1.0f);

@@ -17,6 +17,7 @@
 
 #include "mk_common.h"
 #include "split_attention.h"
+#include "split_attention_mma.h"
 
 namespace lithos {
 namespace mk {
@@ -45,6 +46,20 @@ constexpr int kAttnKeysPerStep = TMAX <= 2 ? 3 : 2;
    LITHOS_MK_O_FORMAT != 0 || LITHOS_MK_DOWN_FORMAT != 0)
 #endif
 constexpr bool kAttnSecondAhead = LITHOS_MK_ATTN_SECOND_AHEAD != 0;
+
+// The 4-16-token splits on tensor cores (split_attention_mma.h, as the fused kernel's; NOTES.md, "The 4-16-token
+// attention on tensor cores"): CUDA, head dimension 64 and 128 (256 keeps the FMA splits: its 16 rows of output
+// fragments would take 128 registers a lane). An experiment: LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_MMA=1".
+#ifndef LITHOS_MK_ATTN_MMA
+#define LITHOS_MK_ATTN_MMA 0
+#endif
+#if LITHOS_MK_ATTN_MMA && !defined(LITHOS_HIP)
+#define LITHOS_MK_ATTN_ON_TENSOR_CORES 1
+#else
+#define LITHOS_MK_ATTN_ON_TENSOR_CORES 0
+#endif
+template <int TMAX, int D>
+constexpr bool kAttnOnTensorCores = LITHOS_MK_ATTN_ON_TENSOR_CORES && TMAX >= 4 && D <= 128;
 
 constexpr int kMinKeysPerSplit = 64;  // below this a split costs more in overhead than it saves
 constexpr int kMaxHeadDim = 256;
@@ -209,6 +224,130 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   return true;
 }
 
+#if LITHOS_MK_ATTN_ON_TENSOR_CORES
+// Where the warps of one row tile fold their states, over the FMA fold's shared memory: in each round half of a
+// tile's remaining warps write (out normalised by its row's sum, then the row's log2-sum-exp2) and the other half
+// fold that in, so at most 4 warps write at once (8 warps over 1, 2, 4 or 8 tiles): 4 x 16 rows x 128 floats.
+struct AttentionMmaFold {
+  float out[4][16 * 128];  // [slot][(j * 4 + e) * 32 + lane]: fragment element e of n-tile j
+  float lse[4][16];        // [slot][row of the tile]
+};
+static_assert(sizeof(AttentionMmaFold) <= sizeof(AttentionShared), "the fold reuses the FMA fold's memory");
+
+// attention_split's contract on tensor cores (MmaSplitWarp<D>): the block's 8 warps take the split's row tiles
+// (16 query rows each) tw at a time, and each tile's 8 / tw warps every (8 / tw)-th 16-key chunk, the next chunk
+// asked for while the current one is scored. The first pass's first chunk, where every key of it was written by
+// earlier steps, flies during the wait.
+template <int D, class Wait>
+__device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
+                                           int index, Wait wait) {
+  using Warp = MmaSplitWarp<D>;
+  constexpr int kOutTiles = Warp::kOutTiles, kChunk = Warp::kChunk, kTileRows = 16;
+  if (split >= plan.splits) return wait();  // as attention_split: no keys, but the wait is traced
+  const int key_begin = plan.begin + split * plan.split_len;
+  const int key_end = min(key_begin + plan.split_len, plan.end);
+  const int group = a.heads / a.kv_heads, rows = a.tokens * group, tiles = (rows + kTileRows - 1) / kTileRows;
+  const int tw = tiles >= 8 ? 8 : (tiles >= 4 ? 4 : (tiles >= 2 ? 2 : 1));
+  const int key_warps = kMatvecWarps / tw, chunk_stride = key_warps * kChunk;
+  const int warp_tile = warp_id() % tw, warp_keys = warp_id() / tw;
+  const int g = lane_id() / 4, t = lane_id() % 4;
+  AttentionMmaFold& fold = reinterpret_cast<AttentionMmaFold&>(attention_shared());
+
+  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.slots * D;
+  const bf16_t* keys = a.k_cache + head_offset;
+  const bf16_t* values = a.v_cache + head_offset;
+  // Keys past the split's end read its last key (valid memory) and are masked.
+  auto row_at = [&](int key) { return static_cast<size_t>(slot_of(plan, a.slots, min(key, key_end - 1))) * D; };
+  // A chunk's values are asked for once its Q.K mma are issued, and the next chunk's keys once it is scored: with
+  // the whole next chunk in flight (the fused kernel's way) the 4-16-token kernels spilled 700-800 accesses more,
+  // all over the task loop (NOTES.md).
+  typename Warp::KeyRows keys_now;
+  typename Warp::ValueRows values_now;
+  auto load_keys = [&](int from) { Warp::template load_keys<false>(keys_now, keys, row_at, from); };
+  const int first_chunk = key_begin + warp_keys * kChunk;
+  const bool early = warp_tile * kTileRows < rows && first_chunk < key_end &&
+                     min(first_chunk + kChunk, key_end) <= plan.fresh;
+  if (early) load_keys(first_chunk);
+  if (!wait()) return false;
+
+  for (int pass_first = 0; pass_first < tiles; pass_first += tw) {
+    const int first_row = (pass_first + warp_tile) * kTileRows;
+    const bool has_rows = first_row < rows;  // a pass may hold tiles past the last
+    Warp warp;
+    warp.set_rows(first_row, rows, group, kv_head, a.heads, a.q, a.positions, a.window,
+                  [](const bf16_t* p) { return load_activation<8, true>(p); });
+    warp.clear();
+    int chunk = first_chunk;
+    if (has_rows && chunk < key_end && !(pass_first == 0 && early)) load_keys(chunk);
+    if (pass_first == 0) trace_phase_when(a, index, 0, bf16_pair_at(warp.qa[0][0], 0) + keys_now.k[0][0][0]);
+    for (; has_rows && chunk < key_end; chunk += chunk_stride) {
+      if (chunk != first_chunk) load_keys(chunk);
+      float score[2][4];
+      warp.scores(keys_now, score);
+      Warp::template load_values<false>(values_now, values, row_at, chunk);
+      warp.softmax(score, chunk, key_end, a.scale_log2);
+      warp.accumulate(values_now, score);
+    }
+    if (pass_first == 0) trace_phase_when(a, index, 1, warp.row_sum[0] + warp.out[0][0]);
+    warp.finish_sums();
+    if (pass_first == 0) trace_phase(a, index, 2);
+
+    // The tile's warps fold in rounds; its warp with warp_keys 0 ends with the split's state.
+    for (int half = key_warps / 2; half >= 1; half /= 2) {
+      if (has_rows && warp_keys >= half && warp_keys < 2 * half) {
+        const int slot = warp_tile * half + warp_keys - half;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float sum = warp.row_sum[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+          for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              fold.out[slot][(j * 4 + 2 * r + c) * 32 + lane_id()] = warp.out[j][2 * r + c] * inv;
+          if (t == 0) fold.lse[slot][g + 8 * r] = sum > 0.0f ? warp.row_max[r] + log2f(sum) : -INFINITY;
+        }
+      }
+      __syncthreads();
+      if (has_rows && warp_keys < half) {
+        const int slot = warp_tile * half + warp_keys;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float other = fold.lse[slot][g + 8 * r], best = fmaxf(warp.row_max[r], other);
+          if (best == -INFINITY) continue;  // neither saw a key
+          const float mine = exp2f(warp.row_max[r] - best), theirs = exp2f(other - best);
+          warp.row_sum[r] = warp.row_sum[r] * mine + theirs;
+          warp.row_max[r] = best;
+#pragma unroll
+          for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              warp.out[j][2 * r + c] =
+                  warp.out[j][2 * r + c] * mine + fold.out[slot][(j * 4 + 2 * r + c) * 32 + lane_id()] * theirs;
+        }
+      }
+      __syncthreads();  // the slots are written again by the next round or pass
+    }
+    if (has_rows && warp_keys == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = first_row + g + 8 * r;
+        if (row >= rows) continue;
+        const float sum = warp.row_sum[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const size_t at = partial_row(a, kv_head, split, row);
+#pragma unroll
+        for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) a.part_out[at * D + Warp::dim_of(j, c)] = warp.out[j][2 * r + c] * inv;
+        if (t == 0) a.part_lse[at] = sum > 0.0f ? warp.row_max[r] + log2f(sum) : -INFINITY;
+      }
+    }
+  }
+  __syncthreads();  // every warp's part written before the task signals
+  trace_phase(a, index, 3);
+  return true;
+}
+#endif  // LITHOS_MK_ATTN_ON_TENSOR_CORES
+
 // Elements of a row a thread of the combine takes, adjacent: 4 (one 16-byte load a split) in the 2-16-token kernels,
 // where at 2 a head group's rows took several passes of the block (run 138: the 8B k = 7 round 2.1% faster, the 1B
 // k = 15 round 1.8%); 2 (one 8-byte load) in the one-token kernel, whose rows are one pass either way and whose
@@ -280,12 +419,18 @@ __device__ inline void attention_combine(const Args& a, const SplitPlan& plan, i
   }
 }
 
-template <int D, int KEYS, int VEC>
+template <int D, int KEYS, int VEC, bool MMA>
 __device__ inline bool attention_task_of(const Args& a, const Task& task, int index) {
   const SplitPlan plan = plan_splits(a);  // from the positions: the step's input, readable before the wait
   auto wait = [&] { return block_wait(a, task, index); };
-  if (!attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait))
-    return false;
+  bool ok;
+#if LITHOS_MK_ATTN_ON_TENSOR_CORES
+  if constexpr (MMA)
+    ok = attention_split_mma<D>(a, plan, task.layer, task.first, task.count, index, wait);
+  else
+#endif
+    ok = attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait);
+  if (!ok) return false;
   const int arrived = block_signal(a, task.signal_counter);
   trace_phase(a, index, 4);
   if (arrived == task.arrivals - 1) {
@@ -300,9 +445,9 @@ template <int TMAX>
 __device__ inline bool attention_task(const Args& a, const Task& task, int index) {
   constexpr int keys = kAttnKeysPerStep<TMAX>, vec = kCombineVec<TMAX>;
   switch (a.head_dim) {
-    case 64: return attention_task_of<64, keys, vec>(a, task, index);
-    case 128: return attention_task_of<128, keys, vec>(a, task, index);
-    default: return attention_task_of<256, keys, vec>(a, task, index);
+    case 64: return attention_task_of<64, keys, vec, kAttnOnTensorCores<TMAX, 64>>(a, task, index);
+    case 128: return attention_task_of<128, keys, vec, kAttnOnTensorCores<TMAX, 128>>(a, task, index);
+    default: return attention_task_of<256, keys, vec, false>(a, task, index);
   }
 }
 

@@ -235,9 +235,8 @@ struct AttentionMmaFold {
 static_assert(sizeof(AttentionMmaFold) <= sizeof(AttentionShared), "the fold reuses the FMA fold's memory");
 
 // attention_split's contract on tensor cores (MmaSplitWarp<D>): the block's 8 warps take the split's row tiles
-// (16 query rows each) tw at a time, and each tile's 8 / tw warps every (8 / tw)-th 16-key chunk, the next chunk
-// asked for while the current one is scored. The first pass's first chunk, where every key of it was written by
-// earlier steps, flies during the wait.
+// (16 query rows each) tw at a time, and each tile's 8 / tw warps every (8 / tw)-th 16-key chunk. The first pass's
+// first chunk's keys, where every one of them was written by earlier steps, fly during the wait.
 template <int D, class Wait>
 __device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
                                            int index, Wait wait) {

@@ -5,7 +5,7 @@
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run140.sh [all|rounds]
 # `all`: the two builds (both layouts `lithos bench --spec` reads), the 8B MXFP4 round in each, the GPU cases in the
 # mma build, then the fused attention's GPU cases. `rounds`: the 1B MXFP4 and 8B bf16 rounds in each build, the 8B
-# MXFP4 round again, a traced 8B MXFP4 round of the mma build, the fused ring-cache cases.
+# MXFP4 round again, a traced 8B MXFP4 round in each build (the mma build's first), the fused ring-cache cases.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -39,8 +39,11 @@ if [ "$phase" = rounds ]; then
   spec_round 8b-bf16 1 "" mma
   spec_round 8b-mxfp4 2 "" mma
   log trace
-  fits 80 "the traced round" && LITHOS_KERNEL_DEFINES=${defines[mma]} traced round-8b-mxfp4-mma 80 --spec ngram \
-    --no-acceptance --kernels megakernel --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1
+  for name in mma ""; do
+    fits 80 "the traced round (${name:-default})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} traced \
+      "round-8b-mxfp4${name:+-$name}" 80 --spec ngram --no-acceptance --kernels megakernel --draft-tokens 7 \
+      --shape llama-3.1-8b --weight-format mxfp4 --steps 32 --runs 1
+  done
   log ring
   left=$(($(seconds_left) - 10))
   fits 60 "the ring-cache cases" && run_tests ring-tests $((left < 120 ? left : 120)) -n 3 tests/test_ring_cache_gpu.py

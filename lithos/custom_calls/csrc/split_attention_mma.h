@@ -1,6 +1,6 @@
 // One warp's share of a split on tensor cores (m16n8k16 bf16, f32 accumulators), shared by the fused
 // kernel (attention.cu, attention_split_mma_kernel) and the megakernel's 4-16-token attention
-// (mk_attention.h, LITHOS_MK_ATTN_MMA). CUDA only: HIP builds keep the FMA splits.
+// (mk_attention.h, a build variant there). CUDA only: HIP builds keep the FMA splits.
 //
 // The warp holds a tile of 16 query rows (token x query head of one KV head) and walks 16-key chunks. Lane
 // (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the tile.

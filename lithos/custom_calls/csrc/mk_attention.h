@@ -297,13 +297,13 @@ __device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan,
         const int slot = warp_tile * half + warp_keys - half;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float sum = warp.row_sum[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+          const float scale = warp.row_scale(r);
 #pragma unroll
           for (int j = 0; j < kOutTiles; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c)
-              fold.out[slot][(j * 4 + 2 * r + c) * 32 + lane_id()] = warp.out[j][2 * r + c] * inv;
-          if (t == 0) fold.lse[slot][g + 8 * r] = sum > 0.0f ? warp.row_max[r] + log2f(sum) : -INFINITY;
+              fold.out[slot][(j * 4 + 2 * r + c) * 32 + lane_id()] = warp.out[j][2 * r + c] * scale;
+          if (t == 0) fold.lse[slot][g + 8 * r] = warp.row_lse(r);
         }
       }
       __syncthreads();
@@ -331,13 +331,13 @@ __device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan,
       for (int r = 0; r < 2; ++r) {
         const int row = first_row + g + 8 * r;
         if (row >= rows) continue;
-        const float sum = warp.row_sum[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float scale = warp.row_scale(r);
         const size_t at = partial_row(a, kv_head, split, row);
 #pragma unroll
         for (int j = 0; j < kOutTiles; ++j)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) a.part_out[at * D + Warp::dim_of(j, c)] = warp.out[j][2 * r + c] * inv;
-        if (t == 0) a.part_lse[at] = sum > 0.0f ? warp.row_max[r] + log2f(sum) : -INFINITY;
+          for (int c = 0; c < 2; ++c) a.part_out[at * D + Warp::dim_of(j, c)] = warp.out[j][2 * r + c] * scale;
+        if (t == 0) a.part_lse[at] = warp.row_lse(r);
       }
     }
   }

@@ -226,6 +226,13 @@ struct MmaSplitWarp {
     }
   }
 
+  // Row r's factor from out to its normalised output (0 where it saw no key) and its log2-sum-exp2 (after
+  // finish_sums): how a split's state leaves the warp.
+  __device__ __forceinline__ float row_scale(int r) const { return row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f; }
+  __device__ __forceinline__ float row_lse(int r) const {
+    return row_sum[r] > 0.0f ? row_max[r] + log2f(row_sum[r]) : -INFINITY;
+  }
+
   // Dimension of out[j][2 r + c] (row g + 8 r): column 2t + c of n-tile j.
   static __device__ __forceinline__ int dim_of(int j, int c) { return (2 * (lane_id() % 4) + c) * (HEAD_DIM / 8) + j; }
 };

@@ -114,8 +114,8 @@ struct BlockSplit {
   SplitPlan plan;
   int split, kv_head;
   __device__ bool in_use() const { return split < plan.splits; }  // the combine reads only these
-  __device__ int begin() const { return plan.begin + split * plan.split_len; }
-  __device__ int end() const { return min(begin() + plan.split_len, plan.end); }
+  __device__ int begin() const { return plan.split_begin(split); }
+  __device__ int end() const { return plan.split_end(split); }
 };
 __device__ __forceinline__ BlockSplit block_split(const AttnArgs& a) {
   return {plan_splits(a), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};

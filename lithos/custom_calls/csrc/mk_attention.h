@@ -97,8 +97,7 @@ __device__ inline bool attention_split(const Args& a, const SplitPlan& plan, int
   // A split past the plan's count writes nothing; it still waits, so that every task's wait is in
   // the trace and its signal comes after its head's Q/K/V, like every split's.
   if (split >= plan.splits) return wait();
-  const int key_begin = plan.begin + split * plan.split_len;
-  const int key_end = min(key_begin + plan.split_len, plan.end);
+  const int key_begin = plan.split_begin(split), key_end = plan.split_end(split);
 
   constexpr int d = D, lanes_per_key = D / 8, keys_per_warp = WARP_SIZE / lanes_per_key;
   static_assert(D % 64 == 0 && lanes_per_key <= WARP_SIZE, "a key's lanes are within a warp");
@@ -243,8 +242,7 @@ __device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan,
   using Warp = MmaSplitWarp<D>;
   constexpr int kOutTiles = Warp::kOutTiles, kChunk = Warp::kChunk, kTileRows = 16;
   if (split >= plan.splits) return wait();  // as attention_split: no keys, but the wait is traced
-  const int key_begin = plan.begin + split * plan.split_len;
-  const int key_end = min(key_begin + plan.split_len, plan.end);
+  const int key_begin = plan.split_begin(split), key_end = plan.split_end(split);
   const int group = a.heads / a.kv_heads, rows = a.tokens * group, tiles = (rows + kTileRows - 1) / kTileRows;
   const int tw = tiles >= 8 ? 8 : (tiles >= 4 ? 4 : (tiles >= 2 ? 2 : 1));
   const int key_warps = kMatvecWarps / tw, chunk_stride = key_warps * kChunk;

@@ -18,6 +18,10 @@ struct SplitPlan {
   int splits;     // splits in use (<= max_splits)
   int lap;        // the position held by slot 0 in the ring's lap where `begin` lies (0 when linear)
   int fresh;      // the lowest position this step appends: keys from here on are this step's
+
+  // Split s's keys, [split_begin(s), split_end(s)).
+  __device__ __forceinline__ int split_begin(int s) const { return begin + s * split_len; }
+  __device__ __forceinline__ int split_end(int s) const { return min(split_begin(s) + split_len, end); }
 };
 
 // The keys the step's `tokens` queries see, cut into at most `max_splits` splits of at least

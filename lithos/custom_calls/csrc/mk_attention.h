@@ -49,7 +49,9 @@ constexpr bool kAttnSecondAhead = LITHOS_MK_ATTN_SECOND_AHEAD != 0;
 
 // The 4-16-token splits on tensor cores (split_attention_mma.h, as the fused kernel's; NOTES.md, "The 4-16-token
 // attention on tensor cores"): CUDA, head dimension 64 and 128 (256 keeps the FMA splits: its 16 rows of output
-// fragments would take 128 registers a lane). An experiment: LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_MMA=1".
+// fragments would take 128 registers a lane). A build variant, LITHOS_KERNEL_DEFINES="LITHOS_MK_ATTN_MMA=1", off by
+// default: at 8 tokens of 8B the attention took 13 us a layer less, but with its code in the kernel the tiled matvec
+// loops spill and lost more (the 8B MXFP4 round 14% slower, the 1B round 3.6% faster; run 140, NOTES.md).
 #ifndef LITHOS_MK_ATTN_MMA
 #define LITHOS_MK_ATTN_MMA 0
 #endif
@@ -233,82 +235,61 @@ struct AttentionMmaFold {
 };
 static_assert(sizeof(AttentionMmaFold) <= sizeof(AttentionShared), "the fold reuses the FMA fold's memory");
 
-// What one split on tensor cores reads and writes, passed by value: the split runs out of line, where a reference
-// to the kernel's Args would copy all of them to the stack.
-struct MmaSplit {
-  const bf16_t* keys;        // the layer's KV head: [slots, head_dim]
-  const bf16_t* values;
-  const bf16_t* q;           // [tokens, heads, head_dim]
-  const int32_t* positions;  // [tokens]
-  float* part_out;           // the split's partial rows: [rows, head_dim]
-  float* part_lse;           // [rows]
-  int64_t* trace;            // the task's trace record, or nullptr
-  int lap, slots;            // a key's slot (slot_of)
-  int key_begin, key_end;    // the split's keys
-  int rows, group, kv_head, heads, window;
-  float scale_log2;
-
-  static constexpr int kTileRows = 16, kChunk = 16;
-  __device__ __forceinline__ int tiles() const { return (rows + kTileRows - 1) / kTileRows; }
-  // Row tiles the block's 8 warps take at a time (each tile's 8 / tiles_at_once() warps split its chunks).
-  __device__ __forceinline__ int tiles_at_once() const {
-    const int n = tiles();
-    return n >= 8 ? 8 : (n >= 4 ? 4 : (n >= 2 ? 2 : 1));
-  }
-  // The first chunk of this warp's keys.
-  __device__ __forceinline__ int first_chunk() const { return key_begin + warp_id() / tiles_at_once() * kChunk; }
-  // Key `key`'s element offset in keys and values; keys past the split's end read its last key (valid memory,
-  // masked).
-  template <int D>
-  __device__ __forceinline__ size_t row_at(int key) const {
-    const int slot = min(key, key_end - 1) - lap;
-    return static_cast<size_t>(slot < slots ? slot : slot - slots) * D;
-  }
-};
-
-// attention_split's contract on tensor cores (MmaSplitWarp<D>), after the task's wait: the block's 8 warps take the
-// split's row tiles (16 query rows each) tw at a time, and each tile's 8 / tw warps every (8 / tw)-th 16-key chunk.
-// Out of line, and one copy for every kernel: inlined into the task loop it moved the whole kernel's register
-// allocation, and the other tasks lost more than the attention gained (run 140, NOTES.md).
-template <int D>
-__device__ __noinline__ void attention_split_mma(const MmaSplit s) {
+// attention_split's contract on tensor cores (MmaSplitWarp<D>): the block's 8 warps take the split's row tiles
+// (16 query rows each) tw at a time, and each tile's 8 / tw warps every (8 / tw)-th 16-key chunk. The first pass's
+// first chunk's keys, where every one of them was written by earlier steps, fly during the wait.
+template <int D, class Wait>
+__device__ inline bool attention_split_mma(const Args& a, const SplitPlan& plan, int layer, int kv_head, int split,
+                                           int index, Wait wait) {
   using Warp = MmaSplitWarp<D>;
-  constexpr int kOutTiles = Warp::kOutTiles, kChunk = MmaSplit::kChunk, kTileRows = MmaSplit::kTileRows;
-  static_assert(kChunk == Warp::kChunk, "a warp's loop step is a chunk");
-  const int tiles = s.tiles(), tw = s.tiles_at_once();
+  constexpr int kOutTiles = Warp::kOutTiles, kChunk = Warp::kChunk, kTileRows = 16;
+  if (split >= plan.splits) return wait();  // as attention_split: no keys, but the wait is traced
+  const int key_begin = plan.split_begin(split), key_end = plan.split_end(split);
+  const int group = a.heads / a.kv_heads, rows = a.tokens * group, tiles = (rows + kTileRows - 1) / kTileRows;
+  const int tw = tiles >= 8 ? 8 : (tiles >= 4 ? 4 : (tiles >= 2 ? 2 : 1));
   const int key_warps = kMatvecWarps / tw, chunk_stride = key_warps * kChunk;
   const int warp_tile = warp_id() % tw, warp_keys = warp_id() / tw;
   const int g = lane_id() / 4, t = lane_id() % 4;
   AttentionMmaFold& fold = reinterpret_cast<AttentionMmaFold&>(attention_shared());
-  auto row_at = [&](int key) { return s.row_at<D>(key); };
+
+  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.slots * D;
+  const bf16_t* keys = a.k_cache + head_offset;
+  const bf16_t* values = a.v_cache + head_offset;
+  // Keys past the split's end read its last key (valid memory) and are masked.
+  auto row_at = [&](int key) { return static_cast<size_t>(slot_of(plan, a.slots, min(key, key_end - 1))) * D; };
   // A chunk's values are asked for once its Q.K mma are issued, and the next chunk's keys once it is scored: with
   // the whole next chunk in flight (the fused kernel's way) the 4-16-token kernels spilled 700-800 accesses more,
   // all over the task loop (NOTES.md).
   typename Warp::KeyRows keys_now;
   typename Warp::ValueRows values_now;
-  const int first_chunk = s.first_chunk();
+  auto load_keys = [&](int from) { Warp::template load_keys<false>(keys_now, keys, row_at, from); };
+  const int first_chunk = key_begin + warp_keys * kChunk;
+  const bool early = warp_tile * kTileRows < rows && first_chunk < key_end &&
+                     min(first_chunk + kChunk, key_end) <= plan.fresh;
+  if (early) load_keys(first_chunk);
+  if (!wait()) return false;
 
   for (int pass_first = 0; pass_first < tiles; pass_first += tw) {
     const int first_row = (pass_first + warp_tile) * kTileRows;
-    const bool has_rows = first_row < s.rows;  // a pass may hold tiles past the last
+    const bool has_rows = first_row < rows;  // a pass may hold tiles past the last
     Warp warp;
-    warp.set_rows(first_row, s.rows, s.group, s.kv_head, s.heads, s.q, s.positions, s.window,
+    warp.set_rows(first_row, rows, group, kv_head, a.heads, a.q, a.positions, a.window,
                   [](const bf16_t* p) { return load_activation<8, true>(p); });
     warp.clear();
     int chunk = first_chunk;
-    if (has_rows && chunk < s.key_end) Warp::template load_keys<false>(keys_now, s.keys, row_at, chunk);
-    if (pass_first == 0) trace_phase_at_when(s.trace, 0, bf16_pair_at(warp.qa[0][0], 0) + keys_now.k[0][0][0]);
-    for (; has_rows && chunk < s.key_end; chunk += chunk_stride) {
-      if (chunk != first_chunk) Warp::template load_keys<false>(keys_now, s.keys, row_at, chunk);
+    if (has_rows && chunk < key_end && !(pass_first == 0 && early)) load_keys(chunk);
+    if (pass_first == 0) trace_phase_when(a, index, 0, bf16_pair_at(warp.qa[0][0], 0) + keys_now.k[0][0][0]);
+    for (; has_rows && chunk < key_end; chunk += chunk_stride) {
+      if (chunk != first_chunk) load_keys(chunk);
       float score[2][4];
       warp.scores(keys_now, score);
-      Warp::template load_values<false>(values_now, s.values, row_at, chunk);
-      warp.softmax(score, chunk, s.key_end, s.scale_log2);
+      Warp::template load_values<false>(values_now, values, row_at, chunk);
+      warp.softmax(score, chunk, key_end, a.scale_log2);
       warp.accumulate(values_now, score);
     }
-    if (pass_first == 0) trace_phase_at_when(s.trace, 1, warp.row_sum[0] + warp.out[0][0]);
+    if (pass_first == 0) trace_phase_when(a, index, 1, warp.row_sum[0] + warp.out[0][0]);
     warp.finish_sums();
-    if (pass_first == 0) trace_phase_at(s.trace, 2);
+    if (pass_first == 0) trace_phase(a, index, 2);
 
     // The tile's warps fold in rounds; its warp with warp_keys 0 ends with the split's state.
     for (int half = key_warps / 2; half >= 1; half /= 2) {
@@ -349,45 +330,19 @@ __device__ __noinline__ void attention_split_mma(const MmaSplit s) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = first_row + g + 8 * r;
-        if (row >= s.rows) continue;
+        if (row >= rows) continue;
         const float scale = warp.row_scale(r);
+        const size_t at = partial_row(a, kv_head, split, row);
 #pragma unroll
         for (int j = 0; j < kOutTiles; ++j)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) s.part_out[row * D + Warp::dim_of(j, c)] = warp.out[j][2 * r + c] * scale;
-        if (t == 0) s.part_lse[row] = warp.row_lse(r);
+          for (int c = 0; c < 2; ++c) a.part_out[at * D + Warp::dim_of(j, c)] = warp.out[j][2 * r + c] * scale;
+        if (t == 0) a.part_lse[at] = warp.row_lse(r);
       }
     }
   }
   __syncthreads();  // every warp's part written before the task signals
-}
-
-// The split on tensor cores as attention_split's contract. Before the wait, the first chunk of each warp's keys and
-// values, where every one of them was written by earlier steps, is asked into L2: registers held over the wait would
-// be the out-of-line split's arguments.
-template <int D, class Wait>
-__device__ inline bool attention_split_on_tensor_cores(const Args& a, const SplitPlan& plan, int layer, int kv_head,
-                                                       int split, int index, Wait wait) {
-  if (split >= plan.splits) return wait();  // as attention_split: no keys, but the wait is traced
-  const int group = a.heads / a.kv_heads;
-  const size_t head_offset = (static_cast<size_t>(layer) * a.kv_heads + kv_head) * a.slots * D;
-  const size_t first_row = partial_row(a, kv_head, split, 0);
-  const MmaSplit s{a.k_cache + head_offset, a.v_cache + head_offset, a.q, a.positions,
-                   a.part_out + first_row * D, a.part_lse + first_row, trace_record(a, index),
-                   plan.lap, a.slots, plan.split_begin(split), plan.split_end(split),
-                   a.tokens * group, group, kv_head, a.heads, a.window, a.scale_log2};
-  // Keys g and g + 8 of the warp's first chunk: a row's 128-byte lines, one a lane t.
-  const int chunk = s.first_chunk(), line = lane_id() % 4;
-  if (chunk < s.key_end && min(chunk + MmaSplit::kChunk, s.key_end) <= plan.fresh && line < D / 64) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const size_t at = s.row_at<D>(chunk + 8 * n + lane_id() / 4) + 64 * line;
-      prefetch_to_l2(s.keys + at);
-      prefetch_to_l2(s.values + at);
-    }
-  }
-  if (!wait()) return false;
-  attention_split_mma<D>(s);
+  trace_phase(a, index, 3);
   return true;
 }
 #endif  // LITHOS_MK_ATTN_ON_TENSOR_CORES
@@ -470,7 +425,7 @@ __device__ inline bool attention_task_of(const Args& a, const Task& task, int in
   bool ok;
 #if LITHOS_MK_ATTN_ON_TENSOR_CORES
   if constexpr (MMA)
-    ok = attention_split_on_tensor_cores<D>(a, plan, task.layer, task.first, task.count, index, wait);
+    ok = attention_split_mma<D>(a, plan, task.layer, task.first, task.count, index, wait);
   else
 #endif
     ok = attention_split<D, KEYS>(a, plan, task.layer, task.first, task.count, index, wait);

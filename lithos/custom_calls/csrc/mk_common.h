@@ -200,22 +200,6 @@ __device__ __forceinline__ void trace_phase_when(const Args& a, int task_index, 
   trace_phase(a, task_index, phase);
 }
 
-// The same for code that runs without the kernel's Args (an out-of-line function, which a reference to them would
-// copy to the stack): task `task_index`'s record, or nullptr when the step is not traced, and its phases. (The
-// functions above read a.trace where they mark: a record computed once and held made the kernels' register
-// allocation worse, 10 -> 24 local accesses in the one-token kernel.)
-__device__ __forceinline__ int64_t* trace_record(const Args& a, int task_index) {
-  return a.trace == nullptr ? nullptr : a.trace + static_cast<size_t>(task_index) * kTraceFields;
-}
-__device__ __forceinline__ void trace_phase_at(int64_t* record, int phase) {
-  if (record != nullptr && threadIdx.x == 0) record[kTracePhase + phase] = trace_clock();
-}
-__device__ __forceinline__ void trace_phase_at_when(int64_t* record, int phase, float landed) {
-  if (record == nullptr || threadIdx.x != 0) return;
-  if (__float_as_uint(landed) == 0xffffffffu) return;  // as in trace_phase_when
-  trace_phase_at(record, phase);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Device-scope synchronisation (CUDA: PTX acquire/release at .gpu scope; HIP: agent scope)
 // ---------------------------------------------------------------------------------------------

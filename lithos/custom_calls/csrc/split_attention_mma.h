@@ -46,9 +46,6 @@ __device__ __forceinline__ Bf16Vec<8> load_issued(const bf16_t* p) {
   return out;
 }
 
-// Ask for the 128-byte line at p into L2, holding no register for it.
-__device__ __forceinline__ void prefetch_to_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 template <int HEAD_DIM>
 struct MmaSplitWarp {
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 128, "16 rows of output fragments: head_dim / 2 registers");

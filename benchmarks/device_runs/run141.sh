@@ -9,7 +9,8 @@ source benchmarks/device_runs/lib.sh run141 table
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 log build
-build_variant ""
+# The one-token layout alone (Q/K/V + gate/up tiled: what a plain step reads), beside the bf16 build.
+python3 benchmarks/build_variants.py qkv,gate_up >"$work/build.log" 2>&1
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 log table
 for format in mxfp4 ""; do

@@ -78,11 +78,18 @@ constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 #else
 constexpr int kRingInputBytes = (kRingSideWidest > 4 ? 56 : 64) * 1024;
 #endif
-// The dynamic shared memory that takes: the staged inputs, the stages, then (one token, in a build with packed
-// weights the ring reads) the side stages; none in a build without weights the ring reads.
+// The 2-16-token tiled single-matrix tasks' chunks through the stages (mk_tiles.h, RingTilePipeline): a build variant.
+#ifndef LITHOS_MK_TILE_RING
+#define LITHOS_MK_TILE_RING 0
+#endif
+// The dynamic shared memory that takes: the staged inputs, the stages, then (one token in a build with packed
+// weights the ring reads; every bucket where the tiles' chunks take the stages) the side stages; none in a build
+// without weights the ring reads.
+template <int TMAX>
+constexpr bool kRingSidesFor = TMAX == 1 || LITHOS_MK_TILE_RING;
 template <int TMAX>
 constexpr int kRingSmemBytes = kRingFor<TMAX> ? kRingInputBytes + kRingStages * kRingStageBytes +
-                                                    (TMAX == 1 ? kRingStages * kRingSideStageBytes : 0)
+                                                    (kRingSidesFor<TMAX> ? kRingStages * kRingSideStageBytes : 0)
                                               : 0;
 
 #if LITHOS_MK_LANE_RING

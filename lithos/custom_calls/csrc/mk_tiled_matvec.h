@@ -191,6 +191,7 @@ struct ProjectionTiles {
   struct Matrix {
     static constexpr int kCount = 1;
     TileSource source;
+    __device__ __forceinline__ TileSource::Where where(int, int tile, int kt) const { return source.where(tile, kt); }
     __device__ __forceinline__ TileChunk load(int, int tile, int kt) const { return source.load(tile, kt); }
   };
   const Args& a;
@@ -260,13 +261,16 @@ struct QkvTiles {
     static constexpr int kCount = 1;
     Place place;
     TileSource q, k, v;
-    __device__ __forceinline__ TileChunk load(int, int tile, int kt) const {
+    __device__ __forceinline__ TileSource::Where where(int, int tile, int kt) const {
       const int slot = place.slot(tile), group = place.group;
       const bool is_q = slot < group, is_k = slot == group;
       // Field by field: a select of the structs themselves chose between their copies on the stack.
       const TileSource s{is_q ? q.codes : (is_k ? k.codes : v.codes), is_q ? q.scales : (is_k ? k.scales : v.scales),
                          q.k_tiles};
-      return s.load(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
+      return s.where(((is_q ? slot : 0) << place.head_shift) + place.q(tile), kt);
+    }
+    __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const {
+      return TileSource::load(where(m, tile, kt));
     }
   };
   const Args& a;
@@ -353,10 +357,13 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  TilePipeline<D, R, typename Kind::Matrix> pipe;
+  TilePipelineOf<TMAX, D, R, typename Kind::Matrix> pipe;
   pipe.matrices = kind.matrix(lane32);
   pipe.fill(steps, walk);
-  if (!block_wait(a, task, index)) return false;
+  if (!block_wait(a, task, index)) {
+    pipe.drain();
+    return false;
+  }
   int group = q0 / k_tiles, kt = q0 % k_tiles;
   // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
   Operand operand = kind.template operand<TMAX>(g, t);

@@ -3,6 +3,8 @@
 // the pipeline of chunks in flight and the walks over a block's steps, and the staged one-token B.
 #pragma once
 
+#include <type_traits>
+
 #include "mk_common.h"
 #include "mk_lane_ring.h"
 #include "mxfp4_tiles.h"
@@ -54,14 +56,22 @@ struct TileSource {
     return {w.data + layer * w.data_outer + lane32 * 16, w.scales + layer * w.scale_outer + (lane32 / 4) * 4,
             w.n_in / kTileInputs};
   }
-  // The lane's chunk of step `kt` of output tile `tile` (a layer's matrix has under 2^31 chunks).
-  __device__ __forceinline__ TileChunk load(int tile, int kt) const {
+  // Where the lane's chunk of step `kt` of output tile `tile` lies (a layer's matrix has under 2^31 chunks).
+  struct Where {
+    const uint8_t* codes;
+    const uint8_t* scale;  // the lane group's aligned 4-byte scale word
+  };
+  __device__ __forceinline__ Where where(int tile, int kt) const {
     const unsigned at = static_cast<unsigned>(tile * k_tiles + kt);
-    const auto* chunk = reinterpret_cast<const bf16_t*>(codes + static_cast<size_t>(at) * kTileBytes);
-    const Bf16Vec<8> v = load_streaming<8>(chunk);
-    const uint32_t word = *reinterpret_cast<const uint32_t*>(scales + static_cast<size_t>(at) * kTileScaleBytes);
+    return {codes + static_cast<size_t>(at) * kTileBytes, scales + static_cast<size_t>(at) * kTileScaleBytes};
+  }
+  // The chunk itself, into registers.
+  __device__ __forceinline__ static TileChunk load(Where w) {
+    const Bf16Vec<8> v = load_streaming<8>(reinterpret_cast<const bf16_t*>(w.codes));
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(w.scale);
     return {{v.pair[0], v.pair[1], v.pair[2], v.pair[3]}, word};
   }
+  __device__ __forceinline__ TileChunk load(int tile, int kt) const { return load(where(tile, kt)); }
 };
 
 // Scale byte I of a lane group's word, 2^(c - 127) (packed_decode.h's E8M0 decode).
@@ -190,6 +200,7 @@ struct TilePipeline {
     for (int d = 0; d < D; ++d)
       if (d < steps) load(walk, chunk[d]);
   }
+  __device__ __forceinline__ void drain() const {}  // nothing in flight outside registers
   // body(i, gate, up) (or body(i, chunk) of a single matrix) for steps i = 0 .. steps - 1 in order: step i from slot
   // i % D (a constant once the loop is unrolled by D), which then asks for step i + D.
   template <class Walk, class Body>
@@ -231,6 +242,87 @@ struct TilePipeline {
     }
   }
 };
+
+// The 4-16-token single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_TILE_RING=1"; NOTES.md, "The tiled loops' chunks through the lane ring"): a step's
+// chunks are copied into this thread's slots of one stage asynchronously (cp.async, no register held while they
+// fly), kRingStages - 1 steps ahead, and read back just before the step's mma, so they live in registers for the
+// step alone. A thread reads only what it copied: cp.async.wait_group orders it, as in the lane ring's row tasks.
+// `Matrices` gives where(m, tile, kt) (TileSource::Where). A step's tiles past the walk's count are not copied and
+// read stale: the bodies skip them.
+#if LITHOS_MK_TILE_RING && LITHOS_MK_TILE_MMA
+template <int R, class Matrices>
+struct RingTilePipeline {
+  static constexpr int M = Matrices::kCount, S = kRingStages;
+  static_assert(M * R <= kRowsPerWarp, "a step's chunks fill at most a thread's slots of one stage");
+  static_assert(kRingSideWidest >= 4, "a chunk's scale word is a 4-byte side");
+  Matrices matrices;  // set before `fill`
+
+  template <class Walk>
+  __device__ __forceinline__ void fill(int steps, Walk& walk) {
+#pragma unroll
+    for (int d = 0; d < S - 1; ++d) {
+      if (d < steps) copy(walk, d);
+      async_commit();  // a group a step, empty or not, so that the waits below count steps
+    }
+  }
+  template <class Walk, class Body>
+  __device__ __forceinline__ void for_each_step(int steps, Walk& walk, Body body) {
+    for (int i = 0; i < steps; ++i) {
+      if (i + S - 1 < steps) copy(walk, (i + S - 1) % S);
+      async_commit();
+      async_wait<S - 1>();  // step i's group has landed
+      const int stage = i % S;
+      TileChunk c[M][R];
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint4 codes = *ring_slot(stage, m * R + r);
+          const uint32_t scale = *reinterpret_cast<const uint32_t*>(ring_side<4>(stage, m * R + r));
+          c[m][r] = {{codes.x, codes.y, codes.z, codes.w}, scale};
+        }
+      if constexpr (M == 2) {
+        body(i, c[0], c[1]);
+      } else {
+        body(i, c[0]);
+      }
+    }
+  }
+  // Lets the copies in flight land before the block leaves an aborted step.
+  __device__ __forceinline__ void drain() const { ring_drain(); }
+
+ private:
+  template <class Walk>
+  __device__ __forceinline__ void copy(Walk& walk, int stage) const {
+    int tile, kt, count;
+    walk.next(tile, kt, count);
+    const uint64_t policy = evict_first_policy();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < count) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const TileSource::Where w = matrices.where(m, tile + r, kt);
+          async_copy16(ring_slot(stage, m * R + r), w.codes, policy);
+          async_copy_word_of(ring_side<4>(stage, m * R + r), w.scale);
+        }
+      }
+    }
+  }
+};
+#endif
+
+// The pipeline a TMAX-token task's tiles take: the ring's at 2-16 tokens where the build asks for it, registers
+// otherwise.
+#if LITHOS_MK_TILE_RING && LITHOS_MK_TILE_MMA
+template <int TMAX, int D, int R, class Matrices>
+using TilePipelineOf = std::conditional_t<(TMAX > 1 && kRingFor<TMAX>), RingTilePipeline<R, Matrices>,
+                                          TilePipeline<D, R, Matrices>>;
+#else
+template <int TMAX, int D, int R, class Matrices>
+using TilePipelineOf = TilePipeline<D, R, Matrices>;
+#endif
 
 // A warp's flat range of the block's (group, k tile) pairs, group-major: group j is tiles first + R j .. first +
 // min(R (j + 1), tiles) - 1.

@@ -243,7 +243,7 @@ struct TilePipeline {
   }
 };
 
-// The 4-16-token single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers
+// The 2-16-token single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers
 // (LITHOS_KERNEL_DEFINES="LITHOS_MK_TILE_RING=1"; NOTES.md, "The tiled loops' chunks through the lane ring"): a step's
 // chunks are copied into this thread's slots of one stage asynchronously (cp.async, no register held while they
 // fly), kRingStages - 1 steps ahead, and read back just before the step's mma, so they live in registers for the

@@ -23,6 +23,7 @@
 #                           build_variants.py with NAME's defines (the script's `defines` array; "": none) into
 #                           $work/build[-NAME].log: the bf16 build and the MXFP4 default layouts (Q/K/V + gate/up
 #                           tiled for steps, every group for rounds: what `lithos bench --spec` reads) and LAYOUTS
+#   build_all [NAMES...]    build_variant for the default build and each of NAMES at once, then the builds' errors
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
 #                           stops it first, the tests passed and failed until then
@@ -91,6 +92,15 @@ build_variant() {
   shift
   LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py qkv,gate_up \
     qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
+}
+
+build_all() {
+  local name
+  log build
+  build_variant "" &
+  for name in "$@"; do build_variant "$name" & done
+  wait
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 }
 
 run_tests() {

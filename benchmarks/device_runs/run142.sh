@@ -27,11 +27,7 @@ cases=(
   "$gpu::$single[qkv-llama-3.1-8b-8]"
   "$gpu::$single[qkv-llama-3.2-1b-16]"
 )
-log build
-build_variant "" &
-build_variant ring &
-wait
-grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+build_all ring
 if [ "$phase" = rounds ]; then
   log rounds
   spec_round 8b-mxfp4 2 "" ring

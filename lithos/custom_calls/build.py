@@ -395,7 +395,7 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The megakernel's 4-16-token attention splits on tensor cores (NOTES.md, "The 4-16-token attention on tensor
     # cores in the megakernel").
     "LITHOS_MK_ATTN_MMA=1": ("megakernel",),
-    # The 2-16-token tiled single-matrix tasks' chunks through the lane ring's stages rather than registers (NOTES.md,
+    # The tiled single-matrix tasks' chunks through the lane ring's stages rather than registers (NOTES.md,
     # "The tiled loops' chunks through the lane ring"), in the MXFP4 build with every group tiled, where they run.
     "LITHOS_MK_TILE_RING=1 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
     "LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),

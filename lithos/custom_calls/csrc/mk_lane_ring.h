@@ -78,7 +78,7 @@ constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 #else
 constexpr int kRingInputBytes = (kRingSideWidest > 4 ? 56 : 64) * 1024;
 #endif
-// The 2-16-token tiled single-matrix tasks' chunks through the stages (mk_tiles.h, RingTilePipeline): a build variant.
+// The tiled single-matrix tasks' chunks through the stages (mk_tiles.h, RingTilePipeline): a build variant.
 #ifndef LITHOS_MK_TILE_RING
 #define LITHOS_MK_TILE_RING 0
 #endif

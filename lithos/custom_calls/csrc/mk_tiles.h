@@ -243,7 +243,7 @@ struct TilePipeline {
   }
 };
 
-// The 2-16-token single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers
+// The tiled single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers
 // (LITHOS_KERNEL_DEFINES="LITHOS_MK_TILE_RING=1"; NOTES.md, "The tiled loops' chunks through the lane ring"): a step's
 // chunks are copied into this thread's slots of one stage asynchronously (cp.async, no register held while they
 // fly), kRingStages - 1 steps ahead, and read back just before the step's mma, so they live in registers for the
@@ -313,11 +313,12 @@ struct RingTilePipeline {
 };
 #endif
 
-// The pipeline a TMAX-token task's tiles take: the ring's at 2-16 tokens where the build asks for it, registers
+// The pipeline a TMAX-token single-matrix task's tiles take: the ring's where the build asks for it (at one token the
+// stages are free while a tiled task runs: the row tasks before and after it drain their own copies), registers
 // otherwise.
 #if LITHOS_MK_TILE_RING && LITHOS_MK_TILE_MMA
 template <int TMAX, int D, int R, class Matrices>
-using TilePipelineOf = std::conditional_t<(TMAX > 1 && kRingFor<TMAX>), RingTilePipeline<R, Matrices>,
+using TilePipelineOf = std::conditional_t<kRingFor<TMAX>, RingTilePipeline<R, Matrices>,
                                           TilePipeline<D, R, Matrices>>;
 #else
 template <int TMAX, int D, int R, class Matrices>

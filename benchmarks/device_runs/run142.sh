@@ -5,8 +5,8 @@
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run142.sh [all|rounds]
 # `all`: the two builds (both layouts `lithos bench --spec` reads), the 8B and 1B MXFP4 rounds in each, the GPU cases
 # in the ring build. `rounds`: the 8B MXFP4 round again in each build, a traced 8B MXFP4 round in the ring build, the
-# one-token steps in each (each round's table gives them: Q/K/V tiled through the ring in that build), the 8B bf16
-# round in each.
+# one-token steps in each (each round's table gives them: Q/K/V tiled through the ring in that build), the 8B MXFP4
+# step with every group tiled in each (the bf16 build's kernels are the same in both: no tiles).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -39,8 +39,13 @@ if [ "$phase" = rounds ]; then
   fits 80 "the traced round (ring)" && LITHOS_KERNEL_DEFINES=${defines[ring]} traced round-8b-mxfp4-ring 80 --spec \
     ngram --no-acceptance --kernels megakernel --draft-tokens 7 --shape llama-3.1-8b --weight-format mxfp4 --steps 32 \
     --runs 1
-  log bf16
-  spec_round 8b-bf16 1 "" ring
+  # The 8B MXFP4 step with every group tiled (O and down too: rows are the default at one token), in each build.
+  log all-tiles
+  for name in "" ring; do
+    fits 60 "the all-tiles step (${name:-default})" && LITHOS_TILES=qkv,o,gate_up,down \
+      LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} bench "step-8b-mxfp4-all-tiles${name:+-$name}" 60 \
+      --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+  done
   log done
   exit 0
 fi

@@ -255,7 +255,9 @@ template <int R, class Matrices>
 struct RingTilePipeline {
   static constexpr int M = Matrices::kCount, S = kRingStages;
   static_assert(M * R <= kRowsPerWarp, "a step's chunks fill at most a thread's slots of one stage");
-  static_assert(kRingSideWidest >= 4, "a chunk's scale word is a 4-byte side");
+  // On R, so that it is checked where a build instantiates the pipeline: a build without packed weights (the bf16
+  // one, whose ring has no sides) never does, and must compile with the define too.
+  static_assert(R > 0 && kRingSideWidest >= 4, "a chunk's scale word is a 4-byte side");
   Matrices matrices;  // set before `fill`
 
   template <class Walk>

@@ -2,14 +2,45 @@
 # Run 143 (written 2026-12-07, forty-sixth session): what making LITHOS_MK_TILE_RING=1 the default waits for (NOTES.md,
 # "Run 142 measured"). The ring build's GPU cases, with the layouts they read built first (run 142's tests compiled
 # them one by one and ran out of time), and the one-token step the change would make the default (every group tiled,
-# through the ring) against today's (Q/K/V + gate/up tiled, registers) on both shapes.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh
+# through the ring) against today's (Q/K/V + gate/up tiled, registers) on both shapes. `gate_up`: the one-token gate/up
+# tiles through the ring too (LITHOS_MK_GATE_UP_RING=1, "gur"; NOTES.md, "The one-token gate/up tiles through the ring
+# too") beside the ring build, every group tiled, and its one-token gate/up cases.
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|gate_up]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source benchmarks/device_runs/lib.sh run143 all
+phase=${1:-all}
+source benchmarks/device_runs/lib.sh run143 "$phase"
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
-declare -A defines=([ring]="LITHOS_MK_TILE_RING=1")
+declare -A defines=([ring]="LITHOS_MK_TILE_RING=1" [gur]="LITHOS_MK_TILE_RING=1 LITHOS_MK_GATE_UP_RING=1")
 gpu=tests/test_megakernel_gpu.py
+if [ "$phase" = gate_up ]; then
+  log build
+  build_variant ring &
+  build_variant gur gate_up &  # the gate/up cases read gate/up alone in tiles
+  wait
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  # The one-token step with every group tiled, 1B and 8B: the ring build, then with the gate/up ring; a pair, the
+  # GPU cases, then a second pair in the time left.
+  all_tiles_pair() {
+    local name
+    for name in ring gur; do
+      fits 120 "the all-tiles step ($name, $1)" && LITHOS_KERNEL_DEFINES=${defines[$name]} \
+        LITHOS_TILES=qkv,o,gate_up,down bench "step-mxfp4-all-tiles-$name-$1" 120 --shape llama-3.2-1b \
+        --shape llama-3.1-8b --weight-format mxfp4 --kernels megakernel
+    done
+  }
+  log steps
+  all_tiles_pair 1
+  log tests
+  tiled=test_tiled_gate_up_megakernel_equals_interpreter
+  fits 100 "the gate/up cases (gur)" && LITHOS_KERNEL_DEFINES=${defines[gur]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+    run_tests gpu-tests-gur 120 -n 3 -rA "$gpu::$tiled[llama-3.2-1b-1]" "$gpu::$tiled[llama-3.1-8b-1]" \
+    "$gpu::$tiled[smollm2-like-1]" "$gpu::$tiled[narrow-1]" "$gpu::$tiled[smollm2-like--1]"
+  log steps
+  all_tiles_pair 2
+  log done
+  exit 0
+fi
 single=test_tiled_single_matrix_megakernel_equals_interpreter
 # Q/K/V and O through the ring at 1-16 tokens (run 142 passed down's), and the engine's greedy generation in MXFP4.
 cases=(

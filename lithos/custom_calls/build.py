@@ -375,6 +375,11 @@ PLAIN = Variant()  # the build without the caller's choices
 # the kernels that read its define. `--variants` builds them all, as CI's compile gate does
 # (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md). A variant of
 # a code path only some weight formats compile names their defines after its own ("NAME=VALUE ...").
+# The MXFP4 megakernel build with every group in fragment tiles (bf16 head): where the tiled variants' code runs.
+_MXFP4_ALL_TILES = (
+    "LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 LITHOS_MK_QKV_TILES=1 "
+    "LITHOS_MK_O_TILES=1 LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_DOWN_TILES=1"
+)
 EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # Weights through registers: the path HIP builds and the larger token buckets take, and the knob the
     # megakernel's grid error names.
@@ -397,8 +402,10 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     "LITHOS_MK_ATTN_MMA=1": ("megakernel",),
     # The tiled single-matrix tasks' chunks through the lane ring's stages rather than registers (NOTES.md,
     # "The tiled loops' chunks through the lane ring"), in the MXFP4 build with every group tiled, where they run.
-    "LITHOS_MK_TILE_RING=1 LITHOS_MK_ATTENTION_FORMAT=1 LITHOS_MK_MLP_FORMAT=1 LITHOS_MK_HEAD_FORMAT=0 "
-    "LITHOS_MK_QKV_TILES=1 LITHOS_MK_O_TILES=1 LITHOS_MK_GATE_UP_TILES=1 LITHOS_MK_DOWN_TILES=1": ("megakernel",),
+    f"LITHOS_MK_TILE_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
+    # The one-token gate/up tiles through the ring too, 2 pairs a step (NOTES.md, "The one-token gate/up tiles through
+    # the ring too"), beside the single-matrix tasks' ring.
+    f"LITHOS_MK_GATE_UP_RING=1 LITHOS_MK_TILE_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

@@ -4,8 +4,10 @@
 # them one by one and ran out of time), and the one-token step the change would make the default (every group tiled,
 # through the ring) against today's (Q/K/V + gate/up tiled, registers) on both shapes. `gate_up`: the one-token gate/up
 # tiles through the ring too (LITHOS_MK_GATE_UP_RING=1, "gur"; NOTES.md, "The one-token gate/up tiles through the ring
-# too") beside the ring build, every group tiled, and its one-token gate/up cases.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|gate_up]
+# too") beside the ring build, every group tiled, and its one-token gate/up cases. `trace`: one traced 8B MXFP4 step of
+# each: the default, the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), the
+# ring build and the gate/up ring build with every group tiled.
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|gate_up|trace]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -13,6 +15,20 @@ source benchmarks/device_runs/lib.sh run143 "$phase"
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
 declare -A defines=([ring]="LITHOS_MK_TILE_RING=1" [gur]="LITHOS_MK_TILE_RING=1 LITHOS_MK_GATE_UP_RING=1")
 gpu=tests/test_megakernel_gpu.py
+if [ "$phase" = trace ]; then
+  build_all ring gur
+  log trace
+  for run in default: ring: ring:qkv,o,gate_up,down gur:qkv,o,gate_up,down; do
+    name=${run%%:*} tiles=${run#*:}
+    [ "$name" = default ] && name=""
+    if [ -n "$tiles" ]; then export LITHOS_TILES=$tiles; else unset LITHOS_TILES; fi  # unset: the default layout
+    fits 70 "the traced step (${run})" && LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} \
+      traced "step-8b-mxfp4-${name:-default}${tiles:+-all-tiles}" 70 --shape llama-3.1-8b --weight-format mxfp4 \
+      --kernels megakernel --steps 32 --runs 1
+  done
+  log done
+  exit 0
+fi
 if [ "$phase" = gate_up ]; then
   log build
   build_variant ring &

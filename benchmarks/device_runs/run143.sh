@@ -4,21 +4,30 @@
 # them one by one and ran out of time), and the one-token step the change would make the default (every group tiled,
 # through the ring) against today's (Q/K/V + gate/up tiled, registers) on both shapes. `gate_up`: the one-token gate/up
 # tiles through the ring too (LITHOS_MK_GATE_UP_RING=1, "gur"; NOTES.md, "The one-token gate/up tiles through the ring
-# too") beside the ring build, every group tiled, and its one-token gate/up cases. `trace`: one traced 8B MXFP4 step of
-# each: the default, the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), the
-# ring build and the gate/up ring build with every group tiled.
+# too") beside the ring build, every group tiled, and its one-token gate/up cases. `trace`: the ring build with every
+# group tiled against the same with the one-token Q/K/V tiles in registers (LITHOS_MK_QKV_RING=0, "qreg"; NOTES.md,
+# "The one-token Q/K/V tiles kept in registers in a ring build"), 1B and 8B steps; then one traced 8B MXFP4 step of the
+# default and of the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), and of
+# both builds with every group tiled.
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|gate_up|trace]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
 source benchmarks/device_runs/lib.sh run143 "$phase"
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps, every group for rounds
-declare -A defines=([ring]="LITHOS_MK_TILE_RING=1" [gur]="LITHOS_MK_TILE_RING=1 LITHOS_MK_GATE_UP_RING=1")
+declare -A defines=([ring]="LITHOS_MK_TILE_RING=1" [gur]="LITHOS_MK_TILE_RING=1 LITHOS_MK_GATE_UP_RING=1"
+  [qreg]="LITHOS_MK_TILE_RING=1 LITHOS_MK_QKV_RING=0")
 gpu=tests/test_megakernel_gpu.py
 if [ "$phase" = trace ]; then
-  build_all ring gur
+  build_all ring qreg
+  log steps
+  for name in ring qreg; do
+    fits 120 "the all-tiles step ($name)" && LITHOS_KERNEL_DEFINES=${defines[$name]} LITHOS_TILES=qkv,o,gate_up,down \
+      bench "step-mxfp4-all-tiles-$name-3" 120 --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 \
+      --kernels megakernel
+  done
   log trace
-  for run in default: ring: ring:qkv,o,gate_up,down gur:qkv,o,gate_up,down; do
+  for run in ring: default: qreg:qkv,o,gate_up,down ring:qkv,o,gate_up,down; do
     name=${run%%:*} tiles=${run#*:}
     [ "$name" = default ] && name=""
     if [ -n "$tiles" ]; then export LITHOS_TILES=$tiles; else unset LITHOS_TILES; fi  # unset: the default layout

@@ -406,6 +406,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The one-token gate/up tiles through the ring too, 2 pairs a step (NOTES.md, "The one-token gate/up tiles through
     # the ring too"), beside the single-matrix tasks' ring.
     f"LITHOS_MK_GATE_UP_RING=1 LITHOS_MK_TILE_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
+    # In the ring build, the one-token Q/K/V tiles kept in registers (NOTES.md, "The one-token Q/K/V tiles kept in
+    # registers in a ring build").
+    f"LITHOS_MK_QKV_RING=0 LITHOS_MK_TILE_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

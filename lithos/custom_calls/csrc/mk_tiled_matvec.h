@@ -340,6 +340,17 @@ struct QkvTiles {
   }
 };
 
+// In a ring build (LITHOS_MK_TILE_RING=1), the one-token Q/K/V tiles through registers all the same where the build
+// asks (LITHOS_KERNEL_DEFINES="LITHOS_MK_QKV_RING=0"; NOTES.md, "The one-token Q/K/V tiles kept in registers in a ring
+// build"): a build variant.
+#ifndef LITHOS_MK_QKV_RING
+#define LITHOS_MK_QKV_RING 1
+#endif
+template <int TMAX, class Kind, int D, int R>
+using TiledPipelineFor = std::conditional_t<TMAX == 1 && !LITHOS_MK_QKV_RING && std::is_same_v<Kind, QkvTiles>,
+                                            TilePipeline<D, R, typename Kind::Matrix>,
+                                            TilePipelineOf<TMAX, D, R, typename Kind::Matrix>>;
+
 // The task: Kind is ProjectionTiles or QkvTiles.
 template <int TMAX, class Kind>
 __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
@@ -357,7 +368,7 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   const int all = (tiles + R - 1) / R * k_tiles;
   const int q0 = all * warp_id() / kMatvecWarps, q1 = all * (warp_id() + 1) / kMatvecWarps, steps = q1 - q0;
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
-  TilePipelineOf<TMAX, D, R, typename Kind::Matrix> pipe;
+  TiledPipelineFor<TMAX, Kind, D, R> pipe;
   pipe.matrices = kind.matrix(lane32);
   pipe.fill(steps, walk);
   if (!block_wait(a, task, index)) {

@@ -9,7 +9,7 @@
 # "The one-token Q/K/V tiles kept in registers in a ring build"), 1B and 8B steps; then one traced 8B MXFP4 step of the
 # default and of the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), and of
 # both builds with every group tiled.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|gate_up|trace]
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|lean|gate_up|trace]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -81,6 +81,10 @@ cases=(
   "$gpu::$single[o-llama-3.2-1b-16]"
   "$gpu::$single[o-smollm2-like--1]"
 )
+# `lean`: the same with the 1B step alone, for a call with less device time (run 142 timed both 8B steps, 2.774-2.782
+# and 2.752-2.754 ms; the 1B step in the all-tiles ring build has not run).
+shapes=(--shape llama-3.2-1b --shape llama-3.1-8b) step_limit=120
+[ "$phase" = lean ] && shapes=(--shape llama-3.2-1b) step_limit=75
 log build
 # The single-matrix cases read gate/up plus their group in tiles.
 build_variant "" &
@@ -89,11 +93,10 @@ wait
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 log steps
 # The one-token step: the default build in its layout, then the ring build with every group tiled; 1B and 8B.
-fits 120 "the default step" && bench step-mxfp4 120 --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 \
+fits $step_limit "the default step" && bench step-mxfp4 $step_limit "${shapes[@]}" --weight-format mxfp4 \
   --kernels megakernel
-fits 120 "the ring's all-tiles step" && LITHOS_KERNEL_DEFINES=${defines[ring]} LITHOS_TILES=qkv,o,gate_up,down \
-  bench step-mxfp4-all-tiles-ring 120 --shape llama-3.2-1b --shape llama-3.1-8b --weight-format mxfp4 \
-  --kernels megakernel
+fits $step_limit "the ring's all-tiles step" && LITHOS_KERNEL_DEFINES=${defines[ring]} LITHOS_TILES=qkv,o,gate_up,down \
+  bench step-mxfp4-all-tiles-ring $step_limit "${shapes[@]}" --weight-format mxfp4 --kernels megakernel
 log tests
 fits 120 "the GPU cases (ring)" && LITHOS_KERNEL_DEFINES=${defines[ring]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
   run_tests gpu-tests-ring $(($(seconds_left) - 10)) -n 3 -rA "${cases[@]}"

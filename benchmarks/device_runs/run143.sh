@@ -9,7 +9,7 @@
 # "The one-token Q/K/V tiles kept in registers in a ring build"), 1B and 8B steps; then one traced 8B MXFP4 step of the
 # default and of the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), and of
 # both builds with every group tiled.
-#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|lean|gate_up|trace]
+#   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|lean|cases|gate_up|trace]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}
@@ -81,6 +81,21 @@ cases=(
   "$gpu::$single[o-llama-3.2-1b-16]"
   "$gpu::$single[o-smollm2-like--1]"
 )
+if [ "$phase" = cases ]; then
+  # The least device time: the ring build's Q/K/V and O cases (what making it the default waits for), then its 1B
+  # step with every group tiled in the time left.
+  log build
+  build_variant ring gate_up,qkv gate_up,o
+  grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
+  log tests
+  fits 90 "the GPU cases (ring)" && LITHOS_KERNEL_DEFINES=${defines[ring]} XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+    run_tests gpu-tests-ring $(($(seconds_left) - 60)) -n 3 -rA "${cases[@]:1}"
+  log steps
+  fits 50 "the ring's all-tiles step" && LITHOS_KERNEL_DEFINES=${defines[ring]} LITHOS_TILES=qkv,o,gate_up,down \
+    bench step-mxfp4-all-tiles-ring 50 --shape llama-3.2-1b --weight-format mxfp4 --kernels megakernel
+  log done
+  exit 0
+fi
 # `lean`: the same with the 1B step alone, for a call with less device time (run 142 timed both 8B steps, 2.774-2.782
 # and 2.752-2.754 ms; the 1B step in the all-tiles ring build has not run).
 shapes=(--shape llama-3.2-1b --shape llama-3.1-8b) step_limit=120

@@ -10,6 +10,10 @@
 # default and of the ring build in the default layout (run 142: 50 us slower, not yet attributed to a stage), and of
 # both builds with every group tiled.
 #   RUN_LIMIT=SECONDS bash benchmarks/device_runs/run143.sh [all|lean|cases|gate_up|trace]
+# If the ring build's cases pass and its 1B all-tiles step is no slower than the default's: `git apply
+# benchmarks/device_runs/ring-default.patch` (the ring on by default; one layout, every group tiled, for steps and
+# rounds, so Model.round_params goes; the old build kept as the variant LITHOS_MK_TILE_RING=0), then write run 143's
+# figures where its tiles_wanted docstring says RUN143.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}

@@ -346,6 +346,40 @@ def test_build_command_builds_check_libraries_at_the_check_level(monkeypatch, ca
     assert " ".join(command).count(f"-O{check}") == 2 and "-Xcicc -O1" in " ".join(command)
 
 
+def test_the_megakernel_runs_from_a_library_a_token_bucket(monkeypatch, tmp_path):
+    """A step calls the library of its token count's bucket alone (one handler name and one cache entry a bucket;
+    counts of one bucket share them), and the ahead-of-time command builds the five a GPU loads; its compile check
+    stays one library of every code path."""
+    from lithos.custom_calls.megakernel.kernel import WeightFormats
+
+    monkeypatch.setenv("LITHOS_CACHE_DIR", str(tmp_path))
+    base = build.Toolchain("cuda", "nvcc", "V13.0", "sm_90a")
+    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", gate_up_tiles=True)
+    assert formats.variant(3) == formats.variant(4) != formats.variant(5)
+    assert formats.variant(4).defines == (*formats.variant().defines, "LITHOS_ONE_BUCKET=4")
+    assert formats.variant(1).target("LithosMegakernel") == "LithosMegakernel_mxfp4_mxfp4_bfloat16_tiles_t1"
+    assert WeightFormats().variant(16).target("LithosMegakernel") == "LithosMegakernel_t16"
+    paths = {build.library_path("megakernel", formats.variant(n).toolchain(base)) for n in range(1, 17)}
+    assert len(paths) == 5 and build.library_path("megakernel", formats.variant().toolchain(base)) not in paths
+    with pytest.raises(LithosError, match="1..16 query positions, got 17"):
+        formats.variant(17)
+
+    monkeypatch.setattr(build, "find_compiler", lambda platform: "/usr/bin/nvcc")
+    monkeypatch.setattr(build, "compiler_version", lambda compiler: "V13.0")
+    monkeypatch.delenv("LITHOS_KERNEL_DEFINES", raising=False)
+    built = []
+    monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "megakernel", "--kernel", "matvec"]) == 0
+    assert [(kernel, tc.defines) for kernel, tc in built] == [
+        *(("megakernel", (f"LITHOS_ONE_BUCKET={bucket}",)) for bucket in (1, 2, 4, 8, 16)),
+        ("matvec", ()),
+    ]
+    built.clear()
+    check = ["--opt-level", str(build.CHECK_OPT_LEVEL)]
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--kernel", "megakernel", *check]) == 0
+    assert [(kernel, tc.defines) for kernel, tc in built] == [("megakernel", ())]
+
+
 def test_variants_command_passes_each_define_of_a_variant(monkeypatch):
     """`--variants` (CI's prebuild) compiles each experiment variant with every define its key names, as
     test_build_variant_compiles does: an experiment on the MXFP4 build names that build's defines after its own."""
@@ -356,7 +390,8 @@ def test_variants_command_passes_each_define_of_a_variant(monkeypatch):
     monkeypatch.setitem(build.EXPERIMENT_VARIANTS, mxfp4_experiment, ("megakernel",))
     built = []
     monkeypatch.setattr(build, "build", lambda kernel, tc, force=False: built.append((kernel, tc)) or Path(kernel))
-    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--variants"]) == 0
+    check = ["--opt-level", str(build.CHECK_OPT_LEVEL)]  # as CI builds them (an -O3 build: a library a bucket)
+    assert build.main(["--platform", "cuda", "--arch", "sm_90a", "--variants", *check]) == 0
     variants = build.EXPERIMENT_VARIANTS.items()
     expected = [(kernel, tuple(key.split())) for key, kernels in variants for kernel in kernels]
     assert [(kernel, tc.defines) for kernel, tc in built] == expected
@@ -419,6 +454,14 @@ def test_kernel_source_compiles(toolchain, kernel):
     library = build.build(kernel, check_build(toolchain))
     assert library.exists() and library.stat().st_size > 0
     assert_exports(library, kernel)
+
+
+def test_one_token_bucket_of_the_megakernel_compiles(toolchain):
+    """The library a step loads (build.bucket_variant: its bucket's kernels alone, ffi_util.h LITHOS_ONE_BUCKET),
+    for both vendors; its exports are the whole library's."""
+    library = build.build("megakernel", build.bucket_variant(build.PLAIN, 3).toolchain(check_build(toolchain)))
+    assert library != build.build("megakernel", check_build(toolchain))
+    assert_exports(library, "megakernel")
 
 
 def assert_exports(library, kernel: str) -> None:

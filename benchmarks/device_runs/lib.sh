@@ -22,7 +22,8 @@
 #   build_variant NAME [LAYOUTS...]
 #                           build_variants.py with NAME's defines (the script's `defines` array; "": none) into
 #                           $work/build[-NAME].log: the bf16 build and the MXFP4 default layouts (Q/K/V + gate/up
-#                           tiled for steps, every group for rounds: what `lithos bench --spec` reads) and LAYOUTS
+#                           tiled for steps, every group for rounds: what `lithos bench --spec` reads) and LAYOUTS,
+#                           every token bucket's library, or those of BUILD_TOKENS (e.g. 1: one-token steps alone)
 #   build_all [NAMES...]    build_variant for the default build and each of NAMES at once, then the builds' errors
 #   run_tests NAME TIMEOUT PYTEST_ARGS...
 #                           pytest into $work/NAME.log (a line a test), its summary printed and saved; where TIMEOUT
@@ -90,8 +91,8 @@ spec_round() {
 build_variant() {
   local name=$1
   shift
-  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py qkv,gate_up \
-    qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
+  LITHOS_KERNEL_DEFINES=${name:+${defines[$name]}} python3 benchmarks/build_variants.py ${BUILD_TOKENS:+--tokens \
+    "$BUILD_TOKENS"} qkv,gate_up qkv,o,gate_up,down "$@" >"$work/build${name:+-$name}.log" 2>&1
 }
 
 build_all() {

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import jax
 
+from lithos.custom_calls.launch import TOKEN_BUCKETS, token_bucket
 from lithos.errors import LithosError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -371,6 +372,28 @@ class Variant:
 
 PLAIN = Variant()  # the build without the caller's choices
 
+# Kernels that run from a library a token bucket (csrc/ffi_util.h LITHOS_ONE_BUCKET), so that a program compiles only
+# the buckets it runs and a build of all five is five compiles side by side: the megakernel, whose MXFP4 build took
+# 96 s of nvcc 13 with its five buckets together and 12 s for the one-token kernel alone (NOTES.md, "A library a
+# token bucket"). A compile check (CHECK_OPT_LEVEL) still builds each source as one library.
+BUCKETED_KERNELS = frozenset({"megakernel"})
+
+
+def bucket_variant(variant: Variant, tokens: int) -> Variant:
+    """`variant` holding only the kernels for `tokens` query positions (their bucket's), as a step of a
+    BUCKETED_KERNELS source calls it."""
+    bucket = token_bucket(tokens)
+    return Variant((*variant.defines, f"LITHOS_ONE_BUCKET={bucket}"), f"{variant.suffix}_t{bucket}".lstrip("_"))
+
+
+def bucket_toolchains(kernel: str, tc: Toolchain) -> list[Toolchain]:
+    """The toolchains of the libraries a GPU loads for `kernel`: one a token bucket for BUCKETED_KERNELS (their
+    compile check, a single library), else `tc`."""
+    if kernel not in BUCKETED_KERNELS or tc.opt_level != 3:
+        return [tc]
+    return [bucket_variant(PLAIN, bucket).toolchain(tc) for bucket in TOKEN_BUCKETS]
+
+
 # Build variants kept beside the default for experiments and A/B runs (LITHOS_KERNEL_DEFINES), each with
 # the kernels that read its define. `--variants` builds them all, as CI's compile gate does
 # (tests/test_custom_calls.py), so none rots between the device runs that compare it (NOTES.md). A variant of
@@ -478,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         else:
             jobs = [(kernel, tc) for kernel in args.kernel or list(KERNELS)]
+        jobs = [(kernel, each) for kernel, job_tc in jobs for each in bucket_toolchains(kernel, job_tc)]
         together = tuple(k for k, _ in jobs if k in PACKED_KERNELS) if args.packed_together else ()
         jobs = [job for job in jobs if job[0] not in together]
         with ThreadPoolExecutor(max_workers=args.jobs or len(jobs) + 1) as pool:

@@ -44,8 +44,20 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // `tokens`: five instantiations cover every count, padded positions are skipped at run time.
 // LITHOS_TWO_BUCKETS (a compile check's build, build.py CHECK_OPT_LEVEL): 1 and 16 only, which instantiate
 // every template and code path in two fifths of the compile time; counts 2..16 then run padded to 16.
+// LITHOS_ONE_BUCKET=B: bucket B's instantiation alone, for the counts B serves. The megakernel is built a library
+// a bucket (megakernel/kernel.py, WeightFormats.variant): a program compiles only the buckets it runs, and a build
+// of all five is five compiles side by side rather than one five times as long.
 template <class F>
 inline ffi::Error with_token_bucket(int64_t tokens, F&& f) {
+#ifdef LITHOS_ONE_BUCKET
+  constexpr int kBucket = LITHOS_ONE_BUCKET;
+  static_assert(kBucket == 1 || kBucket == 2 || kBucket == 4 || kBucket == 8 || kBucket == 16,
+                "LITHOS_ONE_BUCKET is one of 1, 2, 4, 8, 16");
+  if (tokens >= kBucket / 2 + 1 && tokens <= kBucket) return f(std::integral_constant<int, kBucket>{});
+  return invalid("this build holds the kernels for " + std::to_string(kBucket / 2 + 1) + ".." +
+                 std::to_string(kBucket) + " query positions only, got " + std::to_string(tokens) +
+                 "; call the build of that count's bucket");
+#else
   if (tokens == 1) return f(std::integral_constant<int, 1>{});
 #if !LITHOS_TWO_BUCKETS
   if (tokens == 2) return f(std::integral_constant<int, 2>{});
@@ -55,6 +67,7 @@ inline ffi::Error with_token_bucket(int64_t tokens, F&& f) {
   if (tokens >= 2 && tokens <= kMaxTokens) return f(std::integral_constant<int, 16>{});
   return invalid("decode kernels take 1.." + std::to_string(kMaxTokens) + " query positions, got " +
                  std::to_string(tokens) + "; use the reference path for prefill");
+#endif
 }
 
 // Calls f(std::integral_constant<int, VEC>) with VEC = 8 (16-byte loads) when every row of length

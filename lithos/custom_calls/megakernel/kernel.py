@@ -77,8 +77,11 @@ class WeightFormats(NamedTuple):
         """Every format the build reads."""
         return (self.attention, self.o or self.attention, self.mlp, self.down or self.mlp, self.head)
 
-    def variant(self) -> build.Variant:
-        """The build that reads these formats: the plain one for bf16 weights."""
+    def variant(self, tokens: int | None = None) -> build.Variant:
+        """The build that reads these formats (the plain one for bf16 weights), every token bucket in one library;
+        with `tokens`, that count's bucket alone (build.bucket_variant), the library a step calls."""
+        if tokens is not None:
+            return build.bucket_variant(self.variant(), tokens)
         if self == WeightFormats():  # bf16 throughout
             return build.PLAIN
         groups = [("ATTENTION", self.attention), ("MLP", self.mlp), ("HEAD", self.head)]
@@ -369,7 +372,7 @@ def step_schedule(shape: ModelShape, tokens: int, with_head: bool, formats: Weig
     platform = _gpu_platform()
     if platform is None:
         return build_schedule(shape, CPU_WORKERS, with_head)
-    blocks = resident_blocks(platform, tokens, formats.variant())
+    blocks = resident_blocks(platform, tokens, formats.variant(tokens))
     steps = staged_lane_steps(shape, formats, tokens, platform)
     return build_schedule(shape, blocks, with_head, WARP_SIZE[platform], steps)
 
@@ -459,7 +462,7 @@ def _kernel(
         v_cache,
         *weight_planes(weights),
         aliases={7: 0, 8: 1},
-        variant=formats.variant(),
+        variant=formats.variant(T),
         eps=np.float32(eps),
         window=np.int64(window),
         ring=bool(ring),

@@ -9,8 +9,9 @@ source benchmarks/device_runs/lib.sh run141 table
 unset LITHOS_TILES  # the default layouts: Q/K/V + gate/up for steps
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 log build
-# The one-token layout alone (Q/K/V + gate/up tiled: what a plain step reads), beside the bf16 build.
-python3 benchmarks/build_variants.py qkv,gate_up >"$work/build.log" 2>&1
+# The one-token libraries of the steps' layouts (Q/K/V + gate/up tiled, and every group: the default once
+# ring-default.patch is in), beside the bf16 build's.
+python3 benchmarks/build_variants.py --tokens 1 qkv,gate_up qkv,o,gate_up,down >"$work/build.log" 2>&1
 grep -E "FAILED|rror" "$work"/build*.log | cut -c1-300
 log table
 # MXFP4: the fused and megakernel paths (the table's reference figures are another call's: 29 ms a step on 8B).

@@ -23,6 +23,7 @@ declare -A defines=([ring]="LITHOS_MK_TILE_RING=1" [gur]="LITHOS_MK_TILE_RING=1 
   [qreg]="LITHOS_MK_TILE_RING=1 LITHOS_MK_QKV_RING=0")
 gpu=tests/test_megakernel_gpu.py
 if [ "$phase" = trace ]; then
+  export BUILD_TOKENS=1  # one-token steps alone
   build_all ring qreg
   log steps
   for name in ring qreg; do
@@ -43,6 +44,7 @@ if [ "$phase" = trace ]; then
   exit 0
 fi
 if [ "$phase" = gate_up ]; then
+  export BUILD_TOKENS=1  # one-token steps and cases alone
   log build
   build_variant ring &
   build_variant gur gate_up &  # the gate/up cases read gate/up alone in tiles

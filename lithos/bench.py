@@ -288,8 +288,7 @@ def _bench_rows(
     variants = [(kernels, kernels, placement) for kernels in kernel_paths]
     if overlap and placement is not None and "fused" in kernel_paths:
         variants.append(("fused+overlap", "fused", dataclasses.replace(placement, overlap=True)))
-    # Each path's weights as it reads them in one-token steps (the same values; on CUDA the megakernel's MXFP4
-    # Q/K/V, gate and up in tiles).
+    # Each path's weights as it reads them (the same values; on CUDA the megakernel's MXFP4 groups in tiles).
     laid_out = {kernels: params_for_kernels(params, cfg, kernels) for kernels in kernel_paths}
     for context in contexts:
         for label, kernels, where in variants:

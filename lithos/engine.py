@@ -146,7 +146,6 @@ class Model:
         # Model made from this one's checkpoint lays them out for its own path: params_for_kernels).
         self.checkpoint = dataclasses.replace(checkpoint, params=self.params)
         self.cfg = checkpoint.cfg
-        self._round_params = None  # laid out on the first speculative call (round_params)
         self.tokenizer = checkpoint.tokenizer
         self.max_len = max_len
         self.kernels = kernels
@@ -158,18 +157,6 @@ class Model:
         # before allocating a new cache, so two caches are never held at once.
         self._in_flight = None
         self._compiled: set[tuple] = set()
-
-    @property
-    def round_params(self):
-        """The params as speculative verification reads them (rounds of k + 1 positions): with the megakernel on
-        CUDA every MXFP4 group in fragment tiles, where one-token steps (`params`) read O and down faster in rows
-        (lithos.models.params_for_kernels). Laid out from `params` on first use, sharing the groups both layouts
-        read alike (by default Q/K/V, gate and up); the same object as `params` where the layouts agree."""
-        if self._round_params is None:
-            from lithos.models import params_for_kernels
-
-            self._round_params = params_for_kernels(self.params, self.cfg, self.kernels, rounds=True)
-        return self._round_params
 
     def __repr__(self) -> str:
         where = f"; {self.placement.describe()}" if self.placement is not None else ""

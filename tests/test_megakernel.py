@@ -515,15 +515,14 @@ def test_weight_formats_choose_the_build():
         weight_formats(packed._replace(w_up=weights.w_up))
 
 
-def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda", rounds: bool = False) -> StepWeights:
-    """`weights` as the megakernel on `platform` is asked to read them (LITHOS_TILES) in one-token steps, or in
-    verification rounds (`rounds`)."""
+def laid_out(weights: StepWeights, head_dim: int, platform: str | None = "cuda") -> StepWeights:
+    """`weights` as the megakernel on `platform` is asked to read them (LITHOS_TILES)."""
     from lithos.custom_calls.megakernel import tiles_for_megakernel
     from lithos.custom_calls.megakernel.kernel import TILE_GROUPS
 
     names = [name for group in TILE_GROUPS.values() for name in group]
     matrices = {n: getattr(weights, n) for n in names}
-    return weights._replace(**tiles_for_megakernel(matrices, head_dim, platform, rounds))
+    return weights._replace(**tiles_for_megakernel(matrices, head_dim, platform))
 
 
 def same_layout(a: StepWeights, b: StepWeights) -> bool:
@@ -531,10 +530,10 @@ def same_layout(a: StepWeights, b: StepWeights) -> bool:
 
 
 def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
-    """MXFP4 Q/K/V, gate and up laid out in tiles on CUDA by default (O and down stay in rows) take the tiles
-    build; where rows are asked for (LITHOS_TILES=none), elsewhere, or where the tiles do not fit, the weights stay
-    as they are; the interpreter reads both layouts alike; a bad LITHOS_TILES, or a variable it replaced, is an error
-    that names the fix."""
+    """MXFP4 Q/K/V, O, gate and up laid out in tiles on CUDA by default (down's 160 inputs are no whole tiles) take
+    the tiles build; where rows are asked for (LITHOS_TILES=none), elsewhere, or where the tiles do not fit, the
+    weights stay as they are; the interpreter reads both layouts alike; a bad LITHOS_TILES, or a variable it
+    replaced, is an error that names the fix."""
     shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=160)
     weights, *rest = random_step(shape, 2, 40, jnp.float32)
     packed = packed_step_weights(weights, {"attention": "mxfp4", "mlp": "mxfp4"})
@@ -553,10 +552,11 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     assert same_layout(laid_out(packed, hd, None), packed) and same_layout(laid_out(packed, hd, "rocm"), packed)
     default = laid_out(packed, hd)
     assert all(getattr(default, n).format.rotary_head == hd for n in ("wq", "wk", "wv"))
-    assert default.w_gate.format == default.w_up.format == quant.MXFP4_TILES
-    rows = {n: getattr(packed, n) for n in ("wq", "wk", "wv", "w_gate", "w_up")}
+    assert default.w_gate.format == default.w_up.format == default.wo.format == quant.MXFP4_TILES
+    rows = {n: getattr(packed, n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up")}
     assert same_layout(default._replace(**rows), packed)
-    assert weight_formats(default) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, qkv_tiles=True)
+    formats = WeightFormats("mxfp4", "mxfp4", "bfloat16", True, qkv_tiles=True, o_tiles=True)
+    assert weight_formats(default) == formats
     monkeypatch.setenv("LITHOS_TILES", "gate_up")
     tiled = laid_out(packed, hd)
     assert tiled.w_gate.format == tiled.w_up.format == quant.MXFP4_TILES
@@ -584,38 +584,35 @@ def test_gate_up_in_fragment_tiles_is_a_build_of_its_own(monkeypatch):
     assert same_layout(laid_out(small, odd.head_dim), small)
 
 
-def test_the_tiled_groups_follow_the_use(monkeypatch):
-    """One-token steps read Q/K/V, gate and up in tiles and verification rounds every group; a layout made for
-    one use is laid out for the other by the groups that differ (the rest the same arrays), back to the rows'
-    very codes and scales; LITHOS_TILES names the groups for both uses; HIP reads rows, even of tiled weights."""
+def test_tiles_laid_out_again_for_fewer_groups(monkeypatch):
+    """Every MXFP4 group in tiles by default; weights laid out for other groups (LITHOS_TILES) change only the
+    groups that differ (the rest the same arrays), back to the rows' very codes and scales; HIP reads rows, even of
+    tiled weights."""
     from lithos.custom_calls.megakernel.kernel import TILE_GROUPS, tiles_wanted
 
     monkeypatch.delenv("LITHOS_TILES", raising=False)
-    assert tiles_wanted("cuda") == {"qkv", "gate_up"}
-    assert tiles_wanted("cuda", rounds=True) == TILE_GROUPS.keys()
-    assert tiles_wanted("rocm", rounds=True) == tiles_wanted(None, rounds=True) == frozenset()
+    assert tiles_wanted("cuda") == TILE_GROUPS.keys()
+    assert tiles_wanted("rocm") == tiles_wanted(None) == frozenset()
     shape = dataclasses.replace(SHAPES["tiny"], hidden=128, ffn=192)
     packed = packed_step_weights(random_step(shape, 3, 40, jnp.float32)[0], {"attention": "mxfp4", "mlp": "mxfp4"})
     hd = shape.head_dim
-    steps = laid_out(packed, hd)
-    rounds = laid_out(steps, hd, rounds=True)
-    assert weight_formats(rounds) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True, True, True)
-    assert all(getattr(rounds, n) is getattr(steps, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
-    assert weight_formats(laid_out(packed, hd, rounds=True)) == weight_formats(rounds)  # from the rows alike
-    back = laid_out(rounds, hd)
-    assert weight_formats(back) == weight_formats(steps)
-    assert all(getattr(back, n) is getattr(rounds, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
+    every = laid_out(packed, hd)
+    assert weight_formats(every) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, True, True, True)
+    monkeypatch.setenv("LITHOS_TILES", "qkv,gate_up")
+    fewer = laid_out(every, hd)
+    assert weight_formats(fewer) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True, qkv_tiles=True)
+    assert all(getattr(fewer, n) is getattr(every, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
     for name in ("wo", "w_down"):  # from the tiles back to the rows as stored
-        got, stored = getattr(back, name), getattr(packed, name)
+        got, stored = getattr(fewer, name), getattr(packed, name)
         assert got.format == stored.format == quant.MXFP4
         np.testing.assert_array_equal(np.asarray(got.data), np.asarray(stored.data))
         np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(stored.scales))
-    rows = laid_out(rounds, hd, "rocm", rounds=True)
+    assert weight_formats(laid_out(packed, hd)) == weight_formats(fewer)  # from the rows alike
+    monkeypatch.delenv("LITHOS_TILES")
+    assert all(getattr(laid_out(fewer, hd), n) is getattr(fewer, n) for n in ("wq", "wk", "wv", "w_gate", "w_up"))
+    rows = laid_out(every, hd, "rocm")
     assert weight_formats(rows) == WeightFormats("mxfp4", "mxfp4", "bfloat16")
     np.testing.assert_array_equal(np.asarray(rows.wq.data), np.asarray(packed.wq.data))  # rotary rows in order
-    monkeypatch.setenv("LITHOS_TILES", "gate_up")
-    assert tiles_wanted("cuda") == tiles_wanted("cuda", rounds=True) == {"gate_up"}
-    assert weight_formats(laid_out(rounds, hd, rounds=True)) == WeightFormats("mxfp4", "mxfp4", "bfloat16", True)
 
 
 @pytest.mark.parametrize("asked", ["gate_up,down", "down", "o", "qkv", "qkv,o,gate_up,down"])
@@ -777,12 +774,11 @@ def test_megakernel_generation_equals_reference(hf_checkpoint):
     assert spec.token_ids == expected
 
 
-def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
-    """MXFP4 weights laid out as the megakernel on CUDA reads them (the interpreter runs them here): a model's
-    one-token steps read O and down in rows, its speculative programs every group in tiles (`round_params`, laid
-    out on first use, sharing the groups laid out alike); both decode the reference path's tokens. The model keeps
-    its checkpoint as laid out (no second copy of the tiled matrices' rows), and a fused model made from it reads
-    them in rows again."""
+def test_one_layout_for_steps_and_rounds(hf_checkpoint, monkeypatch):
+    """MXFP4 weights laid out as the megakernel on CUDA reads them (the interpreter runs them here): one-token
+    steps and speculative programs read the same params, every group in tiles, and both decode the reference path's
+    tokens. The model keeps its checkpoint as laid out (no second copy of the tiled matrices' rows), and a fused
+    model made from it reads them in rows again."""
     import lithos.spec.engine as spec_engine
     from lithos.custom_calls.megakernel import kernel as mk
     from lithos.engine import Model
@@ -791,21 +787,15 @@ def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
     params = quant.quantize_params(checkpoint.params, "mxfp4", ["attention", "mlp"])
     checkpoint = dataclasses.replace(checkpoint, params=params)
     ref = Model(checkpoint, max_len=128)
-    assert ref.round_params is ref.params
     monkeypatch.delenv("LITHOS_TILES", raising=False)
     with monkeypatch.context() as cuda:
         cuda.setattr(mk, "_gpu_platform", lambda: "cuda")
         mega = Model(checkpoint, max_len=128, kernels="megakernel")
-        rounds = mega.round_params
         fused = Model(mega.checkpoint, max_len=128, kernels="fused")
-    assert mega.checkpoint.params is mega.params and mega.params.layers.w_gate.format == quant.MXFP4_TILES
-    assert all(getattr(fused.params.layers, n).format == quant.MXFP4 for n in ("wq", "wk", "wv", "w_gate", "w_up"))
-    steps = mega.params.layers
-    assert steps.wo.format == quant.MXFP4 and rounds.layers.wo.format == quant.MXFP4_TILES
-    # the same arrays for the rest: down's 96 inputs are no whole tiles of 64, so its rows in both
-    shared = ("wq", "wk", "wv", "w_gate", "w_up", "w_down")
-    assert all(getattr(rounds.layers, n) is getattr(steps, n) for n in shared)
-    assert mega.round_params is rounds
+    assert mega.checkpoint.params is mega.params
+    # down's 96 inputs are no whole tiles of 64: its rows
+    assert all(getattr(mega.params.layers, n).format == quant.MXFP4_TILES for n in ("wo", "w_gate", "w_up"))
+    assert all(getattr(fused.params.layers, n).format == quant.MXFP4 for n in ("wq", "wk", "wv", "wo", "w_gate"))
     read = []
     chunk = spec_engine.spec_chunk
     monkeypatch.setattr(
@@ -817,7 +807,7 @@ def test_speculative_programs_read_the_round_layout(hf_checkpoint, monkeypatch):
     assert fused.generate(prompt, raw=True, max_new_tokens=16).token_ids == expected
     assert not read
     assert mega.generate(prompt, raw=True, max_new_tokens=16, spec="ngram", draft_tokens=3).token_ids == expected
-    assert read and all(params is rounds for params in read)
+    assert read and all(params is mega.params for params in read)
 
 
 def test_fixed_length_chunks_stop_where_the_reference_stops(hf_checkpoint, monkeypatch):

@@ -14,6 +14,9 @@
 # benchmarks/device_runs/ring-default.patch` (the ring on by default; one layout, every group tiled, for steps and
 # rounds, so Model.round_params goes; the old build kept as the variant LITHOS_MK_TILE_RING=0), then write run 143's
 # figures where its tiles_wanted docstring says RUN143.
+# Ran 2026-12-07 (forty-eighth session, one H100): `all` on the tree before the patch, which then went in; `trace`
+# and `gate_up` on the patched tree (there the default build is the ring build; benchmarks/results/logs/
+# 2026-12-07-h100-run143.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-all}

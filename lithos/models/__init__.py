@@ -38,12 +38,11 @@ def family_of(cfg) -> ModuleType:
     return family_for_architecture(cfg.architecture)
 
 
-def params_for_kernels(params, cfg, kernels: str, rounds: bool = False):
-    """`params` laid out as the kernel path `kernels` is set to read them in one-token steps, or in speculative
-    verification's rounds of k + 1 positions (`rounds`) (the family's `params_for_kernels`; the same params where a
-    family has none): the same values."""
+def params_for_kernels(params, cfg, kernels: str):
+    """`params` laid out as the kernel path `kernels` is set to read them (the family's `params_for_kernels`; the
+    same params where a family has none): the same values."""
     prepare = getattr(family_of(cfg), "params_for_kernels", None)
-    return params if prepare is None else prepare(params, cfg, kernels, rounds)
+    return params if prepare is None else prepare(params, cfg, kernels)
 
 
 def init_model_cache(cfg, batch: int, max_len: int, dtype, step_tokens: int = 1) -> KVCache:

@@ -439,14 +439,13 @@ def kernel_gaps(cfg, kernels: str) -> list[str]:
     return missing
 
 
-def params_for_kernels(params: Params, cfg: Config, kernels: str, rounds: bool = False) -> Params:
+def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
     """`params` laid out as `kernels` is set to read them: for the megakernel, groups of mixed K-quants in K_MIX
     (lithos.custom_calls.megakernel.one_format_a_group) and the MXFP4 matrix groups it is asked to read in fragment
-    tiles on CUDA (tiles_for_megakernel: Q/K/V, gate and up by default for one-token steps, every group for
-    speculative verification's rounds of k + 1 positions, `rounds`); for the fused path, MXFP4 in rows
+    tiles on CUDA (tiles_for_megakernel: every group by default); for the fused path, MXFP4 in rows
     (`in_rows`: a megakernel model's tiles back in them) and `qkv_in_one_format`. The values are the same; the
-    reference path reads any layout. `params` may be laid out already (for another use or path): the matrices
-    laid out alike are the same arrays."""
+    reference path reads any layout. `params` may be laid out already (for another path): the matrices laid out
+    alike are the same arrays."""
     if kernels not in ("fused", "megakernel"):
         return params
     from lithos.custom_calls.megakernel import in_rows, one_format_a_group, tiles_for_megakernel
@@ -456,7 +455,7 @@ def params_for_kernels(params: Params, cfg: Config, kernels: str, rounds: bool =
     matrices = {name: getattr(layers, name) for name in (*ATTENTION_WEIGHTS, *MLP_WEIGHTS) if hasattr(layers, name)}
     if kernels == "fused":
         return qkv_in_one_format(with_layers(params, in_rows(matrices)))
-    return with_layers(params, tiles_for_megakernel(one_format_a_group(matrices), cfg.head_dim, rounds=rounds))
+    return with_layers(params, tiles_for_megakernel(one_format_a_group(matrices), cfg.head_dim))
 
 
 def with_layers(params, laid_out: dict):

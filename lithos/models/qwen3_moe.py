@@ -480,9 +480,9 @@ lm_logits = llama.lm_logits
 cache_window = llama.cache_window  # every layer attends within cfg.sliding_window, if set
 
 
-def params_for_kernels(params: Params, cfg: Config, kernels: str, rounds: bool = False) -> Params:
-    """`params` as `kernels` reads them, for one-token steps and verification rounds (`rounds`) alike: the fused
-    path's attention reads Q/K/V as llama's does (`llama.qkv_in_one_format`); nothing else is laid out."""
+def params_for_kernels(params: Params, cfg: Config, kernels: str) -> Params:
+    """`params` as `kernels` reads them: the fused path's attention reads Q/K/V as llama's does
+    (`llama.qkv_in_one_format`); nothing else is laid out."""
     return llama.qkv_in_one_format(params) if kernels == "fused" else params
 
 

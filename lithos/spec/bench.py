@@ -307,12 +307,8 @@ def bench_rounds(
     rows = []
     wbytes = bench.weight_bytes_read(params, cfg)
     timed = (args.steps, args.runs, args.loops)  # rounds per loop, timed runs, loops per run
-    # Each path's weights as it reads them, laid out once as the engine does: for its one-token steps (the plain
-    # step beside the rounds) and for its verification rounds (Model.round_params).
+    # Each path's weights as it reads them, laid out once as the engine does.
     laid_out_for = {kernels: params_for_kernels(params, cfg, kernels) for kernels in kernel_paths}
-    rounds_for = {
-        kernels: params_for_kernels(laid_out, cfg, kernels, rounds=True) for kernels, laid_out in laid_out_for.items()
-    }
     for context in contexts:
         for kernels in kernel_paths:
             laid_out = laid_out_for[kernels]
@@ -322,7 +318,7 @@ def bench_rounds(
             floor_ms = (wbytes + bench.kv_bytes_read(cfg, context, params.embed.dtype.itemsize)) / bandwidth * 1e3
             for label, speculator in speculators:
                 k = speculator.draft_tokens
-                per_round, seen = time_rounds(rounds_for[kernels], cfg, speculator, context, kernels, *timed)
+                per_round, seen = time_rounds(laid_out, cfg, speculator, context, kernels, *timed)
                 round_ms = statistics.median(per_round)
                 measured = acceptance.get((label, k)) if acceptance else None
                 measured_tpr = measured["tokens_per_round"] if measured else seen["tokens_per_round"]
@@ -333,9 +329,8 @@ def bench_rounds(
                         "model": name,
                         "weights": "random" if random_weights else "checkpoint",
                         "dtype": str(params.embed.dtype),
-                        # What the rounds read, and the plain step (mxfp4_tiles: in the megakernel's tiles).
-                        "weight_formats": bytes_by_format(rounds_for[kernels]),
-                        "plain_step_weight_formats": bytes_by_format(laid_out),
+                        # What the rounds and the plain step read (mxfp4_tiles: in the megakernel's tiles).
+                        "weight_formats": bytes_by_format(laid_out),
                         "drafter": label,
                         "drafter_detail": speculator.describe(),
                         "draft_tokens": k,

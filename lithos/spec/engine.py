@@ -173,7 +173,7 @@ class SpecProgram:
         # A ring cache (windowed models) must hold a round's k + 1 writes besides the window.
         cache = init_cache(*dims, model.kv_cache_dtype, window=model.cache_window, step_tokens=s.draft_tokens + 1)
         return spec_prefill(
-            model.round_params,
+            model.params,
             s.draft_params,
             jnp.asarray(tokens),
             jnp.asarray(lengths),
@@ -191,7 +191,7 @@ class SpecProgram:
     def _decode_chunk(self, state: SpecState, greedy: bool) -> tuple[SpecState, jax.Array]:
         model, s = self.model, self.speculator
         return spec_chunk(
-            model.round_params,
+            model.params,
             s.draft_params,
             state,
             cfg=model.cfg,

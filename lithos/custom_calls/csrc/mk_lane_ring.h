@@ -78,9 +78,10 @@ constexpr int kRingInputBytes = LITHOS_MK_RING_INPUT_KB * 1024;
 #else
 constexpr int kRingInputBytes = (kRingSideWidest > 4 ? 56 : 64) * 1024;
 #endif
-// The tiled single-matrix tasks' chunks through the stages (mk_tiles.h, RingTilePipeline): a build variant.
+// The tiled single-matrix tasks' chunks through the stages (mk_tiles.h, RingTilePipeline), three steps ahead; 0 keeps
+// one step in registers (NOTES.md, "Run 143 measured").
 #ifndef LITHOS_MK_TILE_RING
-#define LITHOS_MK_TILE_RING 0
+#define LITHOS_MK_TILE_RING 1
 #endif
 // The dynamic shared memory that takes: the staged inputs, the stages, then (one token in a build with packed
 // weights the ring reads; every bucket where the tiles' chunks take the stages) the side stages; none in a build

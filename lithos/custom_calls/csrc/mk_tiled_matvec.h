@@ -340,11 +340,12 @@ struct QkvTiles {
   }
 };
 
-// In a ring build (LITHOS_MK_TILE_RING=1), the one-token Q/K/V tiles through registers all the same where the build
-// asks (LITHOS_KERNEL_DEFINES="LITHOS_MK_QKV_RING=0"; NOTES.md, "The one-token Q/K/V tiles kept in registers in a ring
-// build"): a build variant.
+// The one-token Q/K/V tiles through registers, a step in flight, where the other tiled tasks take the ring
+// (LITHOS_MK_TILE_RING): its few steps a warp gain less from three in flight than its copies cost the attention after
+// it (run 143: the 8B MXFP4 step 2.756-2.764 -> 2.708-2.709 ms; NOTES.md, "Run 143 measured"). 1 takes them through
+// the ring too (a build variant).
 #ifndef LITHOS_MK_QKV_RING
-#define LITHOS_MK_QKV_RING 1
+#define LITHOS_MK_QKV_RING 0
 #endif
 template <int TMAX, class Kind, int D, int R>
 using TiledPipelineFor = std::conditional_t<TMAX == 1 && !LITHOS_MK_QKV_RING && std::is_same_v<Kind, QkvTiles>,

@@ -50,10 +50,7 @@ TILE_UNITS = TILE_ROWS // 2  # 2-output gate/up row groups in one pair of fragme
 # The matrix groups the megakernel may read in MXFP4 fragment tiles (LITHOS_TILES), and their matrices; Q/K/V in
 # rotary tiles (lithos.quant.tiles), whose lanes hold both halves of a rotation.
 TILE_GROUPS = {"qkv": QKV_WEIGHTS, "o": ("wo",), "gate_up": GATE_UP_WEIGHTS, "down": ("w_down",)}
-# Which groups, by use (tiles_wanted): plain decoding's one-token steps, and speculative verification's rounds of
-# k + 1 positions.
-DEFAULT_TILES = "qkv,gate_up"
-ROUND_TILES = "qkv,o,gate_up,down"
+DEFAULT_TILES = "qkv,o,gate_up,down"  # the groups tiled unless LITHOS_TILES says otherwise (tiles_wanted)
 
 
 class WeightFormats(NamedTuple):
@@ -155,23 +152,23 @@ def weight_formats(weights: StepWeights) -> WeightFormats:
     )
 
 
-def tiles_wanted(platform: str | None, rounds: bool = False) -> frozenset[str]:
+def tiles_wanted(platform: str | None) -> frozenset[str]:
     """The matrix groups (TILE_GROUPS) the megakernel reads in MXFP4 fragment tiles: those LITHOS_TILES names (a
-    comma list; "none" for rows throughout), by default Q/K/V, gate and up for one-token steps and every group
-    for speculative verification's rounds (`rounds`). Gate and up tiled made the H200's 8B step 5% faster than
-    their rows and an 8-position verification round 18% (runs 108-109), and Q/K/V too 7% faster again on an H100
-    (2.813-2.818 ms against 3.032-3.034, run 133), where O and down in tiles cost the one-token step time (runs
-    119-133: 2.98 ms with every group); at 8 and 16 positions O and down in tiles take 31% off the 8B k = 7 round
-    and 28% off the 1B k = 15 round (run 136; lithos/custom_calls/NOTES.md, "Which groups pay in tiles", "O and
-    down in tiles for the verification rounds"). Only on CUDA: the tiled tasks run on tensor cores, and HIP reads
-    rows."""
+    comma list; "none" for rows throughout), by default every group, for one-token steps and speculative
+    verification's rounds of k + 1 positions alike. Gate and up tiled made the H200's 8B step 5% faster than their
+    rows and an 8-position verification round 18% (runs 108-109), Q/K/V 7% faster again on an H100 (run 133); O and
+    down in tiles take 31% off the 8B k = 7 round and 28% off the 1B k = 15 round (run 136), and since their chunks
+    go through the lane ring three steps ahead, the one-token steps too: on an H100 the 8B MXFP4 step 2.767 -> 2.708
+    ms and the 1B 0.921 -> 0.874 against Q/K/V + gate/up tiled through registers (run 143; lithos/custom_calls/
+    NOTES.md, "Which groups pay in tiles", "Run 142 measured", "Run 143 measured"). Only on CUDA: the tiled tasks
+    run on tensor cores, and HIP reads rows."""
     for old in ("LITHOS_GATE_UP_TILES", "LITHOS_DOWN_TILES"):
         if old in os.environ:
             raise LithosError(
                 f"{old} is replaced by LITHOS_TILES, a comma list of {', '.join(TILE_GROUPS)} (or none): e.g. "
                 "LITHOS_TILES=gate_up,down; unset it"
             )
-    asked = os.environ.get("LITHOS_TILES", ROUND_TILES if rounds else DEFAULT_TILES).strip()
+    asked = os.environ.get("LITHOS_TILES", DEFAULT_TILES).strip()
     groups = frozenset() if asked in ("", "none") else frozenset(g.strip() for g in asked.split(","))
     if not groups <= TILE_GROUPS.keys():
         raise LithosError(
@@ -204,15 +201,15 @@ def one_format_a_group(matrices: dict) -> dict:
     return out
 
 
-def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None, rounds: bool = False) -> dict:
+def tiles_for_megakernel(matrices: dict, head_dim: int, platform: str | None = None) -> dict:
     """The layer matrices `matrices` (a dict of TILE_GROUPS' names: `[layers, out, in]`, in rows or in tiles) as
-    this GPU's megakernel is asked to read them for one-token steps, or for verification rounds (`rounds`): each
-    group `tiles_wanted` names whose matrices are all MXFP4 in fragment tiles (Q/K/V in rotary tiles of heads of
-    `head_dim`), each other group in rows; unchanged where the tiles do not fit (a shape, or a scale above 2^65,
-    that the tiled tasks do not take), and the same arrays where a group is laid out as asked already, so that
-    params laid out for one use are laid out for the other at the cost of the groups that differ."""
+    this GPU's megakernel is asked to read them: each group `tiles_wanted` names whose matrices are all MXFP4 in
+    fragment tiles (Q/K/V in rotary tiles of heads of `head_dim`), each other group in rows; unchanged where the
+    tiles do not fit (a shape, or a scale above 2^65, that the tiled tasks do not take), and the same arrays where
+    a group is laid out as asked already, so that params laid out for other groups are laid out again at the cost
+    of the groups that differ."""
     platform = _gpu_platform() if platform is None else platform
-    wanted = tiles_wanted(platform, rounds)
+    wanted = tiles_wanted(platform)
     out = in_rows(matrices, [group for group in TILE_GROUPS if group not in wanted])
     for group in wanted:
         names = TILE_GROUPS[group]

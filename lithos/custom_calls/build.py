@@ -426,9 +426,6 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     # The tiled single-matrix tasks' chunks in registers, a step in flight, rather than through the lane ring's
     # stages (NOTES.md, "Run 143 measured"), in the MXFP4 build with every group tiled, where they run.
     f"LITHOS_MK_TILE_RING=0 {_MXFP4_ALL_TILES}": ("megakernel",),
-    # The one-token gate/up tiles through the ring too, 2 pairs a step (NOTES.md, "The one-token gate/up tiles through
-    # the ring too").
-    f"LITHOS_MK_GATE_UP_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
     # The one-token Q/K/V tiles through the ring as well, rather than registers (NOTES.md, "Run 143 measured").
     f"LITHOS_MK_QKV_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
 }

@@ -34,12 +34,8 @@ constexpr bool kTileMmaFor = LITHOS_MK_TILE_MMA && TMAX == 1 && kRingSmemBytes<T
 // 2-16 tokens on tensor cores too, where B fits the ring's memory (checked as the task starts).
 template <int TMAX>
 constexpr bool kTileMmaTokensFor = LITHOS_MK_TILE_MMA && TMAX > 1 && kRingSmemBytes<TMAX> > 0;
-// The one-token task's tile pairs through the lane ring's stages rather than registers where the build asks for it
-// (LITHOS_MK_GATE_UP_RING, mk_tiles.h): 2 pairs a step, as a stage holds 4 chunks a thread.
 template <int TMAX>
-constexpr bool kGateUpRingFor = LITHOS_MK_GATE_UP_RING && kTileMmaFor<TMAX>;
-template <int TMAX>
-constexpr int kTilePairs = kGateUpRingFor<TMAX> ? kRowsPerWarp / 2 : (kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1);
+constexpr int kTilePairs = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_PAIRS : 1;
 template <int TMAX>
 constexpr int kTileDepth = kTileMmaFor<TMAX> ? LITHOS_MK_TILE_DEPTH : 2;
 
@@ -128,20 +124,7 @@ struct GateUpMatrices {
   __device__ __forceinline__ TileChunk load(int m, int tile, int kt) const {
     return (m == 0 ? gate : up).load(tile, kt);
   }
-  __device__ __forceinline__ TileSource::Where where(int m, int tile, int kt) const {
-    return (m == 0 ? gate : up).where(tile, kt);
-  }
 };
-
-// The one-token task's pipeline: the ring's where the build asks for it, registers otherwise.
-#if LITHOS_MK_GATE_UP_RING && LITHOS_MK_TILE_MMA
-template <int TMAX, int D, int R>
-using GateUpPipelineOf = std::conditional_t<kGateUpRingFor<TMAX>, RingTilePipeline<R, GateUpMatrices>,
-                                            TilePipeline<D, R, GateUpMatrices>>;
-#else
-template <int TMAX, int D, int R>
-using GateUpPipelineOf = TilePipeline<D, R, GateUpMatrices>;
-#endif
 
 // A team member's steps: in round r, tile `first + min(r * slots + slot, tiles - 1)` (a surplus member redoes the
 // last, unused), k tiles kt0 + s * kTileHalves + half for s < span.
@@ -238,7 +221,7 @@ __device__ bool gate_up_tiles_task(const Args& a, const Task& task, int index) {
   const int first_tile = task.first / kTileUnits, tiles = task.count / kTileUnits;
   const int k_tiles = a.hidden / kTileInputs;
   constexpr int D = kTileDepth<TMAX>, R = kTilePairs<TMAX>;
-  GateUpPipelineOf<TMAX, D, R> pipe;
+  TilePipeline<D, R, GateUpMatrices> pipe;
   pipe.matrices = GateUpMatrices::of(a, layer, lane32);
   const TokenRows in{after_attention(a), a.mlp_norm + static_cast<size_t>(layer) * a.hidden, a.tokens, a.hidden};
 

@@ -243,18 +243,14 @@ struct TilePipeline {
   }
 };
 
-// The tiled tasks' pipeline with its slots in the lane ring's stages rather than registers (the single-matrix tasks'
-// by default, LITHOS_MK_TILE_RING, but the one-token Q/K/V's, LITHOS_MK_QKV_RING; "LITHOS_MK_GATE_UP_RING=1" for the
-// one-token gate/up; NOTES.md, "The tiled loops' chunks through the lane ring"): a step's chunks are copied into this
-// thread's slots of one stage
+// The tiled single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers (by default,
+// LITHOS_MK_TILE_RING, but for the one-token Q/K/V, LITHOS_MK_QKV_RING; NOTES.md, "The tiled loops' chunks through the
+// lane ring"): a step's chunks are copied into this thread's slots of one stage
 // asynchronously (cp.async, no register held while they fly), kRingStages - 1 steps ahead, and read back just before
 // the step's mma, so they live in registers for the step alone. A thread reads only what it copied:
 // cp.async.wait_group orders it, as in the lane ring's row tasks. `Matrices` gives where(m, tile, kt)
 // (TileSource::Where). A step's tiles past the walk's count are not copied and read stale: the bodies skip them.
-#ifndef LITHOS_MK_GATE_UP_RING  // a build variant (NOTES.md, "The one-token gate/up tiles through the ring too")
-#define LITHOS_MK_GATE_UP_RING 0
-#endif
-#if (LITHOS_MK_TILE_RING || LITHOS_MK_GATE_UP_RING) && LITHOS_MK_TILE_MMA
+#if LITHOS_MK_TILE_RING && LITHOS_MK_TILE_MMA
 template <int R, class Matrices>
 struct RingTilePipeline {
   static constexpr int M = Matrices::kCount, S = kRingStages;

@@ -21,8 +21,8 @@
 #                           each within ROUND_LIMIT seconds (default 60 for 8B, 45 for 1B)
 #   build_variant NAME [LAYOUTS...]
 #                           build_variants.py with NAME's defines (the script's `defines` array; "": none) into
-#                           $work/build[-NAME].log: the bf16 build and the MXFP4 default layouts (Q/K/V + gate/up
-#                           tiled for steps, every group for rounds: what `lithos bench --spec` reads) and LAYOUTS,
+#                           $work/build[-NAME].log: the bf16 build, the MXFP4 default layout (every group tiled, for
+#                           steps and rounds since run 143), the one before it (Q/K/V + gate/up) and LAYOUTS,
 #                           every token bucket's library, or those of BUILD_TOKENS (e.g. 1: one-token steps alone)
 #   build_all [NAMES...]    build_variant for the default build and each of NAMES at once, then the builds' errors
 #   run_tests NAME TIMEOUT PYTEST_ARGS...

@@ -387,8 +387,8 @@ def bucket_variant(variant: Variant, tokens: int) -> Variant:
 
 
 def bucket_toolchains(kernel: str, tc: Toolchain) -> list[Toolchain]:
-    """The toolchains of the libraries a GPU loads for `kernel`: one a token bucket for BUCKETED_KERNELS (their
-    compile check, a single library), else `tc`."""
+    """The toolchains of the libraries a GPU loads for `kernel`: one a token bucket for BUCKETED_KERNELS, else `tc`
+    (and `tc` for a compile check, which builds each source as one library)."""
     if kernel not in BUCKETED_KERNELS or tc.opt_level != 3:
         return [tc]
     return [bucket_variant(PLAIN, bucket).toolchain(tc) for bucket in TOKEN_BUCKETS]

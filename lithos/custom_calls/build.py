@@ -428,6 +428,9 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, ...]] = {
     f"LITHOS_MK_TILE_RING=0 {_MXFP4_ALL_TILES}": ("megakernel",),
     # The one-token Q/K/V tiles through the ring as well, rather than registers (NOTES.md, "Run 143 measured").
     f"LITHOS_MK_QKV_RING=1 {_MXFP4_ALL_TILES}": ("megakernel",),
+    # The one-token O projection's chunks asked for after its wait (NOTES.md, "The one-token O projection's chunks
+    # after its wait").
+    f"LITHOS_MK_O_LATE_FILL=1 {_MXFP4_ALL_TILES}": ("megakernel",),
 }
 
 _registered: set[tuple[str, str, Variant]] = set()

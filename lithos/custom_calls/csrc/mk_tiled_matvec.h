@@ -352,6 +352,14 @@ using TiledPipelineFor = std::conditional_t<TMAX == 1 && !LITHOS_MK_QKV_RING && 
                                             TilePipeline<D, R, typename Kind::Matrix>,
                                             TilePipelineOf<TMAX, D, R, typename Kind::Matrix>>;
 
+// At one token, the O projection's first chunks asked for after its wait rather than before it, where the build asks
+// (LITHOS_KERNEL_DEFINES="LITHOS_MK_O_LATE_FILL=1"; NOTES.md, "The one-token O projection's chunks after its wait"):
+// before it, three steps of every block's O tiles (70% of O's bytes on 8B) queue in front of the attention's
+// combine, which that wait is for. A build variant.
+#ifndef LITHOS_MK_O_LATE_FILL
+#define LITHOS_MK_O_LATE_FILL 0
+#endif
+
 // The task: Kind is ProjectionTiles or QkvTiles.
 template <int TMAX, class Kind>
 __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
@@ -371,11 +379,13 @@ __device__ bool tiled_matvec_task(const Args& a, const Task& task, int index) {
   FlatWalk<R> walk{first_tile, tiles, q0 / k_tiles, q0 % k_tiles, k_tiles};
   TiledPipelineFor<TMAX, Kind, D, R> pipe;
   pipe.matrices = kind.matrix(lane32);
-  pipe.fill(steps, walk);
+  const bool late_fill = LITHOS_MK_O_LATE_FILL && TMAX == 1 && task.op == kOpOProj;
+  if (!late_fill) pipe.fill(steps, walk);
   if (!block_wait(a, task, index)) {
     pipe.drain();
     return false;
   }
+  if (late_fill) pipe.fill(steps, walk);
   int group = q0 / k_tiles, kt = q0 % k_tiles;
   // B of the first step asked for after the wait (the activations are this layer's), each next one as a step starts.
   Operand operand = kind.template operand<TMAX>(g, t);

@@ -158,10 +158,10 @@ def tiles_wanted(platform: str | None) -> frozenset[str]:
     verification's rounds of k + 1 positions alike. Gate and up tiled made the H200's 8B step 5% faster than their
     rows and an 8-position verification round 18% (runs 108-109), Q/K/V 7% faster again on an H100 (run 133); O and
     down in tiles take 31% off the 8B k = 7 round and 28% off the 1B k = 15 round (run 136), and since their chunks
-    go through the lane ring three steps ahead, the one-token steps too: on an H100 the 8B MXFP4 step 2.767 -> 2.708
-    ms and the 1B 0.921 -> 0.874 against Q/K/V + gate/up tiled through registers (run 143; lithos/custom_calls/
-    NOTES.md, "Which groups pay in tiles", "Run 142 measured", "Run 143 measured"). Only on CUDA: the tiled tasks
-    run on tensor cores, and HIP reads rows."""
+    go through the lane ring three steps ahead, the one-token steps too: on an H100, over run 143's calls, the 8B
+    MXFP4 step 2.767 -> 2.708 ms and the 1B 0.921 -> 0.874 against Q/K/V + gate/up tiled through registers
+    (lithos/custom_calls/NOTES.md, "Which groups pay in tiles", "Run 142 measured", "Run 143 measured"). Only on
+    CUDA: the tiled tasks run on tensor cores, and HIP reads rows."""
     for old in ("LITHOS_GATE_UP_TILES", "LITHOS_DOWN_TILES"):
         if old in os.environ:
             raise LithosError(

@@ -245,11 +245,11 @@ struct TilePipeline {
 
 // The tiled single-matrix tasks' pipeline with its slots in the lane ring's stages rather than registers (by default,
 // LITHOS_MK_TILE_RING, but for the one-token Q/K/V, LITHOS_MK_QKV_RING; NOTES.md, "The tiled loops' chunks through the
-// lane ring"): a step's chunks are copied into this thread's slots of one stage
-// asynchronously (cp.async, no register held while they fly), kRingStages - 1 steps ahead, and read back just before
-// the step's mma, so they live in registers for the step alone. A thread reads only what it copied:
-// cp.async.wait_group orders it, as in the lane ring's row tasks. `Matrices` gives where(m, tile, kt)
-// (TileSource::Where). A step's tiles past the walk's count are not copied and read stale: the bodies skip them.
+// lane ring"): a step's chunks are copied into this thread's slots of one stage asynchronously (cp.async, no register
+// held while they fly), kRingStages - 1 steps ahead, and read back just before the step's mma, so they live in
+// registers for the step alone. A thread reads only what it copied: cp.async.wait_group orders it, as in the lane
+// ring's row tasks. `Matrices` gives where(m, tile, kt) (TileSource::Where). A step's tiles past the walk's count are
+// not copied and read stale: the bodies skip them.
 #if LITHOS_MK_TILE_RING && LITHOS_MK_TILE_MMA
 template <int R, class Matrices>
 struct RingTilePipeline {
